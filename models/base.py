@@ -1,0 +1,196 @@
+"""The interface every model family implements: the embed / blocks / head split that GAP needs,
+text encoding, latent packing and VAE decode. Adapters know architectures, never ranks."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class Conditioning:
+    """Per-sample text conditioning. Every tensor is batch-first, so a batch can be sliced by sample
+    and samples from different batches concatenated (sequence dims are right-padded with zeros,
+    which is also 'masked' for mask tensors)."""
+
+    tensors: dict[str, Tensor]
+
+    def __len__(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    def select(self, index: Tensor | list[int] | slice) -> "Conditioning":
+        return Conditioning({k: v[index] for k, v in self.tensors.items()})
+
+    def to(self, device=None, dtype=None) -> "Conditioning":
+        out = {}
+        for k, v in self.tensors.items():
+            # Only floating tensors change dtype: ids, masks and complex tables keep theirs.
+            cast = dtype if (dtype is not None and v.is_floating_point()) else None
+            out[k] = v.to(device=device, dtype=cast)
+        return Conditioning(out)
+
+    @staticmethod
+    def cat(items: list["Conditioning"]) -> "Conditioning":
+        keys = items[0].tensors.keys()
+        out = {}
+        for k in keys:
+            parts = [c.tensors[k] for c in items]
+            if parts[0].dim() >= 2 and len({p.shape[1] for p in parts}) > 1:
+                length = max(p.shape[1] for p in parts)
+                parts = [_pad_dim1(p, length) for p in parts]
+            out[k] = torch.cat(parts, dim=0)
+        return Conditioning(out)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {f"cond.{k}": v.contiguous() for k, v in self.tensors.items()}
+
+    @staticmethod
+    def from_state_dict(flat: dict[str, Tensor]) -> "Conditioning":
+        return Conditioning({k[len("cond."):]: v for k, v in flat.items() if k.startswith("cond.")})
+
+
+def _pad_dim1(t: Tensor, length: int) -> Tensor:
+    pad = torch.zeros((t.shape[0], length - t.shape[1], *t.shape[2:]), dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], dim=1)
+
+
+@dataclass
+class State:
+    """What flows through the DiT between embed and head.
+
+    `acts` are the activations that change block by block and cross a pipeline-stage boundary
+    (image stream, text stream) plus temb, which every block reads and which is differentiable.
+    `side` are read-only inputs that depend only on shapes and conditioning (rotary tables, masks,
+    the latent shape): each stage recomputes them with `DiTAdapter.side_inputs` instead of receiving them.
+    """
+
+    acts: dict[str, Tensor]
+    side: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SamplingDefaults:
+    """A family's defaults, taken from its diffusers pipeline and ALGORITHMS.md."""
+
+    height: int
+    width: int
+    num_steps: int
+    shift: str  # "dynamic" (FLUX, Qwen-Image: mu from the image sequence length) or "static"
+    noise_level: float  # Flow-GRPO's `a` for the sde sampler
+    guidance: float | None  # guidance-embedding scale (FLUX, HunyuanVideo), None where absent
+    cfg_scale: float  # classifier-free guidance scale; 1.0 = no unconditional branch
+    dance_eta: float = 0.3
+    dance_shift: float = 3.0
+    num_frames: int | None = None  # video families only
+
+
+class DiTAdapter:
+    """One diffusion transformer family, split for GAP (DESIGN.md section 7).
+
+    velocity(x) == head(run_block(n-1, ... run_block(0, embed(x)))) exactly, and equals the
+    diffusers model's own forward. Latents are in the unpacked VAE-latent layout: [B, C, H, W]
+    for images, [B, C, F, H, W] for video. sigma is in [0, 1] (1 = noise) for every family; the
+    adapter converts it to the model's own timestep convention.
+    """
+
+    family: ClassVar[str]
+    pipeline_class: ClassVar[type]
+    # Components a diffusers folder of this family must have (subfolder names in model_index.json).
+    required_components: ClassVar[tuple[str, ...]]
+    defaults: ClassVar[SamplingDefaults]
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.transformer: nn.Module = pipe.transformer
+        self.blocks: list[nn.Module] = self._block_list()
+
+    # ----- construction -------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> "DiTAdapter":
+        check_model_folder(path, cls.required_components, cls.family)
+        pipe = cls.pipeline_class.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
+        return cls(pipe)
+
+    @classmethod
+    def tiny(cls, seed: int = 0) -> "DiTAdapter":
+        """A randomly initialised model of this family small enough for CPU tests, built offline."""
+        raise NotImplementedError
+
+    def save_pretrained(self, path: str) -> None:
+        self.pipe.save_pretrained(path)
+
+    def to(self, device=None, dtype=None) -> "DiTAdapter":
+        self.pipe.to(device=device, dtype=dtype)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    # ----- shapes ---------------------------------------------------------------------------
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        """Unpacked latent shape of one sample; ValueError if the size does not fit the packing."""
+        raise NotImplementedError
+
+    def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
+        """Number of image tokens the transformer sees (drives FLUX/Qwen's dynamic shift)."""
+        raise NotImplementedError
+
+    # ----- text -----------------------------------------------------------------------------
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        raise NotImplementedError
+
+    # ----- the split ------------------------------------------------------------------------
+    def _block_list(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def side_inputs(self, latent_shape: tuple[int, ...], cond: Conditioning) -> dict[str, Any]:
+        """Read-only inputs that depend only on shapes and conditioning (rotary tables, masks)."""
+        raise NotImplementedError
+
+    def embed(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance: float | None = None) -> State:
+        raise NotImplementedError
+
+    def run_block(self, i: int, state: State) -> State:
+        raise NotImplementedError
+
+    def head(self, state: State) -> Tensor:
+        """Velocity in the unpacked latent layout, same dtype as the model."""
+        raise NotImplementedError
+
+    def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance: float | None = None) -> Tensor:
+        state = self.embed(latents, sigma, cond, guidance)
+        for i in range(len(self.blocks)):
+            state = self.run_block(i, state)
+        return self.head(state)
+
+    def reference_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance: float | None = None) -> Tensor:
+        """The same velocity through the diffusers model's own forward (the reference for tests)."""
+        raise NotImplementedError
+
+    # ----- pixels ---------------------------------------------------------------------------
+    def decode(self, latents: Tensor) -> Tensor:
+        """Images in [0, 1], float32: [B, 3, H, W] (video: [B, 3, F, H, W])."""
+        raise NotImplementedError
+
+
+def check_model_folder(path: str, required: tuple[str, ...], family: str) -> None:
+    """Fail with a message naming what is missing before diffusers raises from deep inside."""
+    if not os.path.isdir(path):
+        raise ValueError(f"--model-path {path!r} is not a directory (expected a diffusers folder for {family!r})")
+    index = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index):
+        raise ValueError(f"{path!r} has no model_index.json: not a diffusers pipeline folder for {family!r}")
+    with open(index) as f:
+        listed = json.load(f)
+    missing = [c for c in required if c not in listed or not os.path.isdir(os.path.join(path, c))]
+    if missing:
+        raise ValueError(f"{path!r} is not a complete {family!r} folder: missing component(s) {missing}")
