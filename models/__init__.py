@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 
@@ -41,10 +42,47 @@ def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny"
     if model_path:
         adapter = cls.from_pretrained(model_path, dtype=dtype)
     elif preset == "tiny":
-        adapter = cls.tiny(seed=seed).to(dtype=dtype)
+        adapter = cls.tiny(seed=seed)
+        if dtype != adapter.dtype:
+            adapter.to(dtype=dtype)
     else:
         raise ValueError(f"unknown preset {preset!r} for model {name!r}; use --model-path DIR or preset 'tiny'")
     return adapter.to(device=device)
 
 
-__all__ = ["Conditioning", "DiTAdapter", "SamplingDefaults", "State", "adapter_class", "load_model", "model_names"]
+__all__ = ["Conditioning", "DiTAdapter", "SamplingDefaults", "State", "adapter_class", "load_model", "model_names",
+           "resolve_device", "resolve_dtype", "set_attention"]
+
+
+ATTENTION_BACKENDS = ("sdpa", "flash", "flash_varlen", "sage", "native")
+
+
+def set_attention(adapter: DiTAdapter, backend: str) -> None:
+    """Select the attention kernel through diffusers' dispatcher (DIFFUSERS_FACTS.md, "Attention backends").
+    flash-attn is an optional GPU dependency: asking for it without the package is a clear error."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    if backend == "sdpa":
+        return  # diffusers' default ("native") is torch's scaled_dot_product_attention
+    if backend.startswith("flash") and importlib.util.find_spec("flash_attn") is None:
+        raise ValueError(f"--attention {backend} needs the flash-attn package: "
+                         "pip install flash-attn --no-build-isolation (CUDA machines only)")
+    if backend == "sage" and importlib.util.find_spec("sageattention") is None:
+        raise ValueError("--attention sage needs the sageattention package")
+    adapter.transformer.set_attention_backend(backend)
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on CUDA (ALGORITHMS.md defaults) and float32 elsewhere."""
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {['auto', *table]}")
+    return table[name]

@@ -172,6 +172,10 @@ class DiTAdapter:
             state = self.run_block(i, state)
         return self.head(state)
 
+    def combine_cfg(self, v_cond: Tensor, v_uncond: Tensor, scale: float) -> Tensor:
+        """Classifier-free guidance as the family's pipeline does it (override where it differs)."""
+        return v_uncond + scale * (v_cond - v_uncond)
+
     def reference_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance: float | None = None) -> Tensor:
         """The same velocity through the diffusers model's own forward (the reference for tests)."""
         raise NotImplementedError

@@ -1,0 +1,35 @@
+"""Prompt sets: a .txt file (one prompt per line) or a .jsonl file (a `prompt` field plus free metadata)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    prompt: str
+    metadata: dict = field(default_factory=dict)
+
+
+def load_prompts(path: str) -> list[PromptRecord]:
+    if not os.path.isfile(path):
+        raise ValueError(f"prompt file {path!r} does not exist")
+    records: list[PromptRecord] = []
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".jsonl"):
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                    raise ValueError(f"{path}:{n}: each jsonl line needs a string field 'prompt'")
+                records.append(PromptRecord(obj["prompt"], {k: v for k, v in obj.items() if k != "prompt"}))
+        else:
+            records = [PromptRecord(line.strip()) for line in f if line.strip()]
+    if not records:
+        raise ValueError(f"prompt file {path!r} holds no prompts")
+    return records

@@ -1,0 +1,136 @@
+"""Rollout: sample trajectories with the flow-matching SDE sampler.
+
+As a command it samples and saves images (and optionally the trajectories) for evaluation and
+inspection:
+
+    python rollout.py --model flux --model-path DIR --prompt "a red circle" --steps 20 --out-dir out/
+
+As a module it is the generator role's core: `generate_fragment` samples, decodes and returns
+everything training needs for a set of samples.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+import sampler
+from models import Conditioning, DiTAdapter, load_model, model_names, resolve_device, resolve_dtype, set_attention
+from models import ATTENTION_BACKENDS
+from prompts import load_prompts
+
+
+def encode_batch(adapter: DiTAdapter, prompts: list[str], negative_prompt: str | None,
+                 cfg: sampler.SamplingConfig) -> tuple[Conditioning, Conditioning | None]:
+    cond = adapter.encode_prompts(prompts)
+    neg = adapter.encode_prompts([negative_prompt or ""] * len(prompts)) if cfg.cfg_scale != 1.0 else None
+    return cond, neg
+
+
+def sample_images(adapter: DiTAdapter, prompts: list[str], cfg: sampler.SamplingConfig, *, step: int = 0,
+                  first_sample_id: int = 0, batch_size: int = 8, negative_prompt: str | None = None):
+    """Sample one image per prompt in micro-batches. Sample j gets the global id first_sample_id + j,
+    so the result does not depend on batch_size. Returns (trajectory, images [B,3,H,W] in [0,1])."""
+    trajs, images = [], []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        cond, neg = encode_batch(adapter, chunk, negative_prompt, cfg)
+        ids = list(range(first_sample_id + start, first_sample_id + start + len(chunk)))
+        traj = sampler.denoise(adapter, cond, neg, ids, step, cfg)
+        trajs.append(traj)
+        images.append(adapter.decode(traj.latents[:, -1]).cpu())
+    traj = sampler.Trajectory(latents=torch.cat([t.latents for t in trajs]).cpu(),
+                              log_probs=torch.cat([t.log_probs for t in trajs]).cpu(), sigmas=trajs[0].sigmas)
+    return traj, torch.cat(images)
+
+
+def save_images(images: torch.Tensor, out_dir: str, first_index: int = 0) -> list[str]:
+    """One PNG per sample: 0000.png, 0001.png, ... (video: the frames side by side)."""
+    from PIL import Image
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for j, img in enumerate(images):
+        if img.dim() == 4:  # (3, F, H, W) -> frames left to right
+            img = torch.cat(list(img.unbind(1)), dim=-1)
+        arr = (img.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        path = os.path.join(out_dir, f"{first_index + j:04d}.png")
+        Image.fromarray(arr).save(path)
+        paths.append(path)
+    return paths
+
+
+def save_trajectory(traj: sampler.Trajectory, path: str) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file({"latents": traj.latents.float().contiguous(), "sigmas": traj.sigmas.float().contiguous(),
+               "log_probs": traj.log_probs.float().contiguous()}, path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Sample images (and trajectories) with the flow-matching SDE sampler.")
+    p.add_argument("--model", default="flux", help=f"model family, one of {model_names()}")
+    p.add_argument("--model-path", default=None,
+                   help="local diffusers folder (e.g. a FLUX.1-dev download); omit to use the offline tiny preset")
+    p.add_argument("--checkpoint", default=None,
+                   help="a training checkpoint folder (checkpoints/step-N) whose trained weights to load")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    src.add_argument("--prompts", help="prompt file: .txt (one per line) or .jsonl (field 'prompt')")
+    p.add_argument("--height", type=int, default=None, help="image height in pixels (family default)")
+    p.add_argument("--width", type=int, default=None, help="image width in pixels (family default)")
+    p.add_argument("--num-frames", type=int, default=None, help="video families: number of frames")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps K (family default)")
+    p.add_argument("--noise-level", type=float, default=None,
+                   help="SDE noise level a (sde/cps) or eta (dance); 0 = deterministic ODE sampling")
+    p.add_argument("--sde-type", choices=sampler.SDE_TYPES, default="sde", help="sampler step type")
+    p.add_argument("--guidance", type=float, default=None, help="guidance-embedding scale (FLUX: 3.5)")
+    p.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance scale (1 = off)")
+    p.add_argument("--negative-prompt", default="", help="negative prompt for CFG")
+    p.add_argument("--seed", type=int, default=0, help="seed; sample i's noise depends on (seed, i) only")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per forward pass")
+    p.add_argument("--out-dir", default=None, help="write one PNG per sample: 0000.png, 0001.png, ...")
+    p.add_argument("--save-trajectory", default=None,
+                   help="write a safetensors file with latents [B,K+1,C,H,W], sigmas [K+1], log_probs [B,K]")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (bf16 on CUDA)")
+    p.add_argument("--attention", default="sdpa", choices=ATTENTION_BACKENDS, help="attention kernel")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = resolve_device(args.device)
+    records = load_prompts(args.prompts) if args.prompts else None
+    prompts = [r.prompt for r in records] if records else args.prompt
+    adapter = load_model(args.model, args.model_path, device=device, dtype=resolve_dtype(args.dtype, device))
+    set_attention(adapter, args.attention)
+    if args.checkpoint:
+        from checkpoint import load_trained_weights
+
+        load_trained_weights(adapter, args.checkpoint)
+    cfg = sampler.SamplingConfig.for_adapter(
+        adapter, height=args.height, width=args.width, num_steps=args.steps, sde_type=args.sde_type,
+        noise_level=args.noise_level, guidance=args.guidance, cfg_scale=args.cfg_scale, seed=args.seed,
+        num_frames=args.num_frames)
+    adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)  # fail on a bad size before any work
+    traj, images = sample_images(adapter, prompts, cfg, batch_size=args.batch_size,
+                                 negative_prompt=args.negative_prompt)
+    if args.out_dir:
+        save_images(images, args.out_dir)
+    if args.save_trajectory:
+        save_trajectory(traj, args.save_trajectory)
+    print(f"sampled {len(prompts)} image(s) of {cfg.height}x{cfg.width} with {cfg.num_steps} {cfg.sde_type} steps "
+          f"(noise level {cfg.noise_level})" + (f" -> {args.out_dir}" if args.out_dir else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as e:  # user errors: one clear line, no stack trace from inside diffusers
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

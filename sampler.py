@@ -1,0 +1,282 @@
+"""The flow-matching sampler: pure functions shared by every role (generators, trainers, TAG helpers).
+
+Formulas: ../shared/ALGORITHMS.md ("SDE step with log-probability", "CPS variant", "DanceGRPO step").
+sigma runs from 1 (noise) to 0 (data); the model predicts velocity v ~ eps - x0; dt = sigma' - sigma < 0.
+All step math is float32 whatever the model dtype. All noise of sample i of step k comes from
+generators seeded by (seed, k, i) alone (DESIGN.md section 4), so a trajectory does not depend on
+which rank produced it, on its batch neighbours, or on generation order.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from torch import Tensor
+
+from models.base import Conditioning, DiTAdapter
+
+SDE_TYPES = ("sde", "cps", "dance")
+SCHEDULES = ("dynamic", "static", "dance")
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+# ----- schedules --------------------------------------------------------------------------------
+def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096,
+                    base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+    """FLUX's resolution-dependent shift mu (diffusers' pipelines compute it the same way)."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * m + (base_shift - m * base_seq_len)
+
+
+def flow_scheduler(adapter: DiTAdapter) -> FlowMatchEulerDiscreteScheduler:
+    """A fresh FlowMatchEuler scheduler with the family's config (families whose pipeline ships
+    another solver, e.g. Wan's UniPC, get FlowMatchEuler with the family's static shift)."""
+    sched = adapter.pipe.scheduler
+    if isinstance(sched, FlowMatchEulerDiscreteScheduler):
+        return FlowMatchEulerDiscreteScheduler.from_config(sched.config)
+    return FlowMatchEulerDiscreteScheduler(shift=getattr(adapter, "static_shift", 1.0))
+
+
+def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, schedule: str,
+                image_seq_len: int | None = None, shift: float | None = None) -> Tensor:
+    """sigmas [K+1] float32 ending in 0, computed by diffusers' scheduler (ALGORITHMS.md, "Timestep schedules").
+
+    dynamic: linspace(1, 1/K, K) shifted by mu(image_seq_len) (FLUX, Qwen-Image pipelines);
+    static:  the scheduler's own K-step schedule with a static shift (SD3, Wan, HunyuanVideo);
+    dance:   DanceGRPO's linspace(1, 0, K+1) with a static shift.
+    """
+    if num_steps < 1:
+        raise ValueError(f"number of sampling steps must be >= 1, got {num_steps}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    config = dict(scheduler.config)
+    if schedule == "dynamic":
+        if image_seq_len is None:
+            raise ValueError("the dynamic schedule needs image_seq_len")
+        sched = FlowMatchEulerDiscreteScheduler.from_config({**config, "use_dynamic_shifting": True})
+        mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu)
+    else:
+        overrides = {"use_dynamic_shifting": False}
+        if shift is not None:
+            overrides["shift"] = shift
+        sched = FlowMatchEulerDiscreteScheduler.from_config({**config, **overrides})
+        if schedule == "static":
+            sched.set_timesteps(num_inference_steps=num_steps)
+        else:
+            sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
+    sigmas = sched.sigmas.to(torch.float32).cpu()
+    assert sigmas.shape == (num_steps + 1,) and sigmas[-1] == 0, sigmas
+    return sigmas
+
+
+# ----- noise (placement invariance) -------------------------------------------------------------
+def derive_seed(*key: int | str) -> int:
+    """A 63-bit seed from a key tuple, stable across processes, machines and Python versions."""
+    digest = hashlib.sha256(repr(tuple(key)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def noise(shape: tuple[int, ...], *key: int | str) -> Tensor:
+    """Standard normal float32 noise on CPU seeded by `key` alone (callers move it to their device,
+    so CPU and GPU runs draw the same numbers)."""
+    gen = torch.Generator(device="cpu").manual_seed(derive_seed(*key))
+    return torch.randn(shape, generator=gen, dtype=torch.float32)
+
+
+def initial_noise(seed: int, step: int, sample_id: int, shape: tuple[int, ...]) -> Tensor:
+    return noise(shape, seed, step, sample_id, "init")
+
+
+def step_noise(seed: int, step: int, sample_id: int, t: int, shape: tuple[int, ...]) -> Tensor:
+    return noise(shape, seed, step, sample_id, "sde", t)
+
+
+# ----- one step with log-probability ------------------------------------------------------------
+@dataclass
+class StepOutput:
+    x_next: Tensor     # (B, ...) float32, detached
+    log_prob: Tensor   # (B,) float32: log p(x_next | x), averaged over non-batch dims
+    mean: Tensor       # (B, ...) float32, carries the velocity's gradient
+    std: Tensor        # (B,) float32 std of the Gaussian step (0 for a deterministic step)
+
+
+def _bcast(v: Tensor | float, like: Tensor) -> Tensor:
+    v = torch.as_tensor(v, dtype=torch.float32, device=like.device)
+    if v.dim() == 0:
+        v = v.expand(like.shape[0])
+    return v.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def _mean_over_sample(t: Tensor) -> Tensor:
+    return t.reshape(t.shape[0], -1).mean(dim=1)
+
+
+def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | float, *, sde_type: str,
+             noise_level: float, noise: Tensor | None = None, x_next: Tensor | None = None) -> StepOutput:
+    """One denoising step x -> x' and log p(x' | x) (ALGORITHMS.md).
+
+    Give `noise` to sample x' (rollout) or `x_next` to score a stored x' (training). sigma and
+    sigma_next are scalars or per-sample [B] tensors (TSP packs different timesteps together).
+    noise_level is Flow-GRPO's `a` (sde, cps) or DanceGRPO's eta (dance); 0 gives the Euler ODE step.
+    """
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"unknown sde type {sde_type!r}; choose one of {SDE_TYPES}")
+    if noise_level < 0:
+        raise ValueError(f"noise level must be >= 0, got {noise_level}")
+    if (noise is None) == (x_next is None):
+        raise ValueError("give exactly one of noise (to sample) or x_next (to score)")
+    x = x.float()
+    v = v.float()
+    s = _bcast(sigma, x)
+    s_next = _bcast(sigma_next, x)
+    dt = s_next - s
+
+    if noise_level == 0:
+        mean = x + v * dt
+        std = torch.zeros_like(s)
+    elif sde_type == "sde":
+        # At sigma = 1 use the next sigma in the denominator (Flow-GRPO) to avoid dividing by zero.
+        std_t = noise_level * torch.sqrt(s / (1 - torch.where(s == 1, s_next, s)))
+        mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+        std = std_t * torch.sqrt(-dt)
+    elif sde_type == "cps":
+        std = s_next * math.sin(noise_level * math.pi / 2)
+        x0_hat = x - s * v
+        eps_hat = x + (1 - s) * v
+        mean = (1 - s_next) * x0_hat + torch.sqrt(s_next**2 - std**2) * eps_hat
+    else:  # dance
+        x0_hat = x - s * v
+        score = -(x - (1 - s) * x0_hat) / s**2
+        mean = x + dt * v - 0.5 * noise_level**2 * score * dt
+        std = noise_level * torch.sqrt(-dt)
+
+    if x_next is None:
+        x_next = mean + std * noise.to(device=x.device, dtype=torch.float32)
+    x_next = x_next.detach().float()
+
+    deterministic = bool((std == 0).all())
+    if deterministic:
+        log_prob = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
+    elif sde_type == "cps":
+        # CPS's "log-prob" drops the variance and the constants (ALGORITHMS.md).
+        log_prob = _mean_over_sample(-((x_next - mean) ** 2))
+    else:
+        log_prob = _mean_over_sample(-((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI)
+    return StepOutput(x_next=x_next, log_prob=log_prob, mean=mean, std=std.reshape(-1))
+
+
+# ----- the denoising loop -----------------------------------------------------------------------
+@dataclass
+class SamplingConfig:
+    """How to sample one batch; `for_adapter` fills the family's defaults."""
+
+    height: int
+    width: int
+    num_steps: int
+    sde_type: str = "sde"
+    noise_level: float = 0.9
+    """Flow-GRPO's `a` (sde, cps) or DanceGRPO's eta (dance); 0 = deterministic ODE sampling."""
+    schedule: str = "dynamic"
+    shift: float | None = None
+    """Static shift for the static and dance schedules (None: the scheduler's own)."""
+    guidance: float | None = None
+    """Guidance-embedding scale (FLUX, HunyuanVideo); None where the model has none."""
+    cfg_scale: float = 1.0
+    """Classifier-free guidance scale; 1.0 runs no unconditional branch."""
+    seed: int = 0
+    num_frames: int | None = None
+    sde_window: tuple[int, int] | None = None
+    """Flow-GRPO-Fast / MixGRPO: SDE steps only for t in [start, end), ODE elsewhere."""
+
+    @classmethod
+    def for_adapter(cls, adapter: DiTAdapter, **overrides) -> "SamplingConfig":
+        d = adapter.defaults
+        sde_type = overrides.get("sde_type") or "sde"
+        base = dict(height=d.height, width=d.width, num_steps=d.num_steps, sde_type=sde_type,
+                    noise_level=d.dance_eta if sde_type == "dance" else d.noise_level,
+                    schedule="dance" if sde_type == "dance" else d.shift,
+                    shift=d.dance_shift if sde_type == "dance" else getattr(adapter, "static_shift", None),
+                    guidance=d.guidance, cfg_scale=d.cfg_scale, num_frames=d.num_frames)
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        cfg = cls(**base)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.sde_type not in SDE_TYPES:
+            raise ValueError(f"unknown sde type {self.sde_type!r}; choose one of {SDE_TYPES}")
+        if self.noise_level < 0:
+            raise ValueError(f"noise level must be >= 0, got {self.noise_level}")
+        if self.num_steps < 1:
+            raise ValueError(f"number of sampling steps must be >= 1, got {self.num_steps}")
+        if self.cfg_scale < 1:
+            raise ValueError(f"cfg scale must be >= 1 (1 disables CFG), got {self.cfg_scale}")
+        if self.sde_window is not None:
+            start, end = self.sde_window
+            if not 0 <= start < end <= self.num_steps:
+                raise ValueError(f"sde window {self.sde_window} must satisfy 0 <= start < end <= {self.num_steps}")
+
+    def noise_level_at(self, t: int) -> float:
+        if self.sde_window is None or self.sde_window[0] <= t < self.sde_window[1]:
+            return self.noise_level
+        return 0.0
+
+
+@dataclass
+class Trajectory:
+    """Stored paths of a batch of samples (DESIGN.md, "trajectory")."""
+
+    latents: Tensor    # (B, K+1, *latent_shape) float32: x at every sigma, x[:, 0] the initial noise
+    log_probs: Tensor  # (B, K) float32: log p(x_{t+1} | x_t) under the generating policy
+    sigmas: Tensor     # (K+1,) float32
+
+
+def sigmas_for(adapter: DiTAdapter, cfg: SamplingConfig) -> Tensor:
+    latent_shape = adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)
+    return make_sigmas(flow_scheduler(adapter), cfg.num_steps, cfg.schedule,
+                       image_seq_len=adapter.image_seq_len(latent_shape), shift=cfg.shift)
+
+
+def guided_velocity(adapter: DiTAdapter, x: Tensor, sigma: Tensor, cond: Conditioning,
+                    neg_cond: Conditioning | None, cfg: SamplingConfig) -> Tensor:
+    """Velocity with the family's guidance: the guidance embedding and/or CFG. Training calls this
+    too, so the log-prob is taken on the same guided velocity with the same scale (ALGORITHMS.md)."""
+    v = adapter.velocity(x, sigma, cond, cfg.guidance)
+    if cfg.cfg_scale == 1.0:
+        return v
+    if neg_cond is None:
+        raise ValueError(f"cfg scale {cfg.cfg_scale} needs negative-prompt conditioning")
+    v_uncond = adapter.velocity(x, sigma, neg_cond, cfg.guidance)
+    return adapter.combine_cfg(v, v_uncond, cfg.cfg_scale)
+
+
+@torch.no_grad()
+def denoise(adapter: DiTAdapter, cond: Conditioning, neg_cond: Conditioning | None, sample_ids: list[int],
+            step: int, cfg: SamplingConfig, init_ids: list[int] | None = None,
+            sigmas: Tensor | None = None) -> Trajectory:
+    """Sample K steps for a batch. `sample_ids` are the global sample indices i of step `step`
+    that seed all noise; `init_ids` (default sample_ids) seed the initial noise, so a group can
+    share its initial noise by passing the group index (ALGORITHMS.md, "Groups")."""
+    cfg.validate()
+    latent_shape = adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)
+    sigmas = sigmas_for(adapter, cfg) if sigmas is None else sigmas
+    device = adapter.device
+    init_ids = sample_ids if init_ids is None else init_ids
+    x = torch.stack([initial_noise(cfg.seed, step, i, latent_shape) for i in init_ids]).to(device)
+    latents, log_probs = [x], []
+    for t in range(cfg.num_steps):
+        sigma = sigmas[t].to(device).expand(len(sample_ids))
+        v = guided_velocity(adapter, x, sigma, cond, neg_cond, cfg)
+        eps = torch.stack([step_noise(cfg.seed, step, i, t, latent_shape) for i in sample_ids]).to(device)
+        out = sde_step(x, v, sigmas[t].item(), sigmas[t + 1].item(), sde_type=cfg.sde_type,
+                       noise_level=cfg.noise_level_at(t), noise=eps)
+        x = out.x_next
+        latents.append(x)
+        log_probs.append(out.log_prob)
+    return Trajectory(latents=torch.stack(latents, dim=1), log_probs=torch.stack(log_probs, dim=1), sigmas=sigmas)
