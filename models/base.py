@@ -112,7 +112,7 @@ class DiTAdapter:
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> "DiTAdapter":
         check_model_folder(path, cls.required_components, cls.family)
-        pipe = cls.pipeline_class.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
+        pipe = cls.pipeline_class.from_pretrained(path, dtype=dtype, local_files_only=True)
         return cls(pipe)
 
     @classmethod
