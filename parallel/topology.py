@@ -1,0 +1,115 @@
+"""Splitting one torchrun world into generator, trainer and scorer ranks (DESIGN.md section 3).
+
+Ranks [0, N) are generators (N / S replicas of S pipeline stages), the next M ranks trainers, the
+rest scorers. In colocated mode every rank is both a generator (a replica of one stage) and a trainer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+MODES = ("disagg", "colocated")
+SHARDINGS = ("replicate", "fsdp")
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    mode: str
+    generator_ranks: tuple[int, ...]
+    trainer_ranks: tuple[int, ...]
+    scorer_ranks: tuple[int, ...]
+    gap_stages: int
+
+    @classmethod
+    def build(cls, world_size: int, mode: str = "disagg", generators: int | None = None,
+              trainers: int | None = None, scorers: int = 0, gap_stages: int = 1) -> "Topology":
+        """Validate before any collective: every error names the numbers that do not add up."""
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+        if gap_stages < 1:
+            raise ValueError(f"--gap-stages must be >= 1, got {gap_stages}")
+        if scorers < 0:
+            raise ValueError(f"--scorers must be >= 0, got {scorers}")
+        if mode == "colocated":
+            if generators is not None or trainers is not None or scorers:
+                raise ValueError(f"--mode colocated gives every rank both roles: drop --generators ({generators}), "
+                                 f"--trainers ({trainers}) and --scorers ({scorers})")
+            if gap_stages != 1:
+                raise ValueError(f"--gap-stages {gap_stages} needs --mode disagg")
+            ranks = tuple(range(world_size))
+            return cls(world_size, mode, ranks, ranks, (), 1)
+        if world_size < 2:
+            raise ValueError(f"--mode disagg needs at least 2 ranks (a generator and a trainer), world size is "
+                             f"{world_size}; use --mode colocated on one rank")
+        if generators is None and trainers is None:
+            generators = (world_size - scorers) // 2
+        if generators is None:
+            generators = world_size - scorers - trainers
+        if trainers is None:
+            trainers = world_size - scorers - generators
+        if generators < 1 or trainers < 1:
+            raise ValueError(f"need at least one generator and one trainer: --generators {generators} "
+                             f"--trainers {trainers} --scorers {scorers} in a world of {world_size}")
+        if generators + trainers + scorers != world_size:
+            raise ValueError(f"--generators {generators} + --trainers {trainers} + --scorers {scorers} = "
+                             f"{generators + trainers + scorers}, but the world size is {world_size}")
+        if generators % gap_stages:
+            raise ValueError(f"--generators {generators} is not a multiple of --gap-stages {gap_stages}")
+        return cls(world_size, mode, tuple(range(generators)), tuple(range(generators, generators + trainers)),
+                   tuple(range(generators + trainers, world_size)), gap_stages)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.generator_ranks) // self.gap_stages
+
+    def replica_ranks(self, replica: int) -> tuple[int, ...]:
+        """The S ranks of a replica, stage 0 first."""
+        s = self.gap_stages
+        return self.generator_ranks[replica * s:(replica + 1) * s]
+
+    def replica_of(self, rank: int) -> int | None:
+        if rank not in self.generator_ranks:
+            return None
+        return self.generator_ranks.index(rank) // self.gap_stages
+
+    def stage_of(self, rank: int) -> int | None:
+        if rank not in self.generator_ranks:
+            return None
+        return self.generator_ranks.index(rank) % self.gap_stages
+
+    def is_generator(self, rank: int) -> bool:
+        return rank in self.generator_ranks
+
+    def is_trainer(self, rank: int) -> bool:
+        return rank in self.trainer_ranks
+
+    def is_scorer(self, rank: int) -> bool:
+        return rank in self.scorer_ranks
+
+    def role(self, rank: int) -> str:
+        if self.mode == "colocated":
+            return "colocated"
+        return "generator" if self.is_generator(rank) else "trainer" if self.is_trainer(rank) else "scorer"
+
+    def describe(self) -> str:
+        if self.mode == "colocated":
+            return f"colocated: {self.world_size} rank(s), each generates and trains"
+        return (f"disagg: generators {list(self.generator_ranks)} ({self.num_replicas} replica(s) x "
+                f"{self.gap_stages} stage(s)), trainers {list(self.trainer_ranks)}"
+                + (f", scorers {list(self.scorer_ranks)}" if self.scorer_ranks else ""))
+
+
+@dataclass
+class ProcessGroups:
+    """Named process groups, created by every rank in the same order (a torch.distributed rule)."""
+
+    trainers: object  # the trainer data-parallel group (DDP-style all-reduce or FSDP2)
+
+    @classmethod
+    def create(cls, topo: Topology, timeout_s: int) -> "ProcessGroups":
+        import torch.distributed as dist
+
+        if topo.mode == "colocated":
+            return cls(trainers=dist.group.WORLD)
+        return cls(trainers=dist.new_group(list(topo.trainer_ranks), timeout=timedelta(seconds=timeout_s)))
