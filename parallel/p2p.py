@@ -1,0 +1,187 @@
+"""Point-to-point transfer of a payload: a dict of named tensors plus JSON metadata.
+
+Wire format (three messages from src to dst, in this order, all on the comm device):
+
+1. an int64 tensor [1] holding the header length L in bytes;
+2. the header, a uint8 tensor [L]: JSON of
+   {"meta": <metadata>, "nbytes": total, "tensors": [{"name", "dtype", "shape", "offset"}, ...]};
+3. one flat uint8 buffer [nbytes] holding every tensor's bytes at its offset (left out when
+   nbytes == 0, e.g. for an empty dict).
+
+Offsets are aligned to 16 bytes so that the receiver can view each slice of the buffer as its
+dtype without a copy (a dtype view needs a storage offset divisible by the element size).
+
+The comm device is cuda for NCCL and cpu for gloo. Tensors elsewhere are moved there to send,
+and received tensors are moved to the caller's device. `dst` and `src` are global ranks, also
+when `group` is a subgroup (as in `torch.distributed.send`). Messages between one pair of ranks
+are matched in the order they were posted, so both sides must agree on the order of payloads.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_ALIGN = 16  # bytes; the largest element size (complex128)
+
+_DTYPES = {
+    str(dt): dt
+    for dt in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.complex128, torch.complex64,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+
+
+def comm_device(group=None) -> torch.device:
+    """The device that communication tensors must live on: the current cuda device for NCCL,
+    cpu otherwise (gloo)."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of `str(dtype)` for the dtypes this module can carry."""
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def as_bytes(t: Tensor) -> Tensor:
+    """A contiguous tensor's storage as a flat uint8 tensor [numel * element_size] (no copy)."""
+    assert t.is_contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing and unpacking (pure, no communication)
+# ---------------------------------------------------------------------------------------------
+
+def pack_payload(tensors: dict[str, Tensor], meta: dict[str, Any] | None,
+                 device: torch.device) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(length [1] int64, header [L] uint8, buffer [nbytes] uint8 or None), all on `device`."""
+    if not isinstance(tensors, dict):
+        raise TypeError(f"tensors must be a dict[str, Tensor], got {type(tensors).__name__}")
+    specs, offset = [], 0
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not isinstance(t, Tensor):
+            raise TypeError(f"payload entries must be str -> Tensor, got {name!r}: {type(t).__name__}")
+        dtype_from_name(str(t.dtype))  # validates the dtype
+        specs.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset})
+        offset = _align(offset + t.numel() * t.element_size())
+    nbytes = offset
+    header = json.dumps({"meta": meta or {}, "nbytes": nbytes, "tensors": specs}).encode()
+    header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+    length_t = torch.tensor([len(header)], dtype=torch.int64, device=device)
+    if nbytes == 0:
+        return length_t, header_t, None
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for spec, t in zip(specs, tensors.values()):
+        n = t.numel() * t.element_size()
+        if n:
+            buffer[spec["offset"]:spec["offset"] + n].copy_(as_bytes(t.detach().contiguous()))
+    return length_t, header_t, buffer
+
+
+def unpack_payload(header: dict[str, Any], buffer: Tensor | None, device: torch.device) -> dict[str, Tensor]:
+    """Views of `buffer` (on `device`), one per tensor of the header, sharing its storage."""
+    out = {}
+    for spec in header["tensors"]:
+        dtype = dtype_from_name(spec["dtype"])
+        shape = spec["shape"]
+        numel = 1
+        for s in shape:
+            numel *= s
+        n = numel * torch.empty((), dtype=dtype).element_size()
+        if n == 0:
+            out[spec["name"]] = torch.empty(shape, dtype=dtype, device=device)
+            continue
+        out[spec["name"]] = buffer[spec["offset"]:spec["offset"] + n].view(dtype).view(shape)
+    return out
+
+
+def _decode_header(header_t: Tensor) -> dict[str, Any]:
+    return json.loads(bytes(header_t.cpu().numpy().tobytes()).decode())
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocking transfer
+# ---------------------------------------------------------------------------------------------
+
+def send_payload(tensors: dict[str, Tensor], meta: dict[str, Any] | None, dst: int, group=None) -> None:
+    """Send `tensors` and `meta` to global rank `dst`; returns when the buffers may be reused."""
+    isend_payload(tensors, meta, dst, group).wait()
+
+
+def recv_payload(src: int, group=None, device: torch.device | str | None = None
+                 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Receive one payload from global rank `src`: (tensors on `device`, metadata).
+
+    `device` defaults to the comm device. The tensors are views of one received buffer. The
+    header and buffer sizes are only known once the previous message has arrived, so a payload
+    receive is blocking; overlap comes from the sender's `isend_payload`."""
+    comm = comm_device(group)
+    # Rank wait: each recv blocks until src has sent the matching message.
+    length_t = torch.empty(1, dtype=torch.int64, device=comm)
+    dist.recv(length_t, src=src, group=group)
+    header_t = torch.empty(int(length_t.item()), dtype=torch.uint8, device=comm)
+    dist.recv(header_t, src=src, group=group)
+    header = _decode_header(header_t)
+    target = torch.device(device) if device is not None else comm
+    buffer = None
+    if header["nbytes"]:
+        buffer = torch.empty(header["nbytes"], dtype=torch.uint8, device=comm)
+        dist.recv(buffer, src=src, group=group)
+        buffer = buffer.to(target)  # one transfer for the whole payload (no-op when equal)
+    return unpack_payload(header, buffer, target), header["meta"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-blocking transfer
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class SendHandle:
+    """An in-flight payload send. Holds the packed buffers until `wait()` returns, because the
+    backend reads them asynchronously."""
+
+    works: list
+    buffers: list[Tensor] = field(repr=False)
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        """Block until every message has been handed to the backend. `timeout` defaults to the
+        process group's timeout."""
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timeout)
+        self.works, self.buffers = [], []
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def isend_payload(tensors: dict[str, Tensor], meta: dict[str, Any] | None, dst: int, group=None) -> SendHandle:
+    """Start sending a payload to global rank `dst`; call `.wait()` on the result before relying
+    on delivery. The caller's tensors may be modified right away (they were copied into a
+    packed buffer)."""
+    length_t, header_t, buffer = pack_payload(tensors, meta, comm_device(group))
+    buffers = [length_t, header_t] + ([buffer] if buffer is not None else [])
+    works = [dist.isend(b, dst=dst, group=group) for b in buffers]
+    return SendHandle(works, buffers)
+
+
+__all__ = [
+    "SendHandle", "as_bytes", "comm_device", "dtype_from_name", "isend_payload", "pack_payload",
+    "recv_payload", "send_payload", "unpack_payload",
+]
