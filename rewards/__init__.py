@@ -1,0 +1,140 @@
+"""Rewards: one signature, an explicit name -> factory registry, weighted combination.
+
+Every reward is called as `reward(images, prompts, metadata) -> Tensor[B]` (float32, CPU); see
+rewards/base.py and rewards/README.md. Factories are "module:Class" strings imported on first use,
+so naming a reward costs nothing until it is built and a model reward's dependencies are needed only
+by the ranks that build it. Rule rewards are built as `Factory(device=...)`, model rewards as
+`Factory(device=..., model_path=DIR)` with DIR a local folder (`--reward-model NAME=DIR`)."""
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+_REWARDS = {
+    "shapes": "rewards.shapes:ShapesReward",
+    "jpeg_compressibility": "rewards.rule:JpegCompressibility",
+    "jpeg_incompressibility": "rewards.rule:JpegIncompressibility",
+    "rule_aesthetic": "rewards.rule:RuleAesthetic",
+    "pickscore": "rewards.clip:PickScore",
+    "clip_score": "rewards.clip:ClipScore",
+    "hpsv2": "rewards.clip:HPSv2",
+    "laion_aesthetic": "rewards.clip:LaionAesthetic",
+    "image_reward": "rewards.image_reward:ImageReward",
+    "ocr": "rewards.ocr:OcrReward",
+}
+
+# Rewards that load weights and so need `--reward-model NAME=DIR`.
+MODEL_REWARDS = frozenset({"pickscore", "clip_score", "hpsv2", "laion_aesthetic", "image_reward", "ocr"})
+
+
+def reward_names() -> list[str]:
+    return sorted(_REWARDS)
+
+
+def reward_class(name: str):
+    if name not in _REWARDS:
+        raise ValueError(f"unknown reward {name!r}; known rewards: {reward_names()}")
+    module_name, class_name = _REWARDS[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def build_reward(name: str, device: str | torch.device = "cpu", model_path: str | None = None):
+    """Build one reward by name. Model rewards need `model_path`; rule rewards refuse one."""
+    cls = reward_class(name)
+    if name in MODEL_REWARDS:
+        return cls(device=device, model_path=model_path)
+    if model_path is not None:
+        raise ValueError(f"reward {name!r} loads no weights, but a model path was given ({model_path!r})")
+    return cls(device=device)
+
+
+def parse_reward_spec(spec: str) -> tuple[str, float]:
+    """"name[:weight]" -> (name, weight); weight defaults to 1.0."""
+    name, sep, weight_text = spec.strip().partition(":")
+    if not name:
+        raise ValueError(f"bad reward spec {spec!r}: expected NAME or NAME:WEIGHT")
+    if name not in _REWARDS:
+        raise ValueError(f"bad reward spec {spec!r}: unknown reward {name!r}; known rewards: {reward_names()}")
+    if not sep:
+        return name, 1.0
+    try:
+        weight = float(weight_text)
+    except ValueError:
+        raise ValueError(f"bad reward spec {spec!r}: weight {weight_text!r} is not a number") from None
+    if not math.isfinite(weight):
+        raise ValueError(f"bad reward spec {spec!r}: weight must be finite")
+    return name, weight
+
+
+def reward_model_paths(items: Sequence[str]) -> dict[str, str]:
+    """Parse `--reward-model NAME=DIR` items into {name: dir}."""
+    paths: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"bad --reward-model {item!r}: expected NAME=DIR")
+        if name not in MODEL_REWARDS:
+            raise ValueError(f"bad --reward-model {item!r}: {name!r} is not a model reward; "
+                             f"model rewards: {sorted(MODEL_REWARDS)}")
+        if name in paths:
+            raise ValueError(f"bad --reward-model {item!r}: {name!r} given twice")
+        paths[name] = path
+    return paths
+
+
+def parse_reward_specs(specs: Sequence[str], model_paths: dict[str, str] | None = None) -> list[tuple[str, float]]:
+    """Validate a whole reward configuration without building anything (cheap: every rank can call it
+    at start-up, so a bad flag fails the job before any model loads)."""
+    if not specs:
+        raise ValueError(f"no reward given; known rewards: {reward_names()}")
+    parsed = [parse_reward_spec(s) for s in specs]
+    names = [n for n, _ in parsed]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"reward(s) {duplicates} given more than once in {list(specs)}")
+    model_paths = model_paths or {}
+    for name in model_paths:
+        if name not in MODEL_REWARDS:
+            raise ValueError(f"model path given for {name!r}, which is not a model reward; "
+                             f"model rewards: {sorted(MODEL_REWARDS)}")
+    missing = [n for n in names if n in MODEL_REWARDS and not model_paths.get(n)]
+    if missing:
+        raise ValueError(f"reward(s) {missing} load weights from a local folder: give "
+                         + " ".join(f"--reward-model {n}=DIR" for n in missing) + " (see rewards/README.md)")
+    return parsed
+
+
+class RewardSet:
+    """The rewards of a run and their weights. `score` returns every reward separately (for per-reward
+    logging); `combine` makes the weighted sum that the advantages are computed from (ALGORITHMS.md)."""
+
+    def __init__(self, specs: Sequence[str], device: str | torch.device = "cpu",
+                 model_paths: dict[str, str] | None = None):
+        parsed = parse_reward_specs(specs, model_paths)  # all checks before any model loads
+        self.names = [n for n, _ in parsed]
+        self.weights = [w for _, w in parsed]
+        model_paths = model_paths or {}
+        self.rewards = {n: build_reward(n, device=device, model_path=model_paths.get(n)) for n in self.names}
+
+    def score(self, images: Tensor, prompts: Sequence[str],
+              metadata: Sequence[dict] | None = None) -> dict[str, Tensor]:
+        """images (B, 3, H, W) or (B, 3, F, H, W) in [0, 1] -> {name: (B,) float32 CPU}."""
+        return {n: reward(images, prompts, metadata) for n, reward in self.rewards.items()}
+
+    def combine(self, scores: dict[str, Tensor]) -> Tensor:
+        """sum_i weight_i * scores[name_i] -> (B,)."""
+        if set(scores) != set(self.names):
+            raise ValueError(f"scores for {sorted(scores)} but this set has rewards {sorted(self.names)}")
+        return sum(w * scores[n].float() for n, w in zip(self.names, self.weights))
+
+    def __repr__(self) -> str:
+        return "RewardSet(" + ", ".join(f"{n}:{w:g}" for n, w in zip(self.names, self.weights)) + ")"
+
+
+__all__ = ["MODEL_REWARDS", "RewardSet", "build_reward", "parse_reward_spec", "parse_reward_specs",
+           "reward_class", "reward_model_paths", "reward_names"]
