@@ -11,11 +11,14 @@ everything training needs for a set of samples.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 
+import algorithm
 import sampler
 from models import Conditioning, DiTAdapter, load_model, model_names, resolve_device, resolve_dtype, set_attention
 from models import ATTENTION_BACKENDS
@@ -44,6 +47,71 @@ def sample_images(adapter: DiTAdapter, prompts: list[str], cfg: sampler.Sampling
     traj = sampler.Trajectory(latents=torch.cat([t.latents for t in trajs]).cpu(),
                               log_probs=torch.cat([t.log_probs for t in trajs]).cpu(), sigmas=trajs[0].sigmas)
     return traj, torch.cat(images)
+
+
+@dataclass
+class FragmentResult:
+    """A generated, decoded and scored fragment: its training chunks and what the logs need."""
+
+    chunks: list  # list[trainer.TrainChunk], in plan order
+    sample_ids: list[int]
+    rewards: dict[str, list[float]]  # per reward name, and "combined"
+    zero_std: list[bool]
+    images: torch.Tensor  # (n, 3, H, W) in [0, 1], on CPU
+    prompts: list[str]
+
+
+class Generator:
+    """The generator role's work for one replica of one stage (GAP stages come with the GAP issue):
+    sample, decode and score whole fragments with the current policy version."""
+
+    def __init__(self, adapter: DiTAdapter, sampling: sampler.SamplingConfig, rewards, records, *, seed: int,
+                 negative_prompt: str = "", same_group_noise: bool = False, adv_clip: float = 5.0,
+                 drop_zero_std: bool = False, autocast_ctx=None):
+        self.adapter, self.sampling, self.rewards, self.records = adapter, sampling, rewards, records
+        self.seed, self.negative_prompt = seed, negative_prompt
+        self.same_group_noise, self.adv_clip, self.drop_zero_std = same_group_noise, adv_clip, drop_zero_std
+        self.autocast = autocast_ctx or contextlib.nullcontext
+        self.sigmas = sampler.sigmas_for(adapter, sampling)
+
+    def generate_fragment(self, plan, fragment, version: int, reward_std: float | None = None) -> FragmentResult:
+        from trainer import TrainChunk
+
+        step, g = plan.step, plan.group_size
+        trajs, conds, negs, images = [], [], [], []
+        for chunk in fragment.chunks:
+            records = [self.records[plan.prompt_indices[i // g]] for i in chunk.sample_ids]
+            cond, neg = encode_batch(self.adapter, [r.prompt for r in records], self.negative_prompt, self.sampling)
+            init_ids = [-1 - i // g for i in chunk.sample_ids] if self.same_group_noise else None
+            with self.autocast():
+                traj = sampler.denoise(self.adapter, cond, neg, list(chunk.sample_ids), step, self.sampling,
+                                       init_ids=init_ids, sigmas=self.sigmas)
+                images.append(self.adapter.decode(traj.latents[:, -1]).cpu())
+            trajs.append(traj)
+            conds.append(cond)
+            negs.append(neg)
+        ids = list(fragment.sample_ids)
+        records = [self.records[plan.prompt_indices[i // g]] for i in ids]
+        prompts = [r.prompt for r in records]
+        images = torch.cat(images)
+        scores = self.rewards.score(images, prompts, [r.metadata for r in records])
+        combined = self.rewards.combine(scores).float().cpu()
+        group_ids = torch.tensor([i // g for i in ids])
+        adv = algorithm.group_advantages(combined, group_ids, adv_clip=self.adv_clip, std=reward_std)
+        zero_std = algorithm.zero_std_groups(combined, group_ids)
+        keep = ~zero_std if self.drop_zero_std else torch.ones_like(zero_std)
+        chunks, start = [], 0
+        for chunk, traj, cond, neg in zip(fragment.chunks, trajs, conds, negs):
+            n = len(chunk.sample_ids)
+            sl = slice(start, start + n)
+            chunks.append(TrainChunk(step, fragment.index, chunk.index, version,
+                                     torch.tensor(chunk.sample_ids, dtype=torch.int64), traj.latents.cpu(),
+                                     traj.log_probs.cpu(), adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(),
+                                     cond.to("cpu"), neg.to("cpu") if neg is not None else None))
+            start += n
+        rewards = {name: v.float().cpu().tolist() for name, v in scores.items()}
+        rewards["combined"] = combined.tolist()
+        return FragmentResult(chunks, ids, rewards, zero_std.tolist(), images, prompts)
 
 
 def save_images(images: torch.Tensor, out_dir: str, first_index: int = 0) -> list[str]:

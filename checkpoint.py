@@ -1,0 +1,112 @@
+"""Checkpoints in the layouts diffusers loads, plus the full run state for --resume.
+
+DIR/checkpoints/step-N/ holds the state after N optimizer updates (policy version N):
+- full fine-tuning: transformer/ (config.json + diffusion_pytorch_model.safetensors), loadable with
+  `<Family>Transformer.from_pretrained(DIR, subfolder="transformer")`;
+- LoRA: pytorch_lora_weights.safetensors, loadable with `pipe.load_lora_weights(DIR)`;
+- ema.safetensors (if --ema-decay > 0), trainer_state.pt (optimizer, update count, RNG, running
+  reward std) and state.json (step, version).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from models import DiTAdapter
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+ADAPTER = ".default"  # peft's adapter name inside parameter names
+
+
+def checkpoint_dir(run_dir: str, step: int) -> str:
+    return os.path.join(run_dir, "checkpoints", f"step-{step}")
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return None
+    steps = [int(m.group(1)) for d in os.listdir(root) if (m := re.fullmatch(r"step-(\d+)", d))
+             and os.path.isfile(os.path.join(root, d, "state.json"))]
+    return checkpoint_dir(run_dir, max(steps)) if steps else None
+
+
+def to_diffusers_lora(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """peft parameter names -> the names `save_lora_weights` expects (the adapter name dropped)."""
+    return {n.replace(ADAPTER, ""): t for n, t in weights.items()}
+
+
+def from_diffusers_lora(flat: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = {}
+    for n, t in flat.items():
+        n = n[len("transformer."):] if n.startswith("transformer.") else n
+        out[re.sub(r"\.(lora_[AB])\.", rf".\1{ADAPTER}.", n)] = t
+    return out
+
+
+def save_weights(path: str, adapter: DiTAdapter, weights: dict[str, Tensor], lora: bool, lora_config=None) -> None:
+    os.makedirs(path, exist_ok=True)
+    weights = {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in weights.items()}
+    if lora:
+        metadata = lora_config.to_dict() if lora_config is not None else None
+        if metadata is not None:
+            metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
+        adapter.pipeline_class.save_lora_weights(path, transformer_lora_layers=to_diffusers_lora(weights),
+                                                 transformer_lora_adapter_metadata=metadata)
+    else:
+        sub = os.path.join(path, "transformer")
+        os.makedirs(sub, exist_ok=True)
+        adapter.transformer.save_config(sub)
+        save_file(weights, os.path.join(sub, "diffusion_pytorch_model.safetensors"))
+
+
+def save_checkpoint(path: str, adapter: DiTAdapter, weights: dict[str, Tensor], *, lora: bool, step: int,
+                    trainer_state: dict, ema: dict[str, Tensor] | None = None, lora_config=None) -> None:
+    save_weights(path, adapter, weights, lora, lora_config)
+    if ema is not None:
+        save_file({n: t.detach().cpu().contiguous() for n, t in ema.items()}, os.path.join(path, "ema.safetensors"))
+    torch.save(trainer_state, os.path.join(path, "trainer_state.pt"))
+    with open(os.path.join(path, "state.json"), "w") as f:  # written last: marks the checkpoint complete
+        json.dump({"step": step, "version": step, "lora": lora}, f)
+
+
+def read_trained_weights(path: str) -> tuple[dict[str, Tensor], bool]:
+    """(weights by the transformer's own parameter names, is_lora)."""
+    lora_path = os.path.join(path, LORA_FILE)
+    if os.path.isfile(lora_path):
+        return from_diffusers_lora(load_file(lora_path)), True
+    full = os.path.join(path, "transformer", "diffusion_pytorch_model.safetensors")
+    if os.path.isfile(full):
+        return load_file(full), False
+    raise ValueError(f"checkpoint {path!r} holds neither {LORA_FILE} nor transformer/ weights")
+
+
+def load_trained_weights(adapter: DiTAdapter, path: str) -> None:
+    """Sampling from a checkpoint (rollout.py --checkpoint): LoRA through diffusers' own loader."""
+    if os.path.isfile(os.path.join(path, LORA_FILE)):
+        adapter.pipe.load_lora_weights(path)
+        return
+    weights, _ = read_trained_weights(path)
+    adapter.transformer.load_state_dict(weights, strict=True)
+
+
+def install_weights(module: torch.nn.Module, weights: dict[str, Tensor]) -> None:
+    """Copy named weights into a (possibly FSDP-sharded) module in place."""
+    params = dict(module.named_parameters())
+    missing = [n for n in weights if n not in params]
+    if missing:
+        raise ValueError(f"checkpoint weights not in the model: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for n, t in weights.items():
+            p = params[n]
+            if hasattr(p, "distribute_tensor") or hasattr(p, "device_mesh"):
+                from torch.distributed.tensor import distribute_tensor
+
+                p.copy_(distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements))
+            else:
+                p.copy_(t.to(device=p.device, dtype=p.dtype))

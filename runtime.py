@@ -1,0 +1,381 @@
+"""The step loop of one rank. Every step k (DESIGN.md 5.1, naive disaggregation):
+
+  generators: install version k -> generate, decode, score the fragments of their replica ->
+              send each chunk to its trainer -> receive version k+1 (staged until the next step)
+  trainers:   receive (or, colocated, take) their chunks -> forward/backward each transition ->
+              one optimizer update -> publish version k+1 to every generator
+  all ranks:  gather step statistics and trace records; rank 0 logs them
+
+Colocated mode runs both halves on every rank with no transfer and no publication.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import sampler
+from config import RunConfig
+from models import load_model, resolve_device, set_attention
+from models.lora import apply_lora
+from parallel import p2p, publish
+from parallel.plan import plan_step
+from parallel.topology import ProcessGroups, Topology
+from prompts import load_prompts
+from tracing import Tracer, summarize_step
+
+
+def _device(cfg: RunConfig) -> torch.device:
+    if cfg.model.device == "cpu":
+        return torch.device("cpu")
+    dev = resolve_device(cfg.model.device)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
+
+
+def _sampling(cfg: RunConfig, adapter) -> sampler.SamplingConfig:
+    s = cfg.sampling
+    window = tuple(int(x) for x in s.sde_window.split(":")) if s.sde_window else None
+    return sampler.SamplingConfig.for_adapter(
+        adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
+        noise_level=s.noise_level, guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed,
+        num_frames=s.num_frames, sde_window=window)
+
+
+def _slow_factor(cfg: RunConfig, rank: int) -> float:
+    """--debug-slow-rank R:FACTOR (tests and benchmarks only)."""
+    if not cfg.output.debug_slow_rank:
+        return 1.0
+    r, factor = cfg.output.debug_slow_rank.split(":")
+    return float(factor) if int(r) == rank else 1.0
+
+
+def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
+    from rewards import RewardSet, reward_model_paths
+    from rollout import Generator
+    from trainer import Trainer, TrainChunk, autocast
+
+    device = _device(cfg)
+    torch.manual_seed(cfg.seed)
+    out_dir = cfg.output.output_dir
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        cfg.save(os.path.join(out_dir, "config.json"))
+    # Every rank builds version 0 identically: same weights, same seeded LoRA init.
+    adapter = load_model(cfg.model.model, cfg.model.model_path, seed=cfg.seed, device=device)
+    set_attention(adapter, cfg.model.attention)
+    lora_config = None
+    if cfg.optim.lora_rank > 0:
+        apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
+        lora_config = adapter.transformer.peft_config["default"]
+    sampling = _sampling(cfg, adapter)
+    records = load_prompts(cfg.rl.prompts)
+    groups = ProcessGroups.create(topo, cfg.topology.dist_timeout_s)
+    tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
+                    sync=torch.cuda.synchronize if device.type == "cuda" else None)
+    is_gen, is_train = topo.is_generator(rank), topo.is_trainer(rank)
+    shard = cfg.topology.colocated_sharding if topo.mode == "colocated" else cfg.topology.train_sharding
+    trainer = Trainer(cfg, adapter, sampling, groups.trainers if is_train else None, shard) if is_train else None
+    generator = None
+    if is_gen:
+        rewards = RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model))
+        generator = Generator(adapter, sampling, rewards, records, seed=cfg.seed,
+                              negative_prompt=cfg.sampling.negative_prompt,
+                              same_group_noise=cfg.sampling.same_group_noise, adv_clip=cfg.rl.adv_clip,
+                              drop_zero_std=cfg.rl.drop_zero_std,
+                              autocast_ctx=lambda: autocast(device, cfg.model.dtype))
+    disagg = topo.mode == "disagg"
+    publish_names = _publish_names(adapter, cfg)
+    receiver = publish.WeightReceiver(_params(adapter, publish_names)) if (disagg and is_gen) else None
+
+    from algorithm import RunningStd
+    from metrics import MetricsLogger
+
+    running = RunningStd()
+    start = 0
+    if cfg.output.resume:
+        start = _resume(cfg, adapter, trainer, running)
+    _check_same_weights(adapter, publish_names, trainer)  # every rank starts from the same version
+    logger = MetricsLogger(out_dir, enabled=(rank == 0))
+    slow = _slow_factor(cfg, rank)
+    progress = _progress(cfg, start) if rank == 0 else None
+    try:
+        if cfg.output.eval_every and start == 0:
+            _evaluate(cfg, adapter, sampling, topo, rank, 0, logger, tracer)  # the base model, step 0
+        for step in range(start, cfg.rl.steps):
+            plan = plan_step(step, seed=cfg.seed, num_prompts=len(records), prompts_per_step=cfg.rl.prompts_per_step,
+                             group_size=cfg.rl.group_size, micro_batch=cfg.rl.micro_batch,
+                             num_replicas=topo.num_replicas, num_trainers=len(topo.trainer_ranks),
+                             fragment_groups=cfg.topology.fragment_groups, colocated=not disagg)
+            step_start = time.time()
+            version = step
+            local: dict[int, TrainChunk] = {}
+            gen_out = []
+            if is_gen:
+                if receiver is not None and receiver.staged_version is not None:
+                    with tracer.span("install", "publish", step):
+                        receiver.install()  # a fragment boundary: swap in version k, verified
+                replica = topo.replica_of(rank)
+                std = running.std if cfg.rl.std_mode == "running" else None
+                handles = []
+                for fragment in plan.fragments:
+                    if fragment.replica != replica:
+                        continue
+                    with tracer.span("generate", "generate", step, fragment.index) as span:
+                        t0 = time.perf_counter()
+                        result = generator.generate_fragment(plan, fragment, version, std)
+                        _sleep_for_slowdown(slow, time.perf_counter() - t0)
+                        span["samples"] = len(result.sample_ids)
+                    gen_out.append(result)
+                    for chunk in result.chunks:
+                        if disagg:
+                            dst = topo.trainer_ranks[plan.chunks[chunk.chunk].trainer]
+                            handles.append(p2p.isend_payload(*chunk.to_payload(), dst=dst))
+                        else:
+                            local[chunk.chunk] = chunk
+                with tracer.span("send_wait", "comm", step):
+                    for h in handles:
+                        h.wait()
+            train_stats = None
+            if is_train:
+                me = topo.trainer_ranks.index(rank)
+                pad_to = _fsdp_forward_count(plan, topo, trainer, shard)
+                template = None
+                for c in plan.chunks:
+                    if c.trainer != me:
+                        continue
+                    if c.index in local:
+                        chunk = local.pop(c.index)
+                    else:
+                        src = topo.replica_ranks(plan.fragments[c.fragment].replica)[-1]
+                        with tracer.span("recv", "comm", step, c.fragment):
+                            chunk = TrainChunk.from_payload(*p2p.recv_payload(src, device=torch.device("cpu")))
+                        assert (chunk.step, chunk.chunk) == (step, c.index), (chunk.step, chunk.chunk, step, c.index)
+                    with tracer.span("train", "train", step, c.fragment, chunk=c.index):
+                        trainer.train_chunk(chunk)
+                    template = chunk
+                if pad_to:
+                    with tracer.span("pad", "train", step):
+                        trainer.pad_forwards(pad_to, template)
+                with tracer.span("optimizer", "optimizer", step):
+                    train_stats = trainer.finish_step()
+                if disagg:
+                    with tracer.span("publish", "publish", step):
+                        weights = trainer.full_weights(publish_names)
+                        if me == 0:
+                            for g in topo.generator_ranks:
+                                publish.publish_weights(weights, version + 1, dst=g)
+            if receiver is not None:
+                with tracer.span("receive_weights", "publish", step):
+                    receiver.receive(src=topo.trainer_ranks[0])  # staged; installed at the next step
+            step_end = time.time()
+            record = {"rank": rank, "role": topo.role(rank), "start_s": step_start, "end_s": step_end,
+                      "busy_s": tracer.busy_seconds(step) if cfg.output.trace else step_end - step_start,
+                      "train": train_stats,
+                      "rewards": _merge_rewards(gen_out), "zero_std": sum((r.zero_std for r in gen_out), [])}
+            if rank == 0 and gen_out and cfg.output.log_images_every and step % cfg.output.log_images_every == 0:
+                logger.log_images(step, "samples", gen_out[0].images[:16], gen_out[0].prompts[:16])
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, record)  # sync point: all ranks, once per step
+            all_rewards = _merge_rewards_records(everyone)
+            if cfg.rl.std_mode == "running":
+                running.update(all_rewards.get("combined", []))
+            if rank == 0:
+                scalars = _step_scalars(everyone, all_rewards, plan.num_samples)
+                logger.log(step, scalars)
+                if progress is not None:
+                    progress.update(1)
+                    progress.write(_summary_line(step, scalars))
+            done = step + 1
+            if (cfg.output.save_every and done % cfg.output.save_every == 0) or done == cfg.rl.steps:
+                _save(cfg, adapter, trainer, topo, rank, done, running, lora_config)
+            if cfg.output.eval_every and (done % cfg.output.eval_every == 0 or done == cfg.rl.steps):
+                if receiver is not None and receiver.staged_version is not None:
+                    receiver.install()  # evaluate version k+1
+                _evaluate(cfg, adapter, sampling, topo, rank, done, logger, tracer)
+    finally:
+        if progress is not None:
+            progress.close()
+        logger.close()
+        if cfg.output.trace:
+            tracer.save(os.path.join(out_dir, "trace", f"rank{rank}.json"))
+
+
+def _params(adapter, names: list[str]) -> dict[str, torch.Tensor]:
+    params = dict(adapter.transformer.named_parameters())
+    return {n: params[n] for n in names}
+
+
+def _publish_names(adapter, cfg: RunConfig) -> list[str]:
+    """LoRA runs send only the adapter tensors; full fine-tuning sends every transformer weight."""
+    named = adapter.transformer.named_parameters()
+    if cfg.optim.lora_rank > 0:
+        return [n for n, _ in named if ".lora_" in n]
+    return [n for n, _ in named]
+
+
+def _check_same_weights(adapter, names: list[str], trainer) -> None:
+    """Version 0 must be identical on every rank (same checkpoint, same seeded LoRA init)."""
+    from trainer import full_tensor
+
+    params = dict(adapter.transformer.named_parameters())
+    local = publish.state_checksum({n: full_tensor(params[n].detach()) for n in names})
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)  # sync point
+    if len(set(everyone)) != 1:
+        raise RuntimeError(f"ranks start from different weights: checksums by rank {everyone}")
+
+
+def _sleep_for_slowdown(factor: float, seconds: float) -> None:
+    if factor > 1:
+        time.sleep(seconds * (factor - 1))
+
+
+def _fsdp_forward_count(plan, topo, trainer, shard) -> int:
+    from train_disagg import check_fsdp_balance
+
+    return check_fsdp_balance(plan, topo, trainer, shard)
+
+
+def _merge_rewards(results) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for r in results:
+        for k, v in r.rewards.items():
+            out.setdefault(k, []).extend(v)
+    return out
+
+
+def _merge_rewards_records(records) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for rec in records:
+        for k, v in rec["rewards"].items():
+            out.setdefault(k, []).extend(v)
+    return out
+
+
+def _step_scalars(records, rewards, num_samples) -> dict[str, float]:
+    scalars: dict[str, float] = {}
+    comb = torch.tensor(rewards.get("combined", [float("nan")]), dtype=torch.float64)
+    scalars["reward/mean"] = comb.mean().item()
+    scalars["reward/std"] = comb.std(unbiased=False).item()
+    for k, v in rewards.items():
+        if k != "combined":
+            t = torch.tensor(v, dtype=torch.float64)
+            scalars[f"reward/{k}/mean"] = t.mean().item()
+            scalars[f"reward/{k}/std"] = t.std(unbiased=False).item()
+    zero = [z for rec in records for z in rec["zero_std"]]
+    scalars["train/zero_std_fraction"] = sum(zero) / max(1, len(zero))
+    train = next(rec["train"] for rec in records if rec["train"] is not None)
+    scalars.update(train)
+    summary = summarize_step([{k: rec[k] for k in ("role", "busy_s", "start_s", "end_s")} for rec in records])
+    scalars["perf/step_s"] = summary["step_s"]
+    scalars["perf/samples_per_s"] = num_samples / summary["step_s"]
+    scalars["perf/bubble_fraction"] = summary["bubble_fraction"]
+    for k, v in summary.items():
+        if k.startswith("busy_fraction/"):
+            scalars[f"perf/{k}"] = v
+    return scalars
+
+
+def _summary_line(step: int, s: dict) -> str:
+    return (f"step {step}: reward {s['reward/mean']:.4f} +- {s['reward/std']:.4f}  loss {s['train/loss']:.3e}  "
+            f"approx_kl {s['train/approx_kl']:.2e}  clipfrac {s['train/clipfrac']:.3f}  "
+            f"{s['perf/step_s']:.2f} s/step  {s['perf/samples_per_s']:.1f} samples/s  "
+            f"bubble {s['perf/bubble_fraction']:.2f}")
+
+
+def _progress(cfg: RunConfig, start: int):
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.rl.steps, initial=start, desc="steps", dynamic_ncols=True)
+
+
+def _save(cfg: RunConfig, adapter, trainer, topo: Topology, rank: int, done: int, running, lora_config) -> None:
+    """Trainer ranks gather the full state (collectives under FSDP); the first trainer writes it."""
+    from checkpoint import checkpoint_dir, save_checkpoint
+
+    if trainer is None:
+        return
+    weights = trainer.full_weights()
+    ema = trainer.ema_weights()
+    optim = _optimizer_state(trainer)
+    if rank != topo.trainer_ranks[0]:
+        return
+    state = {"optimizer": optim, "num_updates": trainer.num_updates, "running_std": running.state_dict(),
+             "torch_rng": torch.get_rng_state(), "step": done}
+    save_checkpoint(checkpoint_dir(cfg.output.output_dir, done), adapter, weights, lora=cfg.optim.lora_rank > 0,
+                    step=done, trainer_state=state, ema=ema, lora_config=lora_config)
+
+
+def _optimizer_state(trainer) -> dict:
+    if trainer.sharding != "fsdp":
+        return trainer.optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(trainer.adapter.transformer, trainer.optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _resume(cfg: RunConfig, adapter, trainer, running) -> int:
+    """Every rank installs the checkpoint's weights; trainers also restore optimizer and EMA."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from checkpoint import install_weights, latest_checkpoint, read_trained_weights
+
+    path = latest_checkpoint(cfg.output.resume)
+    with open(os.path.join(path, "state.json")) as f:
+        step = json.load(f)["step"]
+    weights, _ = read_trained_weights(path)
+    install_weights(adapter.transformer, weights)
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    running.load_state_dict(state["running_std"])
+    if trainer is not None:
+        trainer.num_updates = state["num_updates"]
+        if trainer.sharding == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(trainer.adapter.transformer, trainer.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            trainer.optimizer.load_state_dict(state["optimizer"])
+        ema_path = os.path.join(path, "ema.safetensors")
+        if trainer.ema is not None and os.path.isfile(ema_path):
+            ema = load_file(ema_path)
+            with torch.no_grad():
+                for e, n in zip(trainer.ema, trainer.names):
+                    e.copy_(ema[n].to(e.device, e.dtype)) if not hasattr(e, "device_mesh") else None
+    torch.set_rng_state(state["torch_rng"])
+    return step
+
+
+def _evaluate(cfg: RunConfig, adapter, sampling, topo: Topology, rank: int, done: int, logger, tracer) -> None:
+    """The held-out prompts are split evenly over the generator ranks (equal counts, so colocated
+    FSDP ranks run equally many forwards); results are gathered on rank 0."""
+    from evaluation import evaluate, summarize
+    from rewards import RewardSet, reward_model_paths
+
+    records = load_prompts(cfg.output.eval_prompts)[: cfg.output.eval_num_prompts]
+    gens = list(topo.generator_ranks)
+    per = -(-len(records) // len(gens))
+    result = None
+    if rank in gens:
+        lo = gens.index(rank) * per
+        mine = records[lo:lo + per]
+        padded = mine + [records[-1]] * (per - len(mine))  # equal forward counts on every generator
+        rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model))
+        with tracer.span("evaluate", "eval", done):
+            scores, images = evaluate(adapter, sampling, padded, rewards, batch_size=cfg.rl.micro_batch,
+                                      first_sample_id=lo, negative_prompt=cfg.sampling.negative_prompt)
+        result = ({k: v[:len(mine)] for k, v in scores.items()}, images[:len(mine)], [r.prompt for r in mine])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, result)  # sync point
+    if rank == 0:
+        parts = [r for r in everyone if r is not None]
+        scores = {k: sum((p[0][k] for p in parts), []) for k in parts[0][0]}
+        images = torch.cat([p[1] for p in parts])
+        prompts = sum((p[2] for p in parts), [])
+        logger.log(done, summarize(scores))
+        logger.log_images(done, "eval", images[:64], prompts[:64])

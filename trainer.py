@@ -1,0 +1,319 @@
+"""The trainer role: replays trajectories as (sample, timestep) transitions with the clipped
+Flow-GRPO / DanceGRPO loss, accumulates gradients over the fragments of a logical batch, steps
+the optimizer once per batch, and hands out the new version's weights for publication.
+
+The loss of a batch is the mean over all its trained transitions (ALGORITHMS.md). Each forward
+adds the *sum* of its transitions' losses; `finish_step` sums gradients over trainer ranks and
+divides by the batch's transition count, so every placement computes the same gradient up to
+reduction order (DESIGN.md section 4).
+
+Run directly, it prints the trainer flags: `python trainer.py --help`.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import algorithm
+import sampler
+from config import RunConfig
+from models import Conditioning, DiTAdapter
+from models.lora import trainable_names
+
+STAT_KEYS = ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_high", "clipfrac_low", "ratio")
+
+
+@dataclass
+class TrainChunk:
+    """What a trainer needs for one chunk of samples (DESIGN.md, "trajectory")."""
+
+    step: int
+    fragment: int
+    chunk: int
+    version: int
+    sample_ids: Tensor   # (n,) int64
+    latents: Tensor      # (n, K+1, *latent_shape) float32
+    log_probs: Tensor    # (n, K) float32, under the generating policy (pi_old)
+    advantages: Tensor   # (n,) float32
+    keep: Tensor         # (n,) bool: False for dropped zero-std groups
+    sigmas: Tensor       # (K+1,) float32
+    cond: Conditioning
+    neg_cond: Conditioning | None
+
+    def to_payload(self) -> tuple[dict[str, Tensor], dict]:
+        tensors = {"sample_ids": self.sample_ids, "latents": self.latents, "log_probs": self.log_probs,
+                   "advantages": self.advantages, "keep": self.keep, "sigmas": self.sigmas, **self.cond.state_dict()}
+        if self.neg_cond is not None:
+            tensors.update({"neg." + k: v for k, v in self.neg_cond.state_dict().items()})
+        meta = {"kind": "chunk", "step": self.step, "fragment": self.fragment, "chunk": self.chunk,
+                "version": self.version}
+        return {k: v.contiguous() for k, v in tensors.items()}, meta
+
+    @classmethod
+    def from_payload(cls, tensors: dict[str, Tensor], meta: dict) -> "TrainChunk":
+        neg = {k[len("neg."):]: v for k, v in tensors.items() if k.startswith("neg.")}
+        return cls(meta["step"], meta["fragment"], meta["chunk"], meta["version"], tensors["sample_ids"],
+                   tensors["latents"], tensors["log_probs"], tensors["advantages"], tensors["keep"],
+                   tensors["sigmas"], Conditioning.from_state_dict(tensors),
+                   Conditioning.from_state_dict(neg) if neg else None)
+
+
+def autocast(device: torch.device, dtype_name: str):
+    """bf16 autocast on CUDA (ALGORITHMS.md defaults); generation and training use the same context,
+    so the first on-policy step sees ratio == 1."""
+    if device.type == "cuda" and dtype_name in ("auto", "bfloat16"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    if device.type == "cuda" and dtype_name == "float16":
+        return torch.autocast("cuda", dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def shard_modules(transformer: torch.nn.Module, group) -> None:
+    """FSDP2: shard every block and every top-level module that holds parameters as its own unit.
+    Adapters drive embed / blocks / head directly (never model.forward), so each piece must gather
+    its own parameters when it runs."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu"
+    mesh = DeviceMesh.from_group(group, device_type=device_type)
+    for child in transformer.children():
+        units = list(child) if isinstance(child, torch.nn.ModuleList) else [child]
+        for unit in units:
+            if any(True for _ in unit.parameters()):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole tensor of a possibly FSDP-sharded parameter (a collective over the trainer group)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig,
+                 group=None, sharding: str = "replicate"):
+        self.cfg, self.adapter, self.sampling = cfg, adapter, sampling
+        self.group, self.sharding = group, sharding
+        self.device = adapter.device
+        model = adapter.transformer
+        self.lora = cfg.optim.lora_rank > 0
+        if not self.lora:
+            model.requires_grad_(True)
+        self.names = trainable_names(model)
+        self.reference = self._make_reference() if cfg.rl.beta > 0 else None
+        if sharding == "fsdp":
+            shard_modules(model, group)
+        if cfg.optim.grad_checkpointing:
+            self._checkpoint_blocks()
+        self.params = [p for _, p in model.named_parameters() if p.requires_grad]
+        betas = tuple(float(b) for b in cfg.optim.adam_betas.split(","))
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=betas,
+                                           weight_decay=cfg.optim.weight_decay)
+        self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
+        self.num_updates = 0
+        self.reset_stats()
+
+    # ----- set-up ---------------------------------------------------------------------------
+    def _make_reference(self) -> DiTAdapter | None:
+        if self.lora:
+            return None  # the reference is the same model with its LoRA disabled
+        ref = copy.copy(self.adapter)
+        ref.transformer = copy.deepcopy(self.adapter.transformer).requires_grad_(False)
+        ref.blocks = ref._block_list()
+        return ref
+
+    def _checkpoint_blocks(self) -> None:
+        """Wrap every block's forward in torch.utils.checkpoint (diffusers' own flag only covers
+        model.forward, which the split never calls: DIFFUSERS_FACTS.md)."""
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.adapter.blocks:
+            fwd = block.forward
+            block.forward = lambda *a, _f=fwd, **kw: checkpoint(_f, *a, use_reentrant=False, **kw)
+
+    def reset_stats(self) -> None:
+        self.sums = {k: 0.0 for k in STAT_KEYS}
+        self.num_transitions = 0
+        self.num_forwards = 0
+
+    # ----- training -------------------------------------------------------------------------
+    def trained_timesteps(self, step: int, sample_id: int) -> tuple[int, ...]:
+        rl, s = self.cfg.rl, self.sampling
+        return algorithm.trained_timesteps(rl.algorithm, s.num_steps, rl.timestep_fraction, seed=self.cfg.seed,
+                                           step=step, sample_id=sample_id, window=s.sde_window)
+
+    def forwards_for(self, step: int, sample_ids: tuple[int, ...]) -> list[int]:
+        """The timesteps at which a chunk needs a forward pass (one per timestep, all its samples
+        that train it together): a pure function of the plan, so FSDP ranks can match counts."""
+        ts = set()
+        for i in sample_ids:
+            ts.update(self.trained_timesteps(step, i))
+        return sorted(ts)
+
+    def train_chunk(self, chunk: TrainChunk) -> None:
+        """Forward + backward of every trained transition of a chunk, one timestep per forward."""
+        dev = self.device
+        ids = chunk.sample_ids.tolist()
+        cond = chunk.cond.to(dev)
+        neg = chunk.neg_cond.to(dev) if chunk.neg_cond is not None else None
+        for t in self.forwards_for(chunk.step, tuple(ids)):
+            rows = [j for j, i in enumerate(ids) if t in self.trained_timesteps(chunk.step, i) and chunk.keep[j]]
+            self.num_forwards += 1
+            if not rows:
+                self._dummy_forward(chunk, t, cond, neg)
+                continue
+            sel = torch.tensor(rows)
+            whole = len(rows) == len(ids)  # keep the generation batch intact: bitwise-equal forwards
+            c = cond if whole else cond.select(sel)
+            n = neg if (neg is None or whole) else neg.select(sel)
+            x_t = chunk.latents[sel, t].to(dev)
+            x_next = chunk.latents[sel, t + 1].to(dev)
+            loss = self._transition_loss(x_t, x_next, chunk.sigmas, t, c, n, chunk.log_probs[sel, t].to(dev),
+                                         chunk.advantages[sel].to(dev))
+            loss.backward()
+            self.num_transitions += len(rows)
+
+    def _transition_loss(self, x_t, x_next, sigmas, t, cond, neg, logp_old, adv) -> Tensor:
+        s = self.sampling
+        sigma, sigma_next = sigmas[t].item(), sigmas[t + 1].item()
+        sigma_vec = sigmas[t].to(self.device).expand(x_t.shape[0])
+        with autocast(self.device, self.cfg.model.dtype):
+            v = sampler.guided_velocity(self.adapter, x_t, sigma_vec, cond, neg, s)
+        out = sampler.sde_step(x_t, v, sigma, sigma_next, sde_type=s.sde_type, noise_level=s.noise_level_at(t),
+                               x_next=x_next)
+        policy, ratio = algorithm.clipped_policy_loss(out.log_prob, logp_old, adv, self.cfg.rl.clip_range)
+        loss = policy
+        if self.cfg.rl.beta > 0:
+            kl = algorithm.kl_to_reference(out.mean, self._reference_mean(x_t, sigma_vec, cond, neg, t, sigmas),
+                                           out.std)
+            loss = loss + self.cfg.rl.beta * kl
+            self.sums["kl"] += kl.detach().sum().item()
+        with torch.no_grad():
+            eps = self.cfg.rl.clip_range
+            d = (out.log_prob - logp_old).detach()
+            self.sums["loss"] += loss.detach().sum().item()
+            self.sums["policy_loss"] += policy.detach().sum().item()
+            self.sums["approx_kl"] += (0.5 * d.pow(2)).sum().item()
+            self.sums["clipfrac"] += ((ratio - 1).abs() > eps).float().sum().item()
+            self.sums["clipfrac_high"] += (ratio > 1 + eps).float().sum().item()
+            self.sums["clipfrac_low"] += (ratio < 1 - eps).float().sum().item()
+            self.sums["ratio"] += ratio.detach().sum().item()
+        return loss.sum()
+
+    @torch.no_grad()
+    def _reference_mean(self, x_t, sigma_vec, cond, neg, t, sigmas) -> Tensor:
+        s = self.sampling
+        ctx = self.adapter.transformer.disable_adapters if self.reference is None else None
+        ref = self.reference or self.adapter
+        if ctx is not None:
+            self.adapter.transformer.disable_adapters()
+        try:
+            with autocast(self.device, self.cfg.model.dtype):
+                v = sampler.guided_velocity(ref, x_t, sigma_vec, cond, neg, s)
+        finally:
+            if ctx is not None:
+                self.adapter.transformer.enable_adapters()
+        out = sampler.sde_step(x_t, v, sigmas[t].item(), sigmas[t + 1].item(), sde_type=s.sde_type,
+                               noise_level=s.noise_level_at(t), x_next=x_t)
+        return out.mean
+
+    def _dummy_forward(self, chunk: TrainChunk, t: int, cond, neg) -> None:
+        """A zero-weight forward + backward: keeps FSDP ranks' collectives in step when a rank has
+        fewer transitions than another."""
+        x = chunk.latents[:1, t].to(self.device)
+        sigma_vec = chunk.sigmas[t].to(self.device).expand(1)
+        with autocast(self.device, self.cfg.model.dtype):
+            v = sampler.guided_velocity(self.adapter, x, sigma_vec, cond.select([0]),
+                                        neg.select([0]) if neg is not None else None, self.sampling)
+        (v.float().sum() * 0.0).backward()
+
+    def pad_forwards(self, count: int, template: TrainChunk | None) -> None:
+        """FSDP only: run dummy forwards until this rank has done `count` forwards this step."""
+        while self.num_forwards < count:
+            assert template is not None, "a trainer with no chunk cannot pad FSDP forwards"
+            self.num_forwards += 1
+            self._dummy_forward(template, 0, template.cond.to(self.device),
+                                template.neg_cond.to(self.device) if template.neg_cond is not None else None)
+
+    def finish_step(self) -> dict[str, float]:
+        """Sum gradients and statistics over trainer ranks, normalize by the batch's transition
+        count, clip, step, update the EMA. Every trainer rank waits here for the others."""
+        counts = torch.tensor([float(self.num_transitions)] + [self.sums[k] for k in STAT_KEYS], dtype=torch.float64)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            counts = counts.to(self._comm_device())
+            dist.all_reduce(counts, group=self.group)  # sync point: all trainers
+            counts = counts.cpu()
+        total = counts[0].item()
+        if total == 0:
+            raise RuntimeError("a training step with no trained transitions (all groups dropped?)")
+        world = dist.get_world_size(self.group) if self.group is not None else 1
+        if self.sharding == "fsdp":
+            # FSDP2's reduce-scatter already averaged over the group: undo the mean, then normalize.
+            scale = world / total
+        else:
+            self._all_reduce_grads()
+            scale = 1.0 / total
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
+        grad_norm = float(full_tensor(grad_norm)) if hasattr(grad_norm, "full_tensor") else float(grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.num_updates += 1
+        if self.ema is not None:
+            decay = min(self.cfg.optim.ema_decay, (1 + self.num_updates) / (10 + self.num_updates))
+            with torch.no_grad():
+                for e, p in zip(self.ema, self.params):
+                    e.lerp_(p.detach(), 1 - decay)
+        stats = {f"train/{k}": counts[1 + i].item() / total for i, k in enumerate(STAT_KEYS)}
+        stats.update({"train/grad_norm": grad_norm, "train/num_transitions": total,
+                      "train/num_forwards": float(self.num_forwards)})
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm} at update {self.num_updates}")
+        self.reset_stats()
+        return stats
+
+    def _comm_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
+            else torch.device("cpu")
+
+    def _all_reduce_grads(self) -> None:
+        """Replicated data parallel: one flat all-reduce (sum) of all gradients."""
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self._comm_device())
+        dist.all_reduce(flat, group=self.group)  # sync point: all trainers
+        offset = 0
+        for p, g in zip(self.params, grads):
+            n = g.numel()
+            p.grad = flat[offset:offset + n].view_as(g).to(g.device).clone()
+            offset += n
+
+    # ----- weights out ----------------------------------------------------------------------
+    def publish_names(self) -> list[str]:
+        """What generators need after an update: LoRA tensors only, or every transformer weight."""
+        return list(self.names)
+
+    def full_weights(self, names: list[str] | None = None) -> dict[str, Tensor]:
+        """Unsharded trained weights (under FSDP a collective: every trainer rank must call it)."""
+        wanted = set(names or self.names)
+        return {n: full_tensor(p.detach()) for n, p in self.adapter.transformer.named_parameters() if n in wanted}
+
+    def ema_weights(self) -> dict[str, Tensor] | None:
+        if self.ema is None:
+            return None
+        return {n: full_tensor(e) for n, e in zip(self.names, self.ema)}
+
+
+if __name__ == "__main__":
+    from config import build_parser
+
+    build_parser("DigenRL trainer flags (the trainer role runs inside train_disagg.py).").parse_args()
