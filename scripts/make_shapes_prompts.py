@@ -1,0 +1,54 @@
+"""Write the shapes-world prompt sets: data/shapes_train.txt and the held-out data/shapes_eval.txt.
+
+The grammar (shapes_world.py) has exactly 1800 distinct prompts. One sixth of every template kind
+(one object, two, three, a pair of different objects), drawn with a fixed seed, is held out for
+evaluation (300 prompts); the train set is the other 1500. Re-running gives the same files.
+
+    python scripts/make_shapes_prompts.py [--out-dir data] [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import shapes_world  # noqa: E402
+
+EVAL_FRACTION_DENOMINATOR = 6  # 1/6 of each kind held out
+
+
+def split_prompts(seed: int = 0) -> tuple[list[str], list[str]]:
+    rng = np.random.default_rng(seed)
+    train, held_out = [], []
+    for kind in shapes_world.KINDS:
+        prompts = [shapes_world.spec_to_prompt(s) for s in shapes_world.all_specs() if s.kind == kind]
+        order = rng.permutation(len(prompts))
+        num_eval = len(prompts) // EVAL_FRACTION_DENOMINATOR
+        held_out += [prompts[i] for i in order[:num_eval]]
+        train += [prompts[i] for i in order[num_eval:]]
+    # Interleave kinds so that any prefix of a file is a mix of templates.
+    train = [train[i] for i in rng.permutation(len(train))]
+    held_out = [held_out[i] for i in rng.permutation(len(held_out))]
+    return train, held_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default="data")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    train, held_out = split_prompts(args.seed)
+    assert not set(train) & set(held_out)
+    os.makedirs(args.out_dir, exist_ok=True)
+    for name, prompts in (("shapes_train.txt", train), ("shapes_eval.txt", held_out)):
+        path = os.path.join(args.out_dir, name)
+        with open(path, "w") as f:
+            f.write("\n".join(prompts) + "\n")
+        print(f"wrote {len(prompts)} prompts to {path}")
+
+
+if __name__ == "__main__":
+    main()
