@@ -1,0 +1,145 @@
+"""The runtime through torchrun: placement invariance (DESIGN.md section 4), on-policy ratio == 1,
+verified publication, resume, outputs, topology errors."""
+import json
+import os
+
+import pytest
+import torch
+
+from launch import TINY, torchrun, trained_weights
+from metrics import read_metrics
+
+
+def _assert_same_weights(a, b, what):
+    assert a.keys() == b.keys(), what
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=f"{what}: {name}")
+
+
+def _changed(before, after):
+    return sum(not torch.equal(before[n], after[n]) for n in before)
+
+
+PLACEMENTS = {
+    "colocated-2": (2, ["--mode", "colocated"]),
+    "disagg-1g1t": (2, ["--generators", "1", "--trainers", "1"]),
+    "disagg-2g2t": (4, ["--generators", "2", "--trainers", "2"]),
+}
+
+
+@pytest.mark.parametrize("training", [["--lora-rank", "4"], ["--lora-rank", "0"]], ids=["lora", "full"])
+def test_placement_invariance(tmp_path, training):
+    """Same seed and flags: every placement trains on the same transitions and ends with the same
+    weights after 2 steps, up to floating-point reduction order."""
+    results = {}
+    for name, (nproc, placement) in PLACEMENTS.items():
+        out = tmp_path / name
+        torchrun(nproc, [*TINY, *training, "--steps", "2", "--output-dir", str(out), *placement])
+        results[name] = (trained_weights(str(out), 2), read_metrics(str(out / "metrics.jsonl")))
+    ref_w, ref_m = results["colocated-2"]
+    for name, (w, m) in results.items():
+        _assert_same_weights(ref_w, w, name)
+        assert [r["reward/mean"] for r in m] == pytest.approx([r["reward/mean"] for r in ref_m], rel=1e-6), name
+        # On-policy, one inner epoch: every update sees ratio == 1 exactly.
+        for row in m:
+            assert row["train/approx_kl"] == 0.0 and row["train/clipfrac"] == 0.0, (name, row)
+            assert row["train/ratio"] == 1.0, (name, row)
+    # Training moved the weights away from version 0, so the comparison above is not between untouched models.
+    from models import load_model
+    from models.lora import apply_lora
+
+    initial = load_model("flux", seed=0)
+    if training[1] != "0":
+        apply_lora(initial.transformer, 4, None, "attn", seed=0)
+    params = dict(initial.transformer.named_parameters())
+    assert _changed({n: params[n].detach() for n in ref_w}, ref_w) > 0
+
+
+def test_fsdp_placements_match_replicate(tmp_path):
+    """FSDP2 trainers and colocated FSDP generation reach the replicated weights."""
+    runs = {"replicate": (2, ["--mode", "colocated"]),
+            "colocated-fsdp": (2, ["--mode", "colocated", "--colocated-sharding", "fsdp"]),
+            "disagg-fsdp": (3, ["--generators", "1", "--trainers", "2", "--train-sharding", "fsdp"])}
+    weights = {}
+    for name, (nproc, placement) in runs.items():
+        out = tmp_path / name
+        torchrun(nproc, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement])
+        weights[name] = trained_weights(str(out), 2)
+    for name in runs:
+        _assert_same_weights(weights["replicate"], weights[name], name)
+
+
+def test_outputs_and_checkpoint_loading(tmp_path):
+    out = tmp_path / "run"
+    torchrun(2, [*TINY, "--lora-rank", "4", "--steps", "2", "--save-every", "1", "--output-dir", str(out)])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rl"]["steps"] == 2 and cfg["topology"]["mode"] == "disagg"
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1]
+    for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility/mean", "train/loss", "train/approx_kl",
+                "train/clipfrac", "train/grad_norm", "perf/step_s", "perf/samples_per_s", "perf/bubble_fraction"):
+        assert key in rows[0], key
+    assert 0.0 <= rows[0]["perf/bubble_fraction"] <= 1.0 and rows[0]["perf/samples_per_s"] > 0
+    assert any(p.name.startswith("events.out.tfevents") for p in (out / "tb").iterdir())
+    assert (out / "samples" / "step-000000.png").is_file()
+    for rank in (0, 1):
+        trace = json.loads((out / "trace" / f"rank{rank}.json").read_text())
+        spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        cats = {e["cat"] for e in spans}
+        assert ({"generate", "comm", "publish"} if rank == 0 else {"train", "optimizer", "comm", "publish"}) <= cats
+        assert all("step" in e["args"] for e in spans)
+    # The LoRA file loads with diffusers' own loader and changes the pipeline's output.
+    from models import load_model
+
+    adapter = load_model("flux")
+    x = torch.randn(1, *adapter.latent_shape(16, 16))
+    cond = adapter.encode_prompts(["a red circle"])
+    with torch.no_grad():
+        before = adapter.velocity(x, torch.tensor([0.5]), cond)
+        adapter.pipe.load_lora_weights(str(out / "checkpoints" / "step-2"))
+        after = adapter.velocity(x, torch.tensor([0.5]), cond)
+    assert not torch.allclose(before, after)
+    assert (out / "checkpoints" / "step-1" / "state.json").is_file()
+
+
+def test_full_finetune_checkpoint_loads_with_diffusers(tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    out = tmp_path / "run"
+    torchrun(2, [*TINY, "--lora-rank", "0", "--steps", "1", "--mode", "colocated", "--output-dir", str(out)])
+    model = FluxTransformer2DModel.from_pretrained(str(out / "checkpoints" / "step-1"), subfolder="transformer")
+    saved = trained_weights(str(out), 1)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), saved[name])
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    args = [*TINY, "--lora-rank", "4", "--ema-decay", "0.9"]
+    torchrun(2, [*args, "--steps", "2", "--output-dir", str(tmp_path / "straight")])
+    torchrun(2, [*args, "--steps", "1", "--output-dir", str(tmp_path / "first")])
+    torchrun(2, [*args, "--steps", "2", "--resume", str(tmp_path / "first"), "--output-dir", str(tmp_path / "second")])
+    straight = trained_weights(str(tmp_path / "straight"), 2)
+    resumed = trained_weights(str(tmp_path / "second"), 2)
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    assert _changed(trained_weights(str(tmp_path / "first"), 1), resumed) > 0
+
+
+def test_corrupted_publication_is_detected(tmp_path):
+    proc = torchrun(2, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(tmp_path / "run")],
+                    env={"DIGENRL_DEBUG_CORRUPT_PUBLISH": "1"}, check=False)
+    assert proc.returncode != 0
+    assert "PublicationError" in proc.stderr
+
+
+@pytest.mark.parametrize("nproc,args,message", [
+    (3, ["--generators", "2", "--trainers", "2"], "--generators 2 + --trainers 2 + --scorers 0 = 4, but the world size is 3"),
+    (2, ["--mode", "colocated", "--generators", "1"], "--mode colocated gives every rank both roles"),
+    (2, ["--mode", "sideways"], "unknown mode 'sideways'"),
+    (2, ["--reward", "nonexistent"], "nonexistent"),
+])
+def test_bad_topology_fails_fast_with_a_clear_message(tmp_path, nproc, args, message):
+    proc = torchrun(nproc, [*TINY, "--steps", "1", "--output-dir", str(tmp_path / "run"), *args], check=False,
+                    timeout=120)
+    assert proc.returncode != 0
+    assert f"error: {message}" in proc.stderr or message in proc.stderr.split("error:", 1)[-1]
