@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,41 @@ class Generator:
         rewards = {name: v.float().cpu().tolist() for name, v in scores.items()}
         rewards["combined"] = combined.tolist()
         return FragmentResult(chunks, ids, rewards, zero_std.tolist(), images, prompts)
+
+
+def generator_step(ctx, generator: Generator, receiver, plan, reward_std: float | None,
+                   slow: float = 1.0) -> tuple[list[FragmentResult], dict]:
+    """One step of a generator rank: install the staged version (a fragment boundary), then
+    generate, decode and score this replica's fragments depth-first, streaming every chunk to its
+    trainer as soon as its fragment is scored. Colocated ranks keep their chunks (returned)."""
+    from parallel import p2p
+
+    tracer, topo, step = ctx.tracer, ctx.topo, plan.step
+    if receiver is not None and receiver.staged_version is not None:
+        with tracer.span("install", "publish", step):
+            receiver.install()  # verified against the trainer's checksum
+    replica = topo.replica_of(ctx.rank)
+    results, local, handles = [], {}, []
+    for fragment in plan.fragments:
+        if fragment.replica != replica:
+            continue
+        with tracer.span("generate", "generate", step, fragment.index) as span:
+            t0 = time.perf_counter()
+            result = generator.generate_fragment(plan, fragment, version=step, reward_std=reward_std)
+            if slow > 1:  # --debug-slow-rank: emulate a slower GPU
+                time.sleep((time.perf_counter() - t0) * (slow - 1))
+            span["samples"] = len(result.sample_ids)
+        results.append(result)
+        for chunk in result.chunks:
+            if ctx.disagg:
+                dst = topo.trainer_ranks[plan.chunks[chunk.chunk].trainer]
+                handles.append(p2p.isend_payload(*chunk.to_payload(), dst=dst))
+            else:
+                local[chunk.chunk] = chunk
+    with tracer.span("send_wait", "comm", step):
+        for h in handles:
+            h.wait()  # drain sends at the end of the step
+    return results, local
 
 
 def save_images(images: torch.Tensor, out_dir: str, first_index: int = 0) -> list[str]:

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 import sampler
 from config import RunConfig
+from context import RankContext
 from models import load_model, resolve_device, set_attention
 from models.lora import apply_lora
-from parallel import p2p, publish
+from parallel import publish
 from parallel.plan import plan_step
 from parallel.topology import ProcessGroups, Topology
 from prompts import load_prompts
@@ -53,8 +54,8 @@ def _slow_factor(cfg: RunConfig, rank: int) -> float:
 
 def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
     from rewards import RewardSet, reward_model_paths
-    from rollout import Generator
-    from trainer import Trainer, TrainChunk, autocast
+    from rollout import Generator, generator_step
+    from trainer import Trainer, autocast, trainer_step
 
     device = _device(cfg)
     torch.manual_seed(cfg.seed)
@@ -97,6 +98,7 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
     if cfg.output.resume:
         start = _resume(cfg, adapter, trainer, running)
     _check_same_weights(adapter, publish_names, trainer)  # every rank starts from the same version
+    ctx = RankContext(cfg, topo, rank, device, tracer, adapter, sampling, records)
     logger = MetricsLogger(out_dir, enabled=(rank == 0))
     slow = _slow_factor(cfg, rank)
     progress = _progress(cfg, start) if rank == 0 else None
@@ -109,63 +111,14 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
                              num_replicas=topo.num_replicas, num_trainers=len(topo.trainer_ranks),
                              fragment_groups=cfg.topology.fragment_groups, colocated=not disagg)
             step_start = time.time()
-            version = step
-            local: dict[int, TrainChunk] = {}
+            local: dict = {}
             gen_out = []
             if is_gen:
-                if receiver is not None and receiver.staged_version is not None:
-                    with tracer.span("install", "publish", step):
-                        receiver.install()  # a fragment boundary: swap in version k, verified
-                replica = topo.replica_of(rank)
                 std = running.std if cfg.rl.std_mode == "running" else None
-                handles = []
-                for fragment in plan.fragments:
-                    if fragment.replica != replica:
-                        continue
-                    with tracer.span("generate", "generate", step, fragment.index) as span:
-                        t0 = time.perf_counter()
-                        result = generator.generate_fragment(plan, fragment, version, std)
-                        _sleep_for_slowdown(slow, time.perf_counter() - t0)
-                        span["samples"] = len(result.sample_ids)
-                    gen_out.append(result)
-                    for chunk in result.chunks:
-                        if disagg:
-                            dst = topo.trainer_ranks[plan.chunks[chunk.chunk].trainer]
-                            handles.append(p2p.isend_payload(*chunk.to_payload(), dst=dst))
-                        else:
-                            local[chunk.chunk] = chunk
-                with tracer.span("send_wait", "comm", step):
-                    for h in handles:
-                        h.wait()
+                gen_out, local = generator_step(ctx, generator, receiver, plan, std, slow)
             train_stats = None
             if is_train:
-                me = topo.trainer_ranks.index(rank)
-                pad_to = _fsdp_forward_count(plan, topo, trainer, shard)
-                template = None
-                for c in plan.chunks:
-                    if c.trainer != me:
-                        continue
-                    if c.index in local:
-                        chunk = local.pop(c.index)
-                    else:
-                        src = topo.replica_ranks(plan.fragments[c.fragment].replica)[-1]
-                        with tracer.span("recv", "comm", step, c.fragment):
-                            chunk = TrainChunk.from_payload(*p2p.recv_payload(src, device=torch.device("cpu")))
-                        assert (chunk.step, chunk.chunk) == (step, c.index), (chunk.step, chunk.chunk, step, c.index)
-                    with tracer.span("train", "train", step, c.fragment, chunk=c.index):
-                        trainer.train_chunk(chunk)
-                    template = chunk
-                if pad_to:
-                    with tracer.span("pad", "train", step):
-                        trainer.pad_forwards(pad_to, template)
-                with tracer.span("optimizer", "optimizer", step):
-                    train_stats = trainer.finish_step()
-                if disagg:
-                    with tracer.span("publish", "publish", step):
-                        weights = trainer.full_weights(publish_names)
-                        if me == 0:
-                            for g in topo.generator_ranks:
-                                publish.publish_weights(weights, version + 1, dst=g)
+                train_stats = trainer_step(ctx, trainer, plan, local, publish_names)
             if receiver is not None:
                 with tracer.span("receive_weights", "publish", step):
                     receiver.receive(src=topo.trainer_ranks[0])  # staged; installed at the next step
@@ -225,17 +178,6 @@ def _check_same_weights(adapter, names: list[str], trainer) -> None:
     dist.all_gather_object(everyone, local)  # sync point
     if len(set(everyone)) != 1:
         raise RuntimeError(f"ranks start from different weights: checksums by rank {everyone}")
-
-
-def _sleep_for_slowdown(factor: float, seconds: float) -> None:
-    if factor > 1:
-        time.sleep(seconds * (factor - 1))
-
-
-def _fsdp_forward_count(plan, topo, trainer, shard) -> int:
-    from train_disagg import check_fsdp_balance
-
-    return check_fsdp_balance(plan, topo, trainer, shard)
 
 
 def _merge_rewards(results) -> dict[str, list[float]]:

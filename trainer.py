@@ -313,6 +313,43 @@ class Trainer:
         return {n: full_tensor(e) for n, e in zip(self.names, self.ema)}
 
 
+def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: list[str]) -> dict[str, float]:
+    """One step of a trainer rank: train its chunks in plan order as they arrive (or, colocated,
+    from `local`), one optimizer update, then publish version k+1 to every generator."""
+    from parallel import p2p, publish
+    from train_disagg import check_fsdp_balance
+
+    tracer, topo, step = ctx.tracer, ctx.topo, plan.step
+    me = topo.trainer_ranks.index(ctx.rank)
+    pad_to = check_fsdp_balance(plan, topo, trainer, trainer.sharding)
+    template = None
+    for c in plan.chunks:
+        if c.trainer != me:
+            continue
+        if c.index in local:
+            chunk = local.pop(c.index)
+        else:
+            src = topo.replica_ranks(plan.fragments[c.fragment].replica)[-1]
+            with tracer.span("recv", "comm", step, c.fragment):
+                chunk = TrainChunk.from_payload(*p2p.recv_payload(src, device=torch.device("cpu")))
+            assert (chunk.step, chunk.chunk) == (step, c.index), (chunk.step, chunk.chunk, step, c.index)
+        with tracer.span("train", "train", step, c.fragment, chunk=c.index):
+            trainer.train_chunk(chunk)
+        template = chunk
+    if pad_to:
+        with tracer.span("pad", "train", step):
+            trainer.pad_forwards(pad_to, template)
+    with tracer.span("optimizer", "optimizer", step):
+        stats = trainer.finish_step()  # sync point: all trainers
+    if ctx.disagg:
+        with tracer.span("publish", "publish", step):
+            weights = trainer.full_weights(publish_names)
+            if me == 0:
+                for g in topo.generator_ranks:
+                    publish.publish_weights(weights, step + 1, dst=g)
+    return stats
+
+
 if __name__ == "__main__":
     from config import build_parser
 
