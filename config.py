@@ -21,8 +21,8 @@ class ModelConfig:
     model: str = _f("flux", "model family: flux, wan, qwen_image, hunyuan_video, sd3")
     model_path: str | None = _f(None, "local diffusers folder of the base model; default: the shipped "
                                       "shapes model (flux) if present, else the offline tiny preset")
-    preset: str = _f("auto", "without --model-path: auto (the shipped shapes model for flux, else tiny) or tiny "
-                             "(a random offline model, for tests)")
+    preset: str = _f("auto", "without --model-path: auto (the shipped shapes model for flux, else tiny), tiny "
+                             "(a random offline model, for tests) or mid (random, ~42M parameters, for benchmarks)")
     dtype: str = _f("auto", "model dtype: float32, bfloat16, float16, auto (bf16 autocast on CUDA, fp32 on CPU)")
     attention: str = _f("sdpa", "attention kernel through diffusers' dispatcher: sdpa, flash, flash_varlen, sage")
     device: str = _f("auto", "cpu, cuda or auto (each rank uses cuda:LOCAL_RANK when CUDA is available)")

@@ -121,6 +121,7 @@ def generator_step(ctx, generator: Generator, receiver, plan, reward_std: float 
     generate, decode and score this replica's fragments depth-first, streaming every chunk to its
     trainer as soon as its fragment is scored. Colocated ranks keep their chunks (returned)."""
     from parallel import p2p
+    from trainer import route_chunks
 
     tracer, topo, step = ctx.tracer, ctx.topo, plan.step
     if receiver is not None and receiver.staged_version is not None:
@@ -138,12 +139,11 @@ def generator_step(ctx, generator: Generator, receiver, plan, reward_std: float 
                 time.sleep((time.perf_counter() - t0) * (slow - 1))
             span["samples"] = len(result.sample_ids)
         results.append(result)
-        for chunk in result.chunks:
-            if ctx.disagg:
-                dst = topo.trainer_ranks[plan.chunks[chunk.chunk].trainer]
-                handles.append(p2p.isend_payload(*chunk.to_payload(), dst=dst))
-            else:
-                local[chunk.chunk] = chunk
+        if ctx.disagg:
+            for dst, tensors, meta in route_chunks(ctx, plan, result.chunks):
+                handles.append(p2p.isend_payload(tensors, meta, dst=dst))
+        else:
+            local.update({chunk.chunk: chunk for chunk in result.chunks})
     with tracer.span("send_wait", "comm", step):
         for h in handles:
             h.wait()  # drain sends at the end of the step

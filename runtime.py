@@ -64,7 +64,8 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
         os.makedirs(out_dir, exist_ok=True)
         cfg.save(os.path.join(out_dir, "config.json"))
     # Every rank builds version 0 identically: same weights, same seeded LoRA init.
-    adapter = load_model(cfg.model.model, cfg.model.model_path, seed=cfg.seed, device=device)
+    adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
+                         device=device)
     set_attention(adapter, cfg.model.attention)
     lora_config = None
     if cfg.optim.lora_rank > 0:

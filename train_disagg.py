@@ -25,11 +25,13 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 def resolve_defaults(cfg: RunConfig) -> None:
     """Fill the embedded default: the shipped shapes model, the shapes prompt sets, the shapes reward."""
-    if cfg.model.preset not in ("auto", "tiny"):
-        raise ValueError(f"unknown --preset {cfg.model.preset!r}; choose auto or tiny")
-    if (cfg.model.model_path is None and cfg.model.preset == "auto" and cfg.model.model == "flux"
-            and os.path.isdir(SHIPPED_MODEL)):
-        cfg.model.model_path = SHIPPED_MODEL
+    if cfg.model.preset not in ("auto", "tiny", "mid"):
+        raise ValueError(f"unknown --preset {cfg.model.preset!r}; choose auto, tiny or mid")
+    if cfg.model.model_path is None and cfg.model.preset == "auto":
+        if cfg.model.model == "flux" and os.path.isdir(SHIPPED_MODEL):
+            cfg.model.model_path = SHIPPED_MODEL
+        else:
+            cfg.model.preset = "tiny"
     if cfg.rl.prompts is None:
         cfg.rl.prompts = os.path.join(DATA_DIR, "shapes_train.txt")
     if cfg.output.eval_prompts is None:

@@ -313,6 +313,16 @@ class Trainer:
         return {n: full_tensor(e) for n, e in zip(self.names, self.ema)}
 
 
+def route_chunks(ctx, plan, chunks: list[TrainChunk]) -> list[tuple[int, dict[str, Tensor], dict]]:
+    """Where a scored fragment's training data goes: (trainer rank, tensors, meta) payloads, sent
+    by the generator as soon as the fragment is scored. Each chunk goes whole to its planned trainer."""
+    out = []
+    for chunk in chunks:
+        tensors, meta = chunk.to_payload()
+        out.append((ctx.topo.trainer_ranks[plan.chunks[chunk.chunk].trainer], tensors, meta))
+    return out
+
+
 def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: list[str]) -> dict[str, float]:
     """One step of a trainer rank: train its chunks in plan order as they arrive (or, colocated,
     from `local`), one optimizer update, then publish version k+1 to every generator."""

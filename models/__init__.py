@@ -41,12 +41,13 @@ def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny"
     cls = adapter_class(name)
     if model_path:
         adapter = cls.from_pretrained(model_path, dtype=dtype)
-    elif preset == "tiny":
-        adapter = cls.tiny(seed=seed)
+    elif preset in ("tiny", "mid") and hasattr(cls, preset):
+        adapter = getattr(cls, preset)(seed=seed)
         if dtype != adapter.dtype:
             adapter.to(dtype=dtype)
     else:
-        raise ValueError(f"unknown preset {preset!r} for model {name!r}; use --model-path DIR or preset 'tiny'")
+        known = [p for p in ("tiny", "mid") if hasattr(cls, p)]
+        raise ValueError(f"unknown preset {preset!r} for model {name!r}; use --model-path DIR or one of {known}")
     return adapter.to(device=device)
 
 

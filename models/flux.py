@@ -118,11 +118,22 @@ class FluxAdapter(DiTAdapter):
     # ----- presets --------------------------------------------------------------------------
     @classmethod
     def tiny(cls, seed: int = 0):
+        return cls._random(seed, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                           axes_dims_rope=(4, 6, 6))
+
+    @classmethod
+    def mid(cls, seed: int = 0):
+        """About 42M transformer parameters (4 double + 8 single blocks, width 384): big enough that
+        compute, not Python overhead, dominates a CPU benchmark."""
+        return cls._random(seed, num_layers=4, num_single_layers=8, attention_head_dim=64, num_attention_heads=6,
+                           axes_dims_rope=(16, 24, 24))
+
+    @classmethod
+    def _random(cls, seed: int, **transformer_config):
         torch.manual_seed(seed)
         transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6),
-            guidance_embeds=True)
+            patch_size=1, in_channels=16, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+            **transformer_config)
         vae = AutoencoderKL(
             in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8), layers_per_block=1,
             norm_num_groups=4, down_block_types=("DownEncoderBlock2D",) * 2,
