@@ -86,6 +86,11 @@ class TopologyConfig:
     fragment_groups: int | None = _f(None, "groups per fragment (default: all of a replica's groups in one fragment)")
     colocated_sharding: str = _f("replicate", "colocated mode: replicate (every rank a full copy) or fsdp")
     train_sharding: str = _f("replicate", "trainer group: replicate (data parallel) or fsdp (FSDP2 fully_shard)")
+    tsp: bool = _f(False, "TSP: pack transitions across samples and timesteps and spread every fragment over all "
+                          "trainer ranks")
+    train_micro_batch: int | None = _f(None, "TSP: transitions per training forward (default: --micro-batch)")
+    tag: bool = _f(False, "TAG: idle trainers generate unstarted fragments when BTS predicts a shorter step")
+    tcss: bool = _f(False, "TCSS: generators may start step k+1 with version k (staleness at most 1)")
     dist_timeout_s: int = _f(600, "timeout of every collective and point-to-point wait, in seconds")
 
 
