@@ -123,17 +123,17 @@ def all_specs() -> list[Spec]:
 
 def sample_spec(rng: np.random.Generator) -> Spec:
     """A random prompt: template kind uniform, then colors, shapes and position (None or one of four)."""
+    def pick(count: int = 1) -> ObjectSpec:
+        return ObjectSpec(COLORS[rng.integers(len(COLORS))], SHAPES[rng.integers(len(SHAPES))], count)
+
     kind = KINDS[rng.integers(len(KINDS))]
-    pick = lambda: ObjectSpec(COLORS[rng.integers(len(COLORS))], SHAPES[rng.integers(len(SHAPES))])  # noqa: E731
     if kind == "pair":
-        a = pick()
-        b = a
-        while b == a:
-            b = pick()
-        objects = (a, b)
+        first, second = pick(), pick()
+        while second == first:
+            second = pick()
+        objects = (first, second)
     else:
-        o = pick()
-        objects = (ObjectSpec(o.color, o.shape, KINDS.index(kind) + 1),)
+        objects = (pick(KINDS.index(kind) + 1),)
     options = (None, *POSITIONS)
     return Spec(objects, options[rng.integers(len(options))])
 
