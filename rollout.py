@@ -75,26 +75,40 @@ class Generator:
         self.autocast = autocast_ctx or contextlib.nullcontext
         self.sigmas = sampler.sigmas_for(adapter, sampling)
 
-    def generate_fragment(self, plan, fragment, version: int, reward_std: float | None = None) -> FragmentResult:
-        from trainer import TrainChunk
+    def chunk_inputs(self, plan, chunk):
+        """(records, cond, neg_cond, init_ids) of a chunk: its prompts encoded, and the keys of its initial noise."""
+        g = plan.group_size
+        records = [self.records[plan.prompt_indices[i // g]] for i in chunk.sample_ids]
+        cond, neg = encode_batch(self.adapter, [r.prompt for r in records], self.negative_prompt, self.sampling)
+        return records, cond, neg, self.init_ids(plan, chunk)
 
-        step, g = plan.step, plan.group_size
-        trajs, conds, negs, images = [], [], [], []
+    def init_ids(self, plan, chunk) -> list[int]:
+        """Keys of the initial noise: the sample ids, or the group's (a negative id) when a group shares it."""
+        g = plan.group_size
+        return [-1 - i // g for i in chunk.sample_ids] if self.same_group_noise else list(chunk.sample_ids)
+
+    def generate_fragment(self, plan, fragment, version: int, reward_std: float | None = None) -> FragmentResult:
+        trajs, conds, negs = [], [], []
         for chunk in fragment.chunks:
-            records = [self.records[plan.prompt_indices[i // g]] for i in chunk.sample_ids]
-            cond, neg = encode_batch(self.adapter, [r.prompt for r in records], self.negative_prompt, self.sampling)
-            init_ids = [-1 - i // g for i in chunk.sample_ids] if self.same_group_noise else None
+            _, cond, neg, init_ids = self.chunk_inputs(plan, chunk)
             with self.autocast():
-                traj = sampler.denoise(self.adapter, cond, neg, list(chunk.sample_ids), step, self.sampling,
-                                       init_ids=init_ids, sigmas=self.sigmas)
-                images.append(self.adapter.decode(traj.latents[:, -1]).cpu())
-            trajs.append(traj)
+                trajs.append(sampler.denoise(self.adapter, cond, neg, list(chunk.sample_ids), plan.step,
+                                             self.sampling, init_ids=init_ids, sigmas=self.sigmas))
             conds.append(cond)
             negs.append(neg)
+        return self.finish_fragment(plan, fragment, trajs, conds, negs, version, reward_std)
+
+    def finish_fragment(self, plan, fragment, trajs, conds, negs, version: int,
+                        reward_std: float | None) -> FragmentResult:
+        """Decode and score a denoised fragment, compute its group advantages, cut it into chunks."""
+        from trainer import TrainChunk
+
+        g = plan.group_size
+        with self.autocast():
+            images = torch.cat([self.adapter.decode(t.latents[:, -1]).cpu() for t in trajs])
         ids = list(fragment.sample_ids)
         records = [self.records[plan.prompt_indices[i // g]] for i in ids]
         prompts = [r.prompt for r in records]
-        images = torch.cat(images)
         scores = self.rewards.score(images, prompts, [r.metadata for r in records])
         combined = self.rewards.combine(scores).float().cpu()
         group_ids = torch.tensor([i // g for i in ids])
@@ -105,7 +119,7 @@ class Generator:
         for chunk, traj, cond, neg in zip(fragment.chunks, trajs, conds, negs):
             n = len(chunk.sample_ids)
             sl = slice(start, start + n)
-            chunks.append(TrainChunk(step, fragment.index, chunk.index, version,
+            chunks.append(TrainChunk(plan.step, fragment.index, chunk.index, version,
                                      torch.tensor(chunk.sample_ids, dtype=torch.int64), traj.latents.cpu(),
                                      traj.log_probs.cpu(), adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(),
                                      cond.to("cpu"), neg.to("cpu") if neg is not None else None))

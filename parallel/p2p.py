@@ -181,7 +181,55 @@ def isend_payload(tensors: dict[str, Tensor], meta: dict[str, Any] | None, dst: 
     return SendHandle(works, buffers)
 
 
+# ---------------------------------------------------------------------------------------------
+# Framed messages: a fixed-size header, so a receive can be posted before the message is needed
+# ---------------------------------------------------------------------------------------------
+
+FRAME_HEADER_BYTES = 1 << 14
+
+
+def isend_framed(tensors: dict[str, Tensor], meta: dict[str, Any] | None, dst: int, group=None) -> SendHandle:
+    """Like isend_payload, but the header travels in a fixed FRAME_HEADER_BYTES buffer (two
+    messages, no length), so the receiver can post its receive early with `post_recv`."""
+    comm = comm_device(group)
+    _, header_t, buffer = pack_payload(tensors, meta, comm)
+    if header_t.numel() > FRAME_HEADER_BYTES:
+        raise ValueError(f"framed header of {header_t.numel()} bytes exceeds {FRAME_HEADER_BYTES}")
+    frame = torch.zeros(FRAME_HEADER_BYTES, dtype=torch.uint8, device=comm)
+    frame[:header_t.numel()] = header_t
+    buffers = [frame] + ([buffer] if buffer is not None else [])
+    return SendHandle([dist.isend(b, dst=dst, group=group) for b in buffers], buffers)
+
+
+class PostedRecv:
+    """A framed receive posted ahead of time. Post at most one per (src, dst) pair at a time:
+    the messages of a pair match receives in order."""
+
+    def __init__(self, src: int, group=None, device: torch.device | str | None = None):
+        self.src, self.group = src, group
+        self.comm = comm_device(group)
+        self.device = torch.device(device) if device is not None else self.comm
+        self.frame = torch.empty(FRAME_HEADER_BYTES, dtype=torch.uint8, device=self.comm)
+        self.work = dist.irecv(self.frame, src=src, group=group)
+
+    def wait(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        self.work.wait()  # rank wait: the header of src's next framed message
+        raw = bytes(self.frame.cpu().numpy().tobytes()).rstrip(b"\0")
+        header = json.loads(raw.decode())
+        buffer = None
+        if header["nbytes"]:
+            buffer = torch.empty(header["nbytes"], dtype=torch.uint8, device=self.comm)
+            dist.recv(buffer, src=self.src, group=self.group)
+            buffer = buffer.to(self.device)
+        return unpack_payload(header, buffer, self.device), header["meta"]
+
+
+def post_recv(src: int, group=None, device: torch.device | str | None = None) -> PostedRecv:
+    return PostedRecv(src, group, device)
+
+
 __all__ = [
+    "FRAME_HEADER_BYTES", "PostedRecv", "isend_framed", "post_recv",
     "SendHandle", "as_bytes", "comm_device", "dtype_from_name", "isend_payload", "pack_payload",
     "recv_payload", "send_payload", "unpack_payload",
 ]

@@ -1,0 +1,230 @@
+"""GAP's block pipeline inside a generator replica (DESIGN.md 5.2).
+
+A replica of S ranks splits the DiT blocks into S contiguous stages (parallel/schedule.py
+partitions them by measured cost and rank speed). Stage 0 also holds embed, stage S-1 also holds
+the head, the SDE step, decode and scoring. Every denoising step of a micro-batch flows stage 0 ->
+S-1 as activations (State.acts); the last stage owns the latent, takes the SDE step and sends the
+new latent back to stage 0. Rotary tables and masks are recomputed on each stage from the
+conditioning (which travels once per micro-batch, with its first step). One executor runs the
+schedule: it posts each receive before computing the action that precedes it and drains its sends
+at the end. Micro-batches are the plan's chunks, so every sample sees the same batch as with S = 1
+and the trajectories are bitwise the same.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import sampler
+from models import Conditioning, DiTAdapter, State
+from parallel import p2p
+from parallel.schedule import Action, gap_schedule, partition_blocks, validate_schedule
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    ranks: tuple[int, ...]  # the replica's ranks, stage 0 first
+    stage: int
+    blocks: tuple[int, int]  # [start, end) of this stage's blocks
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+# ----- which weights a stage holds --------------------------------------------------------------
+def block_prefixes(adapter: DiTAdapter) -> list[str]:
+    """Parameter-name prefix of every block, in block order."""
+    name_of = {id(m): n for n, m in adapter.transformer.named_modules()}
+    return [name_of[id(b)] + "." for b in adapter.blocks]
+
+
+def stage_param_names(adapter: DiTAdapter, names: list[str], blocks: tuple[int, int], first: bool,
+                      last: bool) -> list[str]:
+    """The subset of `names` a stage needs: its blocks, and everything outside the blocks (embed,
+    head) on the first and last stage."""
+    prefixes = block_prefixes(adapter)
+    out = []
+    for n in names:
+        owner = next((i for i, p in enumerate(prefixes) if n.startswith(p)), None)
+        if (owner is None and (first or last)) or (owner is not None and blocks[0] <= owner < blocks[1]):
+            out.append(n)
+    return out
+
+
+def release_other_blocks(adapter: DiTAdapter, blocks: tuple[int, int]) -> None:
+    """Free the blocks this stage does not run: each generator holds about 1/S of the DiT."""
+    for i, block in enumerate(adapter.blocks):
+        if not blocks[0] <= i < blocks[1]:
+            block.to("meta")
+
+
+@torch.no_grad()
+def measure_block_costs(adapter: DiTAdapter, sampling: sampler.SamplingConfig, batch: int,
+                        repeats: int = 2) -> list[float]:
+    """Seconds per block for one micro-batch on this rank (the last of `repeats` runs)."""
+    shape = adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)
+    cond = adapter.encode_prompts([""] * batch)
+    x = torch.randn(batch, *shape, device=adapter.device)
+    state = adapter.embed(x, torch.full((batch,), 0.5, device=adapter.device), cond, sampling.guidance)
+    costs = []
+    for i in range(len(adapter.blocks)):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = adapter.run_block(i, state)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            cost = time.perf_counter() - t0
+        costs.append(cost)
+        state = out
+    return costs
+
+
+def plan_stages(costs_by_rank: dict[int, list[float]], replica_ranks: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Partition from measurements of every rank of the replica: block costs averaged after
+    normalizing each rank's total, stage speeds = 1 / each rank's total time."""
+    totals = [sum(costs_by_rank[r]) for r in replica_ranks]
+    n = len(costs_by_rank[replica_ranks[0]])
+    shares = [sum(costs_by_rank[r][i] / tot for r, tot in zip(replica_ranks, totals)) / len(replica_ranks)
+              for i in range(n)]
+    return partition_blocks(shares, [1.0 / tot for tot in totals])
+
+
+# ----- the executor -----------------------------------------------------------------------------
+def _cond_payload(prefix: str, cond: Conditioning | None) -> dict[str, Tensor]:
+    return {} if cond is None else {prefix + k: v.contiguous() for k, v in cond.tensors.items()}
+
+
+def _cond_from(prefix: str, tensors: dict[str, Tensor]) -> Conditioning | None:
+    sub = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    return Conditioning(sub) if sub else None
+
+
+class PipelinedReplica:
+    """Runs one step's micro-batches of a replica through its stages."""
+
+    def __init__(self, generator, layout: StageLayout):
+        self.gen, self.layout = generator, layout
+        self.adapter: DiTAdapter = generator.adapter
+        self.sampling: sampler.SamplingConfig = generator.sampling
+        self._validated: set[tuple[int, int]] = set()
+
+    def schedule(self, num_microbatches: int) -> list[Action]:
+        s, k = self.layout.num_stages, self.sampling.num_steps
+        full = gap_schedule(s, num_microbatches, k)
+        if (num_microbatches, k) not in self._validated:
+            validate_schedule(full, s, num_microbatches, k)
+            self._validated.add((num_microbatches, k))
+        return full[self.layout.stage]
+
+    def _source(self, a: Action) -> int | None:
+        p = a.producer(self.layout.num_stages)
+        return None if p is None else self.layout.ranks[p.stage]
+
+    def run_step(self, plan, fragments, version: int, reward_std: float | None, emit, tracer=None) -> list:
+        """Generate `fragments` (this replica's, in plan order). On the last stage every fragment
+        is decoded, scored and handed to `emit` as soon as its last micro-batch finishes."""
+        lay, adapter, cfg = self.layout, self.adapter, self.sampling
+        chunks = [(f, c) for f in fragments for c in f.chunks]
+        actions = self.schedule(len(chunks))
+        sigmas = self.gen.sigmas
+        shape = adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)
+        dev = adapter.device
+        conds: dict[int, tuple] = {}      # mb -> (cond, neg)
+        sides: dict[int, tuple] = {}      # mb -> (side_c, side_u)
+        x_of: dict[int, Tensor] = {}      # last stage: mb -> current latent
+        paths: dict[int, tuple[list, list]] = {}  # last stage: mb -> (latents, log_probs)
+        done_trajs: dict[int, sampler.Trajectory] = {}
+        results, sends = [], []
+        next_rank = lay.ranks[(lay.stage + 1) % lay.num_stages]
+
+        def post(i: int):
+            for j in range(i, len(actions)):
+                src = self._source(actions[j])
+                if src is not None:
+                    return j, p2p.post_recv(src, device=dev)
+            return None, None
+
+        pending_at, pending = post(0)
+        for i, a in enumerate(actions):
+            frag, chunk = chunks[a.mb]
+            ids = list(chunk.sample_ids)
+            msg = None
+            if pending_at == i:
+                tensors, meta = pending.wait()
+                assert (meta["mb"], meta["t"]) == (a.mb, a.t), (meta, str(a))
+                msg = tensors
+                pending_at, pending = post(i + 1)  # posted early: before this action computes
+            if a.t == 0:
+                if lay.first:
+                    _, cond, neg, _ = self.gen.chunk_inputs(plan, chunk)
+                else:
+                    cond, neg = _cond_from("cond.", msg), _cond_from("neg.", msg)
+                conds[a.mb] = (cond, neg)
+                sides[a.mb] = (adapter.side_inputs(shape, cond), adapter.side_inputs(shape, neg) if neg else None)
+            cond, neg = conds[a.mb]
+            sigma = sigmas[a.t].to(dev).expand(len(ids))
+            if lay.last and a.t == 0:
+                init = self.gen.init_ids(plan, chunk)
+                x_of[a.mb] = torch.stack([sampler.initial_noise(cfg.seed, plan.step, j, shape) for j in init]).to(dev)
+                paths[a.mb] = ([x_of[a.mb]], [])
+            with self.gen.autocast(), torch.no_grad():
+                if lay.first:
+                    x = (torch.stack([sampler.initial_noise(cfg.seed, plan.step, j, shape)
+                                      for j in self.gen.init_ids(plan, chunk)]).to(dev)
+                         if a.t == 0 else msg["x"])
+                    states = [adapter.embed(x, sigma, cond, cfg.guidance)]
+                    if cfg.cfg_scale != 1.0:
+                        states.append(adapter.embed(x, sigma, neg, cfg.guidance))
+                else:
+                    side_c, side_u = sides[a.mb]
+                    states = [State({k[2:]: v for k, v in msg.items() if k.startswith("c.")}, side_c)]
+                    if cfg.cfg_scale != 1.0:
+                        states.append(State({k[2:]: v for k, v in msg.items() if k.startswith("u.")}, side_u))
+                for b in range(*lay.blocks):
+                    states = [adapter.run_block(b, st) for st in states]
+                if not lay.last:
+                    out = {f"{tag}.{k}": v.contiguous() for tag, st in zip("cu", states) for k, v in st.acts.items()}
+                    if a.t == 0:
+                        out.update(_cond_payload("cond.", cond))
+                        out.update(_cond_payload("neg.", neg))
+                    sends.append(p2p.isend_framed(out, {"mb": a.mb, "t": a.t}, dst=next_rank))
+                    continue
+                v = adapter.head(states[0])
+                if cfg.cfg_scale != 1.0:
+                    v = adapter.combine_cfg(v, adapter.head(states[1]), cfg.cfg_scale)
+            eps = torch.stack([sampler.step_noise(cfg.seed, plan.step, j, a.t, shape) for j in ids]).to(dev)
+            step = sampler.sde_step(x_of[a.mb], v, sigmas[a.t].item(), sigmas[a.t + 1].item(), sde_type=cfg.sde_type,
+                                    noise_level=cfg.noise_level_at(a.t), noise=eps)
+            x_of[a.mb] = step.x_next
+            paths[a.mb][0].append(step.x_next)
+            paths[a.mb][1].append(step.log_prob)
+            if a.t + 1 < cfg.num_steps:
+                sends.append(p2p.isend_framed({"x": step.x_next.contiguous()}, {"mb": a.mb, "t": a.t + 1},
+                                              dst=next_rank))
+                continue
+            lat, lps = paths.pop(a.mb)
+            done_trajs[a.mb] = sampler.Trajectory(torch.stack(lat, dim=1), torch.stack(lps, dim=1), sigmas)
+            del x_of[a.mb]
+            members = [m for m, (f, _) in enumerate(chunks) if f.index == frag.index]
+            if all(m in done_trajs for m in members):
+                result = self.gen.finish_fragment(plan, frag, [done_trajs.pop(m) for m in members],
+                                                  [conds[m][0] for m in members], [conds[m][1] for m in members],
+                                                  version, reward_std)
+                results.append(result)
+                emit(result)
+            sends = [h for h in sends if not h.is_completed()]
+        for h in sends:
+            h.wait()  # drain sends at the end
+        return results
