@@ -12,8 +12,9 @@ and the trajectories are bitwise the same.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -135,96 +136,114 @@ class PipelinedReplica:
     def run_step(self, plan, fragments, version: int, reward_std: float | None, emit, tracer=None) -> list:
         """Generate `fragments` (this replica's, in plan order). On the last stage every fragment
         is decoded, scored and handed to `emit` as soon as its last micro-batch finishes."""
-        lay, adapter, cfg = self.layout, self.adapter, self.sampling
         chunks = [(f, c) for f in fragments for c in f.chunks]
         actions = self.schedule(len(chunks))
-        sigmas = self.gen.sigmas
-        shape = adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)
-        dev = adapter.device
-        conds: dict[int, tuple] = {}      # mb -> (cond, neg)
-        sides: dict[int, tuple] = {}      # mb -> (side_c, side_u)
-        x_of: dict[int, Tensor] = {}      # last stage: mb -> current latent
-        paths: dict[int, tuple[list, list]] = {}  # last stage: mb -> (latents, log_probs)
-        done_trajs: dict[int, sampler.Trajectory] = {}
-        results, sends = [], []
-        next_rank = lay.ranks[(lay.stage + 1) % lay.num_stages]
+        st = _StepState(plan, chunks, version, reward_std, emit)
 
         def post(i: int):
             for j in range(i, len(actions)):
                 src = self._source(actions[j])
                 if src is not None:
-                    return j, p2p.post_recv(src, device=dev)
+                    return j, p2p.post_recv(src, device=self.adapter.device)
             return None, None
 
         pending_at, pending = post(0)
         for i, a in enumerate(actions):
-            frag, chunk = chunks[a.mb]
-            ids = list(chunk.sample_ids)
             msg = None
             if pending_at == i:
-                tensors, meta = pending.wait()
+                msg, meta = pending.wait()  # rank wait: the producing stage's output
                 assert (meta["mb"], meta["t"]) == (a.mb, a.t), (meta, str(a))
-                msg = tensors
                 pending_at, pending = post(i + 1)  # posted early: before this action computes
-            if a.t == 0:
-                if lay.first:
-                    _, cond, neg, _ = self.gen.chunk_inputs(plan, chunk)
-                else:
-                    cond, neg = _cond_from("cond.", msg), _cond_from("neg.", msg)
-                conds[a.mb] = (cond, neg)
-                sides[a.mb] = (adapter.side_inputs(shape, cond), adapter.side_inputs(shape, neg) if neg else None)
-            cond, neg = conds[a.mb]
-            sigma = sigmas[a.t].to(dev).expand(len(ids))
-            if lay.last and a.t == 0:
-                init = self.gen.init_ids(plan, chunk)
-                x_of[a.mb] = torch.stack([sampler.initial_noise(cfg.seed, plan.step, j, shape) for j in init]).to(dev)
-                paths[a.mb] = ([x_of[a.mb]], [])
-            with self.gen.autocast(), torch.no_grad():
-                if lay.first:
-                    x = (torch.stack([sampler.initial_noise(cfg.seed, plan.step, j, shape)
-                                      for j in self.gen.init_ids(plan, chunk)]).to(dev)
-                         if a.t == 0 else msg["x"])
-                    states = [adapter.embed(x, sigma, cond, cfg.guidance)]
-                    if cfg.cfg_scale != 1.0:
-                        states.append(adapter.embed(x, sigma, neg, cfg.guidance))
-                else:
-                    side_c, side_u = sides[a.mb]
-                    states = [State({k[2:]: v for k, v in msg.items() if k.startswith("c.")}, side_c)]
-                    if cfg.cfg_scale != 1.0:
-                        states.append(State({k[2:]: v for k, v in msg.items() if k.startswith("u.")}, side_u))
-                for b in range(*lay.blocks):
-                    states = [adapter.run_block(b, st) for st in states]
-                if not lay.last:
-                    out = {f"{tag}.{k}": v.contiguous() for tag, st in zip("cu", states) for k, v in st.acts.items()}
-                    if a.t == 0:
-                        out.update(_cond_payload("cond.", cond))
-                        out.update(_cond_payload("neg.", neg))
-                    sends.append(p2p.isend_framed(out, {"mb": a.mb, "t": a.t}, dst=next_rank))
-                    continue
-                v = adapter.head(states[0])
-                if cfg.cfg_scale != 1.0:
-                    v = adapter.combine_cfg(v, adapter.head(states[1]), cfg.cfg_scale)
-            eps = torch.stack([sampler.step_noise(cfg.seed, plan.step, j, a.t, shape) for j in ids]).to(dev)
-            step = sampler.sde_step(x_of[a.mb], v, sigmas[a.t].item(), sigmas[a.t + 1].item(), sde_type=cfg.sde_type,
-                                    noise_level=cfg.noise_level_at(a.t), noise=eps)
-            x_of[a.mb] = step.x_next
-            paths[a.mb][0].append(step.x_next)
-            paths[a.mb][1].append(step.log_prob)
-            if a.t + 1 < cfg.num_steps:
-                sends.append(p2p.isend_framed({"x": step.x_next.contiguous()}, {"mb": a.mb, "t": a.t + 1},
-                                              dst=next_rank))
-                continue
-            lat, lps = paths.pop(a.mb)
-            done_trajs[a.mb] = sampler.Trajectory(torch.stack(lat, dim=1), torch.stack(lps, dim=1), sigmas)
-            del x_of[a.mb]
-            members = [m for m, (f, _) in enumerate(chunks) if f.index == frag.index]
-            if all(m in done_trajs for m in members):
-                result = self.gen.finish_fragment(plan, frag, [done_trajs.pop(m) for m in members],
-                                                  [conds[m][0] for m in members], [conds[m][1] for m in members],
-                                                  version, reward_std)
-                results.append(result)
-                emit(result)
-            sends = [h for h in sends if not h.is_completed()]
-        for h in sends:
+            span = (tracer.span("F", "generate", plan.step, chunks[a.mb][0].index, mb=a.mb, t=a.t)
+                    if tracer is not None else contextlib.nullcontext())
+            with span:
+                self._act(st, a, msg)
+            st.sends = [h for h in st.sends if not h.is_completed()]
+        for h in st.sends:
             h.wait()  # drain sends at the end
-        return results
+        return st.results
+
+    def _act(self, st: "_StepState", a: Action, msg: dict | None) -> None:
+        lay, adapter, cfg, plan = self.layout, self.adapter, self.sampling, st.plan
+        frag, chunk = st.chunks[a.mb]
+        ids = list(chunk.sample_ids)
+        sigmas = self.gen.sigmas
+        shape = adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)
+        dev = adapter.device
+        next_rank = lay.ranks[(lay.stage + 1) % lay.num_stages]
+        if a.t == 0:
+            if lay.first:
+                _, cond, neg, _ = self.gen.chunk_inputs(plan, chunk)
+            else:
+                cond, neg = _cond_from("cond.", msg), _cond_from("neg.", msg)
+            st.conds[a.mb] = (cond, neg)
+            st.sides[a.mb] = (adapter.side_inputs(shape, cond), adapter.side_inputs(shape, neg) if neg else None)
+            if lay.first or lay.last:
+                init = self.gen.init_ids(plan, chunk)
+                x0 = torch.stack([sampler.initial_noise(cfg.seed, plan.step, j, shape) for j in init]).to(dev)
+                if lay.last:  # the last stage owns the latent and the stored path
+                    st.x_of[a.mb] = x0
+                    st.paths[a.mb] = ([x0], [])
+        cond, neg = st.conds[a.mb]
+        sigma = sigmas[a.t].to(dev).expand(len(ids))
+        with self.gen.autocast(), torch.no_grad():
+            if lay.first:
+                x = x0 if a.t == 0 else msg["x"]  # the latent comes back from the last stage
+                states = [adapter.embed(x, sigma, cond, cfg.guidance)]
+                if cfg.cfg_scale != 1.0:
+                    states.append(adapter.embed(x, sigma, neg, cfg.guidance))
+            else:
+                side_c, side_u = st.sides[a.mb]
+                states = [State({k[2:]: v for k, v in msg.items() if k.startswith("c.")}, side_c)]
+                if cfg.cfg_scale != 1.0:
+                    states.append(State({k[2:]: v for k, v in msg.items() if k.startswith("u.")}, side_u))
+            for b in range(*lay.blocks):
+                states = [adapter.run_block(b, s) for s in states]
+            if not lay.last:
+                out = {f"{tag}.{k}": v.contiguous() for tag, s in zip("cu", states) for k, v in s.acts.items()}
+                if a.t == 0:
+                    out.update(_cond_payload("cond.", cond))
+                    out.update(_cond_payload("neg.", neg))
+                st.sends.append(p2p.isend_framed(out, {"mb": a.mb, "t": a.t}, dst=next_rank))
+                return
+            v = adapter.head(states[0])
+            if cfg.cfg_scale != 1.0:
+                v = adapter.combine_cfg(v, adapter.head(states[1]), cfg.cfg_scale)
+        eps = torch.stack([sampler.step_noise(cfg.seed, plan.step, j, a.t, shape) for j in ids]).to(dev)
+        out = sampler.sde_step(st.x_of[a.mb], v, sigmas[a.t].item(), sigmas[a.t + 1].item(), sde_type=cfg.sde_type,
+                               noise_level=cfg.noise_level_at(a.t), noise=eps)
+        st.x_of[a.mb] = out.x_next
+        st.paths[a.mb][0].append(out.x_next)
+        st.paths[a.mb][1].append(out.log_prob)
+        if a.t + 1 < cfg.num_steps:
+            st.sends.append(p2p.isend_framed({"x": out.x_next.contiguous()}, {"mb": a.mb, "t": a.t + 1},
+                                             dst=next_rank))
+            return
+        lat, lps = st.paths.pop(a.mb)
+        st.done[a.mb] = sampler.Trajectory(torch.stack(lat, dim=1), torch.stack(lps, dim=1), sigmas)
+        del st.x_of[a.mb]
+        members = [m for m, (f, _) in enumerate(st.chunks) if f.index == frag.index]
+        if all(m in st.done for m in members):
+            result = self.gen.finish_fragment(plan, frag, [st.done.pop(m) for m in members],
+                                              [st.conds[m][0] for m in members], [st.conds[m][1] for m in members],
+                                              st.version, st.reward_std)
+            st.results.append(result)
+            st.emit(result)
+
+
+@dataclass
+class _StepState:
+    """What the executor carries between the actions of one step."""
+
+    plan: object
+    chunks: list
+    version: int
+    reward_std: float | None
+    emit: object
+    conds: dict = field(default_factory=dict)   # mb -> (cond, neg)
+    sides: dict = field(default_factory=dict)   # mb -> (side inputs of cond, of neg)
+    x_of: dict = field(default_factory=dict)    # last stage: mb -> current latent
+    paths: dict = field(default_factory=dict)   # last stage: mb -> (latents, log_probs)
+    done: dict = field(default_factory=dict)    # last stage: mb -> finished Trajectory
+    results: list = field(default_factory=list)
+    sends: list = field(default_factory=list)

@@ -130,7 +130,7 @@ class Generator:
 
 
 def generator_step(ctx, generator: Generator, receiver, plan, reward_std: float | None,
-                   slow: float = 1.0) -> tuple[list[FragmentResult], dict]:
+                   slow: float = 1.0, replica=None) -> tuple[list[FragmentResult], dict]:
     """One step of a generator rank: install the staged version (a fragment boundary), then
     generate, decode and score this replica's fragments depth-first, streaming every chunk to its
     trainer as soon as its fragment is scored. Colocated ranks keep their chunks (returned)."""
@@ -141,11 +141,16 @@ def generator_step(ctx, generator: Generator, receiver, plan, reward_std: float 
     if receiver is not None and receiver.staged_version is not None:
         with tracer.span("install", "publish", step):
             receiver.install()  # verified against the trainer's checksum
-    replica = topo.replica_of(ctx.rank)
+    mine = [f for f in plan.fragments if f.replica == topo.replica_of(ctx.rank)]
     results, local, handles = [], {}, []
-    for fragment in plan.fragments:
-        if fragment.replica != replica:
-            continue
+    if replica is not None:  # a GAP replica of several stages; the last one emits the fragments
+        def emit(result):
+            for dst, tensors, meta in route_chunks(ctx, plan, result.chunks):
+                handles.append(p2p.isend_payload(tensors, meta, dst=dst))
+
+        results = replica.run_step(plan, mine, version=step, reward_std=reward_std, emit=emit, tracer=tracer)
+        mine = []
+    for fragment in mine:
         with tracer.span("generate", "generate", step, fragment.index) as span:
             t0 = time.perf_counter()
             result = generator.generate_fragment(plan, fragment, version=step, reward_std=reward_std)

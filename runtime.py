@@ -88,17 +88,24 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
                               drop_zero_std=cfg.rl.drop_zero_std,
                               autocast_ctx=lambda: autocast(device, cfg.model.dtype))
     disagg = topo.mode == "disagg"
-    publish_names = _publish_names(adapter, cfg)
-    receiver = publish.WeightReceiver(_params(adapter, publish_names)) if (disagg and is_gen) else None
 
     from algorithm import RunningStd
     from metrics import MetricsLogger
+    from pipeline import PipelinedReplica, release_other_blocks
 
     running = RunningStd()
     start = 0
     if cfg.output.resume:
         start = _resume(cfg, adapter, trainer, running)
-    _check_same_weights(adapter, publish_names, trainer)  # every rank starts from the same version
+    all_names = _publish_names(adapter, cfg)
+    _check_same_weights(adapter, all_names, trainer)  # every rank starts from the same version
+    layouts = _stage_layouts(cfg, topo, rank, adapter, sampling) if topo.gap_stages > 1 else {}
+    publish_names = {g: _stage_names(adapter, all_names, layouts.get(g)) for g in topo.generator_ranks}
+    replica = None
+    if is_gen and layouts:
+        release_other_blocks(adapter, layouts[rank].blocks)
+        replica = PipelinedReplica(generator, layouts[rank])
+    receiver = publish.WeightReceiver(_params(adapter, publish_names[rank])) if (disagg and is_gen) else None
     ctx = RankContext(cfg, topo, rank, device, tracer, adapter, sampling, records)
     logger = MetricsLogger(out_dir, enabled=(rank == 0))
     slow = _slow_factor(cfg, rank)
@@ -116,7 +123,7 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
             gen_out = []
             if is_gen:
                 std = running.std if cfg.rl.std_mode == "running" else None
-                gen_out, local = generator_step(ctx, generator, receiver, plan, std, slow)
+                gen_out, local = generator_step(ctx, generator, receiver, plan, std, slow, replica)
             train_stats = None
             if is_train:
                 train_stats = trainer_step(ctx, trainer, plan, local, publish_names)
@@ -145,8 +152,6 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
             if (cfg.output.save_every and done % cfg.output.save_every == 0) or done == cfg.rl.steps:
                 _save(cfg, adapter, trainer, topo, rank, done, running, lora_config)
             if cfg.output.eval_every and (done % cfg.output.eval_every == 0 or done == cfg.rl.steps):
-                if receiver is not None and receiver.staged_version is not None:
-                    receiver.install()  # evaluate version k+1
                 _evaluate(cfg, adapter, sampling, topo, rank, done, logger, tracer)
     finally:
         if progress is not None:
@@ -167,6 +172,33 @@ def _publish_names(adapter, cfg: RunConfig) -> list[str]:
     if cfg.optim.lora_rank > 0:
         return [n for n, _ in named if ".lora_" in n]
     return [n for n, _ in named]
+
+
+def _stage_layouts(cfg: RunConfig, topo: Topology, rank: int, adapter, sampling) -> dict:
+    """GAP stages: every generator rank measures its per-block cost; every rank then computes the
+    same partition of every replica from the gathered measurements."""
+    from pipeline import StageLayout, measure_block_costs, plan_stages
+    from trainer import autocast
+
+    costs = None
+    if topo.is_generator(rank):
+        with autocast(adapter.device, cfg.model.dtype):
+            costs = measure_block_costs(adapter, sampling, cfg.rl.micro_batch)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, costs)  # sync point
+    layouts = {}
+    for r in range(topo.num_replicas):
+        ranks = topo.replica_ranks(r)
+        ranges = plan_stages({g: everyone[g] for g in ranks}, ranks)
+        for stage, g in enumerate(ranks):
+            layouts[g] = StageLayout(ranks, stage, ranges[stage])
+    return layouts
+
+
+def _stage_names(adapter, names: list[str], layout) -> list[str]:
+    from pipeline import stage_param_names
+
+    return names if layout is None else stage_param_names(adapter, names, layout.blocks, layout.first, layout.last)
 
 
 def _check_same_weights(adapter, names: list[str], trainer) -> None:
@@ -295,17 +327,18 @@ def _resume(cfg: RunConfig, adapter, trainer, running) -> int:
 
 
 def _evaluate(cfg: RunConfig, adapter, sampling, topo: Topology, rank: int, done: int, logger, tracer) -> None:
-    """The held-out prompts are split evenly over the generator ranks (equal counts, so colocated
-    FSDP ranks run equally many forwards); results are gathered on rank 0."""
+    """Trainer ranks hold the newest version (k+1 right after update k) and the whole model, so they
+    evaluate: the held-out prompts are split evenly over them (equal counts, so FSDP ranks run
+    equally many forwards); results are gathered on rank 0."""
     from evaluation import evaluate, summarize
     from rewards import RewardSet, reward_model_paths
 
     records = load_prompts(cfg.output.eval_prompts)[: cfg.output.eval_num_prompts]
-    gens = list(topo.generator_ranks)
-    per = -(-len(records) // len(gens))
+    evaluators = list(topo.trainer_ranks)
+    per = -(-len(records) // len(evaluators))
     result = None
-    if rank in gens:
-        lo = gens.index(rank) * per
+    if rank in evaluators:
+        lo = evaluators.index(rank) * per
         mine = records[lo:lo + per]
         padded = mine + [records[-1]] * (per - len(mine))  # equal forward counts on every generator
         rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model))

@@ -323,7 +323,7 @@ def route_chunks(ctx, plan, chunks: list[TrainChunk]) -> list[tuple[int, dict[st
     return out
 
 
-def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: list[str]) -> dict[str, float]:
+def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[int, list[str]]) -> dict[str, float]:
     """One step of a trainer rank: train its chunks in plan order as they arrive (or, colocated,
     from `local`), one optimizer update, then publish version k+1 to every generator."""
     from parallel import p2p, publish
@@ -353,10 +353,10 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: list[s
         stats = trainer.finish_step()  # sync point: all trainers
     if ctx.disagg:
         with tracer.span("publish", "publish", step):
-            weights = trainer.full_weights(publish_names)
+            weights = trainer.full_weights(sorted({n for names in publish_names.values() for n in names}))
             if me == 0:
-                for g in topo.generator_ranks:
-                    publish.publish_weights(weights, step + 1, dst=g)
+                for g in topo.generator_ranks:  # each generator (stage) gets only the weights it holds
+                    publish.publish_weights({n: weights[n] for n in publish_names[g]}, step + 1, dst=g)
     return stats
 
 
