@@ -23,6 +23,7 @@ from models import load_model, resolve_device, set_attention
 from models.lora import apply_lora
 from parallel import publish
 from parallel.plan import plan_step
+from parallel.store import StepStore
 from parallel.topology import ProcessGroups, Topology
 from prompts import load_prompts
 from tracing import Tracer, summarize_step
@@ -107,12 +108,16 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
         replica = PipelinedReplica(generator, layouts[rank])
     receiver = publish.WeightReceiver(_params(adapter, publish_names[rank])) if (disagg and is_gen) else None
     ctx = RankContext(cfg, topo, rank, device, tracer, adapter, sampling, records)
-    logger = MetricsLogger(out_dir, enabled=(rank == 0))
+    # The first trainer rank logs: trainers finish every step, while generators may run ahead (TCSS).
+    log_rank = topo.trainer_ranks[0]
+    store = StepStore(cfg.topology.dist_timeout_s)
+    logger = MetricsLogger(out_dir, enabled=(rank == log_rank))
+    images = logger if rank == log_rank else _ImageLogger(out_dir, is_gen)
     slow = _slow_factor(cfg, rank)
-    progress = _progress(cfg, start) if rank == 0 else None
+    progress = _progress(cfg, start) if rank == log_rank else None
     try:
         if cfg.output.eval_every and start == 0:
-            _evaluate(cfg, adapter, sampling, topo, rank, 0, logger, tracer)  # the base model, step 0
+            _evaluate(cfg, adapter, sampling, topo, rank, 0, logger, tracer, groups.trainers)  # the base model
         for step in range(start, cfg.rl.steps):
             plan = plan_step(step, seed=cfg.seed, num_prompts=len(records), prompts_per_step=cfg.rl.prompts_per_step,
                              group_size=cfg.rl.group_size, micro_batch=cfg.rl.micro_batch,
@@ -122,7 +127,7 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
             local: dict = {}
             gen_out = []
             if is_gen:
-                std = running.std if cfg.rl.std_mode == "running" else None
+                std = _reward_std(cfg, store, running, step, start)
                 gen_out, local = generator_step(ctx, generator, receiver, plan, std, slow, replica)
             train_stats = None
             if is_train:
@@ -135,14 +140,19 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
                       "busy_s": tracer.busy_seconds(step) if cfg.output.trace else step_end - step_start,
                       "train": train_stats,
                       "rewards": _merge_rewards(gen_out), "zero_std": sum((r.zero_std for r in gen_out), [])}
-            if rank == 0 and gen_out and cfg.output.log_images_every and step % cfg.output.log_images_every == 0:
-                logger.log_images(step, "samples", gen_out[0].images[:16], gen_out[0].prompts[:16])
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, record)  # sync point: all ranks, once per step
-            all_rewards = _merge_rewards_records(everyone)
-            if cfg.rl.std_mode == "running":
+            if gen_out and cfg.output.log_images_every and step % cfg.output.log_images_every == 0 \
+                    and gen_out[0].chunks[0].fragment == 0:
+                images.log_images(step, "samples", gen_out[0].images[:16], gen_out[0].prompts[:16])
+            store.put(f"rec/{step}/{rank}", record)  # no rank waits here: the logging rank collects
+            if rank == log_rank:
+                everyone = [store.get(f"rec/{step}/{r}") for r in range(topo.world_size)]
+                for r in range(topo.world_size):
+                    store.delete(f"rec/{step}/{r}")
+                all_rewards = _merge_rewards_records(everyone)
                 running.update(all_rewards.get("combined", []))
-            if rank == 0:
+                store.put(f"std/{step}", running.std)
+                if step >= 3 and store.ready(f"std/{step - 3}"):
+                    store.delete(f"std/{step - 3}")
                 scalars = _step_scalars(everyone, all_rewards, plan.num_samples)
                 logger.log(step, scalars)
                 if progress is not None:
@@ -152,11 +162,12 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
             if (cfg.output.save_every and done % cfg.output.save_every == 0) or done == cfg.rl.steps:
                 _save(cfg, adapter, trainer, topo, rank, done, running, lora_config)
             if cfg.output.eval_every and (done % cfg.output.eval_every == 0 or done == cfg.rl.steps):
-                _evaluate(cfg, adapter, sampling, topo, rank, done, logger, tracer)
+                _evaluate(cfg, adapter, sampling, topo, rank, done, logger, tracer, groups.trainers)
     finally:
         if progress is not None:
             progress.close()
         logger.close()
+        images.close()
         if cfg.output.trace:
             tracer.save(os.path.join(out_dir, "trace", f"rank{rank}.json"))
 
@@ -172,6 +183,34 @@ def _publish_names(adapter, cfg: RunConfig) -> list[str]:
     if cfg.optim.lora_rank > 0:
         return [n for n, _ in named if ".lora_" in n]
     return [n for n, _ in named]
+
+
+def _reward_std(cfg: RunConfig, store: StepStore, running, step: int, start: int) -> float | None:
+    """The advantage std: None (each group's own) or the running std of the batches before this
+    one, published by the logging rank (with TCSS, of the batches before the previous one)."""
+    if cfg.rl.std_mode != "running":
+        return None
+    last = step - 1 - (1 if cfg.topology.tcss else 0)
+    return running.std if last < start else store.get(f"std/{last}")
+
+
+class _ImageLogger:
+    """The sample grids of a generator rank (the logging rank is a trainer and has no images)."""
+
+    def __init__(self, out_dir: str, enabled: bool):
+        self.out_dir, self.enabled, self.logger = out_dir, enabled, None
+
+    def log_images(self, step, tag, images, captions) -> None:
+        if self.enabled and self.logger is None:
+            from metrics import MetricsLogger
+
+            self.logger = MetricsLogger(self.out_dir)
+        if self.logger is not None:
+            self.logger.log_images(step, tag, images, captions)
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
 
 
 def _stage_layouts(cfg: RunConfig, topo: Topology, rank: int, adapter, sampling) -> dict:
@@ -326,7 +365,8 @@ def _resume(cfg: RunConfig, adapter, trainer, running) -> int:
     return step
 
 
-def _evaluate(cfg: RunConfig, adapter, sampling, topo: Topology, rank: int, done: int, logger, tracer) -> None:
+def _evaluate(cfg: RunConfig, adapter, sampling, topo: Topology, rank: int, done: int, logger, tracer,
+              group) -> None:
     """Trainer ranks hold the newest version (k+1 right after update k) and the whole model, so they
     evaluate: the held-out prompts are split evenly over them (equal counts, so FSDP ranks run
     equally many forwards); results are gathered on rank 0."""
@@ -346,9 +386,11 @@ def _evaluate(cfg: RunConfig, adapter, sampling, topo: Topology, rank: int, done
             scores, images = evaluate(adapter, sampling, padded, rewards, batch_size=cfg.rl.micro_batch,
                                       first_sample_id=lo, negative_prompt=cfg.sampling.negative_prompt)
         result = ({k: v[:len(mine)] for k, v in scores.items()}, images[:len(mine)], [r.prompt for r in mine])
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, result)  # sync point
-    if rank == 0:
+    if result is None:
+        return
+    everyone = [None] * len(evaluators)
+    dist.all_gather_object(everyone, result, group=group)  # sync point: the trainer ranks
+    if rank == evaluators[0]:
         parts = [r for r in everyone if r is not None]
         scores = {k: sum((p[0][k] for p in parts), []) for k in parts[0][0]}
         images = torch.cat([p[1] for p in parts])

@@ -1,0 +1,48 @@
+"""Small JSON messages through torchrun's TCP store: step records, the running reward std, and
+atomic fragment claims (`add` is atomic: DIFFUSERS_FACTS.md). Nothing here blocks a rank on a
+collective, so generators can run ahead of trainers (TCSS)."""
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+class StepStore:
+    def __init__(self, timeout_s: float, prefix: str = "digenrl"):
+        self.store = dist.distributed_c10d._get_default_store()
+        self.store.set_timeout(timedelta(seconds=timeout_s))
+        self.prefix = prefix
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def put(self, key: str, obj) -> None:
+        self.store.set(self._k(key), json.dumps(obj))
+
+    def get(self, key: str):
+        """Blocks until the key exists (up to the timeout)."""
+        return json.loads(self.store.get(self._k(key)))
+
+    def ready(self, key: str) -> bool:
+        return self.store.check([self._k(key)])
+
+    def delete(self, key: str) -> None:
+        self.store.delete_key(self._k(key))
+
+    def add(self, key: str, amount: int = 1) -> int:
+        """Atomic: the counter's value after adding."""
+        return int(self.store.add(self._k(key), amount))
+
+    def wait_any(self, keys: list[str], poll_s: float = 0.002, timeout_s: float = 600.0) -> str:
+        """The first of `keys` that exists (polling: the store has no wait-for-any)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for key in keys:
+                if self.ready(key):
+                    return key
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"none of {keys} appeared within {timeout_s} s")
+            time.sleep(poll_s)
