@@ -129,18 +129,66 @@ class Generator:
         return FragmentResult(chunks, ids, rewards, zero_std.tolist(), images, prompts)
 
 
-def generator_step(ctx, generator: Generator, receiver, plan, reward_std: float | None,
+class VersionSync:
+    """Which policy version a generator rank runs (DESIGN.md 5.5, 5.6).
+
+    Before step k a generator must hold version k - lag (lag 0: on-policy; lag 1: TCSS). Newer
+    versions the trainers have announced are installed at fragment boundaries, never inside a
+    trajectory. The stages of a GAP replica switch together: stage 0 picks the version of a step
+    and the other stages install exactly that one, so no micro-batch mixes versions."""
+
+    def __init__(self, receiver, store, trainer_rank: int, start_version: int, lag: int, layout=None,
+                 replica: int | None = None, tracer=None):
+        self.receiver, self.store, self.src = receiver, store, trainer_rank
+        self.version, self.lag, self.layout, self.replica, self.tracer = start_version, lag, layout, replica, tracer
+
+    def _install_next(self, step: int) -> None:
+        with self.tracer.span("receive_weights", "publish", step, version=self.version + 1):
+            got = self.receiver.receive(src=self.src)  # rank wait: trainer 0 sends version + 1
+        assert got == self.version + 1, (got, self.version)
+        with self.tracer.span("install", "publish", step, version=got):
+            self.receiver.install()  # verified against the trainer's checksum
+        self.version = got
+
+    def _install_announced(self, step: int) -> None:
+        while self.store.ready(f"pub/{self.version + 1}"):
+            self._install_next(step)
+
+    def at_step_start(self, step: int) -> int:
+        need = step - self.lag
+        if self.layout is not None and not self.layout.first:
+            need = max(need, self.store.get(f"rv/{self.replica}/{step}"))  # stage 0's choice
+            while self.version < need:
+                self._install_next(step)
+            return self.version
+        while self.version < need:
+            self._install_next(step)
+        self._install_announced(step)
+        if self.layout is not None:
+            self.store.put(f"rv/{self.replica}/{step}", self.version)
+        return self.version
+
+    def at_fragment_boundary(self, step: int) -> int:
+        if self.layout is None:  # a GAP replica switches only between steps
+            self._install_announced(step)
+        return self.version
+
+    def drain(self, last_version: int, step: int) -> None:
+        """Receive every publication still addressed to this rank (the trainers' sends complete)."""
+        while self.version < last_version:
+            self._install_next(step)
+
+
+def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan, reward_std: float | None,
                    slow: float = 1.0, replica=None) -> tuple[list[FragmentResult], dict]:
-    """One step of a generator rank: install the staged version (a fragment boundary), then
-    generate, decode and score this replica's fragments depth-first, streaming every chunk to its
-    trainer as soon as its fragment is scored. Colocated ranks keep their chunks (returned)."""
+    """One step of a generator rank: generate, decode and score this replica's fragments
+    depth-first, streaming every chunk to its trainer as soon as its fragment is scored; new
+    versions are installed only between fragments. Colocated ranks keep their chunks (returned)."""
     from parallel import p2p
     from trainer import route_chunks
 
     tracer, topo, step = ctx.tracer, ctx.topo, plan.step
-    if receiver is not None and receiver.staged_version is not None:
-        with tracer.span("install", "publish", step):
-            receiver.install()  # verified against the trainer's checksum
+    version = versions.at_step_start(step) if versions is not None else step
     mine = [f for f in plan.fragments if f.replica == topo.replica_of(ctx.rank)]
     results, local, handles = [], {}, []
     if replica is not None:  # a GAP replica of several stages; the last one emits the fragments
@@ -148,12 +196,14 @@ def generator_step(ctx, generator: Generator, receiver, plan, reward_std: float 
             for dst, tensors, meta in route_chunks(ctx, plan, result.chunks):
                 handles.append(p2p.isend_payload(tensors, meta, dst=dst))
 
-        results = replica.run_step(plan, mine, version=step, reward_std=reward_std, emit=emit, tracer=tracer)
+        results = replica.run_step(plan, mine, version=version, reward_std=reward_std, emit=emit, tracer=tracer)
         mine = []
     for fragment in mine:
-        with tracer.span("generate", "generate", step, fragment.index) as span:
+        if versions is not None:
+            version = versions.at_fragment_boundary(step)
+        with tracer.span("generate", "generate", step, fragment.index, version=version) as span:
             t0 = time.perf_counter()
-            result = generator.generate_fragment(plan, fragment, version=step, reward_std=reward_std)
+            result = generator.generate_fragment(plan, fragment, version=version, reward_std=reward_std)
             if slow > 1:  # --debug-slow-rank: emulate a slower GPU
                 time.sleep((time.perf_counter() - t0) * (slow - 1))
             span["samples"] = len(result.sample_ids)

@@ -55,7 +55,7 @@ def _slow_factor(cfg: RunConfig, rank: int) -> float:
 
 def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
     from rewards import RewardSet, reward_model_paths
-    from rollout import Generator, generator_step
+    from rollout import Generator, VersionSync, generator_step
     from trainer import Trainer, autocast, trainer_step
 
     device = _device(cfg)
@@ -111,6 +111,10 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
     # The first trainer rank logs: trainers finish every step, while generators may run ahead (TCSS).
     log_rank = topo.trainer_ranks[0]
     store = StepStore(cfg.topology.dist_timeout_s)
+    versions = None
+    if receiver is not None:
+        versions = VersionSync(receiver, store, topo.trainer_ranks[0], start, 1 if cfg.topology.tcss else 0,
+                               layouts.get(rank), topo.replica_of(rank), tracer)
     logger = MetricsLogger(out_dir, enabled=(rank == log_rank))
     images = logger if rank == log_rank else _ImageLogger(out_dir, is_gen)
     slow = _slow_factor(cfg, rank)
@@ -128,13 +132,10 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
             gen_out = []
             if is_gen:
                 std = _reward_std(cfg, store, running, step, start)
-                gen_out, local = generator_step(ctx, generator, receiver, plan, std, slow, replica)
+                gen_out, local = generator_step(ctx, generator, versions, plan, std, slow, replica)
             train_stats = None
             if is_train:
                 train_stats = trainer_step(ctx, trainer, plan, local, publish_names)
-            if receiver is not None:
-                with tracer.span("receive_weights", "publish", step):
-                    receiver.receive(src=topo.trainer_ranks[0])  # staged; installed at the next step
             step_end = time.time()
             record = {"rank": rank, "role": topo.role(rank), "start_s": step_start, "end_s": step_end,
                       "busy_s": tracer.busy_seconds(step) if cfg.output.trace else step_end - step_start,
@@ -163,6 +164,8 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
                 _save(cfg, adapter, trainer, topo, rank, done, running, lora_config)
             if cfg.output.eval_every and (done % cfg.output.eval_every == 0 or done == cfg.rl.steps):
                 _evaluate(cfg, adapter, sampling, topo, rank, done, logger, tracer, groups.trainers)
+        if versions is not None:
+            versions.drain(cfg.rl.steps, cfg.rl.steps)  # the trainers publish after every step
     finally:
         if progress is not None:
             progress.close()
