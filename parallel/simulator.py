@@ -1,0 +1,489 @@
+"""A discrete-event simulator of DigenRL steps (DESIGN.md 9): a topology, a mode and per-action
+costs in, the step makespans, the bubble fraction and the same Chrome trace the runtime writes out
+(pid = rank, cat in generate/optimizer/train/comm/publish, args step and fragment).
+
+Ranks follow the runtime's topology: replica r is ranks [r*S, (r+1)*S) (S = stages_per_replica),
+the trainers come next; colocated runs have one rank per replica, each also a trainer.
+
+The model (each choice is the simplest that keeps the mechanisms' effects):
+- A replica generates one fragment at a time (generation, decode and score as one action of
+  `Costs.replica_fragment_s[r]`; a replica of S stages is one resource whose fragment time already
+  includes the pipeline's fill and drain, and its span is drawn on each of its S ranks). Sends are
+  asynchronous: a fragment lands at every trainer `transfer_s` after its generation ends, and the
+  replica goes on at once.
+- Who generates what: `gap`, `disagg` and `colocated` use the static plan the runtime uses,
+  `plan.assign_fragments` with `plan_speeds` (default equal speeds, as the runtime plans today);
+  `tag` (and `tcss` with a tag policy) claim dynamically: every idle replica, in replica order,
+  claims the lowest unclaimed fragment of its step, as the runtime's atomic counter hands them out.
+- Training: each trainer trains its shares of the landed fragments one at a time, in arrival order
+  (ties: lower fragment). With TSP (`chunks_per_fragment` None) every trainer takes a share of
+  `train_fragment_s` of every fragment. Without TSP a fragment is `k` chunks of
+  `train_fragment_s * M / k` each, and chunk c of the step goes to trainer c mod M (round-robin in
+  step order, as `plan.plan_step` places them). Trainers do not wait on each other inside a
+  fragment (the FSDP collectives of a forward are not modelled).
+- The optimizer update (`update_s`) starts when every trainer has trained its last share: the sync
+  point of all trainers. Publication (`publish_s`) follows on the trainers; on-policy generators
+  wait for it, so it is drawn on them too. The step ends when the publication ends (colocated: when
+  the update ends; it has no transfer and no publication).
+- `naive` disagg: each replica generates its whole share of the batch (the fragments the static
+  plan gives it) as one fragment, and trainers train it once it lands.
+- TAG: a trainer opens an idle window whenever it is free and has no landed share to train (at the
+  start of a step, or after its last ready share) while fragments of its step are unclaimed. In
+  each window the tag policy is asked once whether to claim the lowest unclaimed fragment; a
+  claimed fragment takes `trainer_fragment_s` on that trainer and then lands like any other (also
+  at that trainer only after `transfer_s`). At one instant, replicas claim before trainers.
+- TCSS: a replica may start step k+1 (with version k) as soon as it has no work left in step k,
+  but never step k+2 before version k+1 is published (staleness <= 1). Trainers train step k+1
+  only after step k's publication.
+
+Times are seconds from the start of the run (the first step starts at 0).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from parallel.plan import assign_fragments
+from tracing import Tracer, bubble_fraction
+
+MODES = ("colocated", "disagg", "gap", "tag", "tcss")
+TAG_POLICIES = ("never", "always", "bts")
+
+
+@dataclass
+class Costs:
+    """Seconds per action, measured (`bts.CostTracker`) or modelled."""
+
+    replica_fragment_s: list[float]
+    """per replica: seconds to generate, decode and score one fragment (replicas may differ in speed)"""
+    trainer_fragment_s: float
+    """seconds for one trainer rank to generate and score one fragment (TAG)"""
+    train_fragment_s: float
+    """wall seconds for the trainer group (num_trainers ranks) to train one fragment, every trainer
+    taking an equal share (TSP): the fragment's training work is train_fragment_s * num_trainers
+    rank-seconds"""
+    transfer_s: float = 0.0
+    """seconds from the end of a fragment's generation until it has landed at the trainers"""
+    update_s: float = 0.0
+    """seconds of the optimizer update (all trainers, after the last share)"""
+    publish_s: float = 0.0
+    """seconds to publish the new version to the generators"""
+    chunks_per_fragment: int | None = None
+    """without TSP: the number of chunks of a fragment (each train_fragment_s * num_trainers / k
+    seconds on one trainer, round-robin over the trainers). None: TSP"""
+
+    def __post_init__(self):
+        self.replica_fragment_s = [float(x) for x in self.replica_fragment_s]
+        if not self.replica_fragment_s or min(self.replica_fragment_s) <= 0:
+            raise ValueError(f"replica_fragment_s must list one positive time per replica, "
+                             f"got {self.replica_fragment_s}")
+        if self.trainer_fragment_s <= 0:
+            raise ValueError(f"trainer_fragment_s must be positive, got {self.trainer_fragment_s}")
+        for name in ("train_fragment_s", "transfer_s", "update_s", "publish_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.chunks_per_fragment is not None and self.chunks_per_fragment < 1:
+            raise ValueError(f"chunks_per_fragment must be >= 1 or None (TSP), got {self.chunks_per_fragment}")
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replica_fragment_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Costs":
+        return cls(**d)
+
+
+@dataclass
+class StepState:
+    """A partially executed step, as BTS sees it at a trainer's idle window. Times share one clock
+    (seconds since the step started, or any clock: the prediction comes back in the same one)."""
+
+    now_s: float
+    unclaimed: list[int]
+    """fragments nobody has claimed yet, claimed lowest first"""
+    replica_free_s: list[float]
+    """per replica: when it finishes its current fragment (<= now_s: idle)"""
+    arrivals_s: dict[int, float]
+    """claimed fragments that have not landed yet (generating on a replica or a trainer, or in
+    transfer): fragment -> when it lands at the trainers"""
+    trainer_free_s: list[float]
+    """per trainer: when its current action (a training share or a TAG fragment) ends (<= now_s: idle)"""
+    trainer_backlog_s: list[float]
+    """per trainer: seconds of training of landed fragments it has not started"""
+    trainer: int = 0
+    """the trainer deciding: it makes the first claim of `predict_makespan`"""
+
+
+@dataclass
+class SimResult:
+    makespan_s: float
+    """end of the last step (the first starts at 0)"""
+    step_end_s: list[float]
+    """per step: when its publication (colocated: its update) ends"""
+    events: list[dict[str, Any]]
+    """Chrome trace events of every rank"""
+    bubble_fraction: float
+    """tracing.bubble_fraction over all ranks and the whole run"""
+    fragments_by_trainers: int
+    """fragments generated by trainers (TAG), all steps"""
+    generated_by: list[list[int]]
+    """[step][fragment] -> the rank that generated it (a replica's first stage, or a trainer)"""
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    """every tag-policy call: time_s, step, trainer, claim, predicted_with_s, predicted_without_s"""
+
+    @property
+    def step_s(self) -> list[float]:
+        return [b - a for a, b in zip([0.0] + self.step_end_s[:-1], self.step_end_s)]
+
+    @property
+    def mean_step_s(self) -> float:
+        return self.makespan_s / len(self.step_end_s)
+
+    @property
+    def steady_step_s(self) -> float:
+        """Mean step time without the first step (its pipeline fill): the steady state of a run."""
+        if len(self.step_end_s) < 2:
+            return self.makespan_s
+        return (self.step_end_s[-1] - self.step_end_s[0]) / (len(self.step_end_s) - 1)
+
+
+Policy = Callable[[StepState, Costs, int], Any]  # -> bool, or an object with .claim (bts.Decision)
+
+
+def simulate_step(mode: str, num_fragments: int, costs: Costs, num_trainers: int,
+                  tag_policy: str | Policy | None = None, *, stages_per_replica: int = 1,
+                  plan_speeds: list[float] | None = None) -> SimResult:
+    """One step; see `simulate_run`."""
+    return simulate_run(mode, 1, num_fragments, costs, num_trainers, tag_policy,
+                        stages_per_replica=stages_per_replica, plan_speeds=plan_speeds)
+
+
+def simulate_run(mode: str, num_steps: int, num_fragments: int, costs: Costs, num_trainers: int,
+                 tag_policy: str | Policy | None = None, *, stages_per_replica: int = 1,
+                 plan_speeds: list[float] | None = None) -> SimResult:
+    """`num_steps` steps of `num_fragments` fragments each (mode "disagg" merges each replica's
+    fragments into one, numbered in replica order). `tag_policy` turns TAG on: "never" (replicas
+    claim dynamically, trainers never), "always", "bts" (`bts.decide`) or a callable(state, costs,
+    num_trainers) -> bool or Decision; the default of mode "tag" is "bts", mode "tcss" takes one
+    optionally, the other modes none. `plan_speeds`: the replica speeds given to the static plan
+    (default equal, as the runtime plans)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; known: {list(MODES)}")
+    if num_steps < 1 or num_fragments < 1 or num_trainers < 1 or stages_per_replica < 1:
+        raise ValueError(f"need >= 1 step, fragment, trainer and stage: got {num_steps}, {num_fragments}, "
+                         f"{num_trainers}, {stages_per_replica}")
+    if mode == "tag" and tag_policy is None:
+        tag_policy = "bts"
+    if tag_policy is not None and mode not in ("tag", "tcss"):
+        raise ValueError(f"a tag policy needs mode 'tag' or 'tcss', got mode {mode!r}")
+    if isinstance(tag_policy, str) and tag_policy not in TAG_POLICIES:
+        raise ValueError(f"unknown tag policy {tag_policy!r}; known: {list(TAG_POLICIES)}")
+    if plan_speeds is not None and len(plan_speeds) != costs.num_replicas:
+        raise ValueError(f"plan_speeds has {len(plan_speeds)} entries for {costs.num_replicas} replica(s)")
+    owners = assign_fragments(num_fragments, plan_speeds or [1.0] * costs.num_replicas)
+    if mode == "colocated":
+        if stages_per_replica != 1:
+            raise ValueError(f"colocated ranks each hold the whole model: stages_per_replica must be 1, "
+                             f"got {stages_per_replica}")
+        return _colocated(num_steps, owners, costs, num_trainers)
+    units = [1] * num_fragments
+    if mode == "disagg":  # one fragment per replica holding its whole share
+        counts = [owners.count(r) for r in range(costs.num_replicas)]
+        owners = [r for r in range(costs.num_replicas) if counts[r]]
+        units = [counts[r] for r in owners]
+    dynamic = tag_policy is not None
+    engine = _Engine(costs, num_trainers, num_steps, units, None if dynamic else owners,
+                     policy=_resolve(tag_policy), tcss=mode == "tcss", stages=stages_per_replica, record=True)
+    engine.run()
+    return engine.result()
+
+
+def predict_makespan(state: StepState, costs: Costs, num_trainers: int, trainer_claims_now: int,
+                     later_claims: int = 0) -> float:
+    """When the step of `state` ends (its publication), if `trainer_claims_now` trainers claim a
+    fragment right now (the deciding trainer first, then the other idle trainers in order), then
+    `later_claims` more claims happen in all, each by the first trainer to open an idle window
+    (first come, first served, while fragments are left), and no other. Replicas go on claiming
+    dynamically. Runs the simulator itself from the state, so with exact costs and no later claims
+    it is the simulated end of the step."""
+    if len(state.replica_free_s) != costs.num_replicas or not (
+            len(state.trainer_free_s) == len(state.trainer_backlog_s) == num_trainers):
+        raise ValueError(f"state has {len(state.replica_free_s)} replica(s) and {len(state.trainer_free_s)}/"
+                         f"{len(state.trainer_backlog_s)} trainer time(s); costs have {costs.num_replicas} "
+                         f"replica(s) and there are {num_trainers} trainer(s)")
+    if not 0 <= state.trainer < num_trainers:
+        raise ValueError(f"deciding trainer {state.trainer} is not one of {num_trainers} trainer(s)")
+    frags = [*state.unclaimed, *state.arrivals_s]
+    quota = [later_claims]
+
+    def later(s: StepState, c: Costs, m: int) -> bool:
+        if quota[0] <= 0:
+            return False
+        quota[0] -= 1
+        return True
+
+    engine = _Engine(costs, num_trainers, 1, [1] * (max(frags, default=0) + 1), None,
+                     policy=later if later_claims > 0 else None, tcss=False, stages=1, record=False)
+    now = state.now_s
+    engine.unclaimed[0] = list(state.unclaimed)
+    engine.unstarted[0] = len(state.unclaimed)
+    engine.rep_free = list(state.replica_free_s)
+    engine.trn_free = [max(f, now) + b if b > 0 else f for f, b in zip(state.trainer_free_s, state.trainer_backlog_s)]
+    for f, ready in state.arrivals_s.items():
+        engine.push_shares(0, f, ready)
+    idle = [j for j in range(num_trainers) if j != state.trainer and engine.trn_free[j] <= now
+            and not engine.ready_entries(j, now)]
+    for j in ([state.trainer] + idle)[:trainer_claims_now]:
+        if not engine.unclaimed[0]:
+            break
+        engine.start_generation(0, max(now, engine.trn_free[j]), ("trainer", j))
+    engine.run(now)
+    return engine.step_end[0]
+
+
+def _resolve(policy: str | Policy | None) -> Policy | None:
+    if policy is None or policy == "never":
+        return None
+    if policy == "always":
+        return lambda state, costs, num_trainers: True
+    if policy == "bts":
+        from parallel import bts  # bts builds on this module
+
+        return bts.decide
+    return policy
+
+
+@dataclass
+class _Share:
+    """A trainer's part of one fragment."""
+
+    ready: float
+    step: int
+    fragment: int
+    dur: float
+
+
+class _Engine:
+    """The event loop of disaggregated runs. At each instant: the trainers' update and publication
+    once a step is fully trained, then replica claims (replica order), then trainers (trainer order)
+    start a ready share or, in an idle window, ask the tag policy; repeated until nothing changes,
+    then time jumps to the next instant something ends or lands."""
+
+    def __init__(self, costs: Costs, num_trainers: int, num_steps: int, units: list[int],
+                 owners: list[int] | None, *, policy: Policy | None, tcss: bool, stages: int, record: bool):
+        self.costs, self.M, self.K, self.R, self.S = costs, num_trainers, num_steps, costs.num_replicas, stages
+        self.units, self.first_unit = units, [sum(units[:f]) for f in range(len(units))]
+        self.policy, self.tcss, self.dynamic = policy, tcss, owners is None
+        num_fragments = len(units)
+        self.unclaimed = [list(range(num_fragments)) for _ in range(num_steps)]  # dynamic claims
+        self.assigned = [[[f for f in range(num_fragments) if owners[f] == r] for r in range(self.R)]
+                         for _ in range(num_steps)] if owners is not None else None
+        self.unstarted = [num_fragments] * num_steps
+        self.rep_free, self.rep_step = [0.0] * self.R, [0] * self.R
+        self.trn_free, self.asked = [0.0] * self.M, [False] * self.M
+        self.queues: list[list[_Share]] = [[] for _ in range(self.M)]
+        self.pending = [0] * num_steps  # shares pushed to a queue and not started, per step
+        self.train_step = 0
+        self.step_end: list[float | None] = [None] * num_steps
+        # gate[k]: when the version that step k's fragments need is installed (None: not yet known)
+        self.gate: list[float | None] = [0.0] + [None] * (num_steps - 1)
+        if tcss and num_steps > 1:
+            self.gate[1] = 0.0  # step 1 may run on version 0
+        self.generated_by = [[-1] * num_fragments for _ in range(num_steps)]
+        self.num_by_trainers, self.decisions = 0, []
+        roles = ["generator"] * (self.R * stages) + ["trainer"] * self.M
+        self.tracers = [Tracer(rank, role) for rank, role in enumerate(roles)] if record else None
+
+    # -- actions ----------------------------------------------------------------------------------
+
+    def _span(self, rank: int, name: str, cat: str, step: int, start: float, end: float, fragment=None, **args):
+        if self.tracers is not None:
+            self.tracers[rank].record(name, cat, step, start * 1e6, (end - start) * 1e6, fragment, **args)
+
+    def push_shares(self, step: int, fragment: int, ready: float) -> None:
+        c, m, n = self.costs, self.M, self.units[fragment]
+        if c.chunks_per_fragment is None:  # TSP: every trainer an equal share
+            for j in range(m):
+                self.queues[j].append(_Share(ready, step, fragment, n * c.train_fragment_s))
+            self.pending[step] += m
+            return
+        k = c.chunks_per_fragment
+        per_trainer = [0] * m
+        for chunk in range(self.first_unit[fragment] * k, (self.first_unit[fragment] + n) * k):
+            per_trainer[chunk % m] += 1
+        for j, num_chunks in enumerate(per_trainer):
+            if num_chunks:
+                self.queues[j].append(_Share(ready, step, fragment, num_chunks * c.train_fragment_s * m / k))
+                self.pending[step] += 1
+
+    def start_generation(self, step: int, t: float, worker: tuple[str, int]) -> None:
+        kind, i = worker
+        if self.dynamic:
+            f = self.unclaimed[step].pop(0)
+        else:
+            f = self.assigned[step][i].pop(0)
+        self.unstarted[step] -= 1
+        if kind == "replica":
+            end = t + self.units[f] * self.costs.replica_fragment_s[i]
+            self.rep_free[i] = end
+            ranks = list(range(i * self.S, (i + 1) * self.S))
+        else:
+            end = t + self.units[f] * self.costs.trainer_fragment_s
+            self.trn_free[i], self.asked[i] = end, False
+            ranks = [self.R * self.S + i]
+            self.num_by_trainers += 1
+        self.generated_by[step][f] = ranks[0]
+        for rank in ranks:
+            self._span(rank, "generate", "generate", step, t, end, f, tag=kind == "trainer")
+        if self.costs.transfer_s > 0:
+            self._span(ranks[-1], "transfer", "comm", step, end, end + self.costs.transfer_s, f)
+        self.push_shares(step, f, end + self.costs.transfer_s)
+
+    def ready_entries(self, j: int, t: float) -> list[_Share]:
+        return [e for e in self.queues[j] if e.step == self.train_step and e.ready <= t]
+
+    def _replica_work_left(self, r: int, step: int) -> bool:
+        return bool(self.unclaimed[step]) if self.dynamic else bool(self.assigned[step][r])
+
+    def _snapshot(self, j: int, t: float) -> StepState:
+        arrivals, backlog = {}, [0.0] * self.M
+        for i, queue in enumerate(self.queues):
+            for e in queue:
+                if e.step != self.train_step:
+                    continue
+                if e.ready > t:
+                    arrivals[e.fragment] = e.ready
+                else:
+                    backlog[i] += e.dur
+        return StepState(t, list(self.unclaimed[self.train_step]), list(self.rep_free), arrivals,
+                         list(self.trn_free), backlog, j)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _settle(self, t: float) -> bool:
+        """Start everything that can start at instant t; True when something did."""
+        changed = False
+        k, c = self.train_step, self.costs
+        if (k < self.K and self.unstarted[k] == 0 and self.pending[k] == 0
+                and all(f <= t for f in self.trn_free)):
+            update_end = t + c.update_s
+            end = update_end + c.publish_s  # sync point: every trainer, then every generator
+            trainers = range(self.R * self.S, self.R * self.S + self.M)
+            for rank in trainers:
+                self._span(rank, "optimizer", "optimizer", k, t, update_end)
+                self._span(rank, "publish", "publish", k, update_end, end)
+            if not self.tcss:
+                for rank in range(self.R * self.S):
+                    self._span(rank, "publish", "publish", k, update_end, end)
+            self.step_end[k], self.train_step = end, k + 1
+            self.trn_free, self.asked = [end] * self.M, [False] * self.M
+            nxt = k + 2 if self.tcss else k + 1
+            if nxt < self.K:
+                self.gate[nxt] = end
+            changed = True
+        for r in range(self.R):
+            while self.rep_free[r] <= t and self.rep_step[r] < self.K:
+                s = self.rep_step[r]
+                if not self._replica_work_left(r, s):
+                    self.rep_step[r] += 1
+                    continue
+                if self.gate[s] is None or self.gate[s] > t:
+                    break
+                self.start_generation(s, t, ("replica", r))
+                changed = True
+        k = self.train_step
+        for j in range(self.M):
+            if k >= self.K or self.trn_free[j] > t:
+                continue
+            ready = self.ready_entries(j, t)
+            if ready:
+                e = min(ready, key=lambda e: (e.ready, e.fragment))
+                self.queues[j].remove(e)
+                self.pending[k] -= 1
+                self.trn_free[j], self.asked[j] = t + e.dur, False
+                self._span(self.R * self.S + j, "train", "train", k, t, t + e.dur, e.fragment)
+                changed = True
+            elif self.policy is not None and not self.asked[j] and self.unclaimed[k]:
+                self.asked[j] = True  # one question per idle window
+                answer = self.policy(self._snapshot(j, t), c, self.M)
+                claim = bool(getattr(answer, "claim", answer))
+                self.decisions.append({"time_s": t, "step": k, "trainer": j, "claim": claim,
+                                       "predicted_with_s": getattr(answer, "predicted_with_s", None),
+                                       "predicted_without_s": getattr(answer, "predicted_without_s", None)})
+                if claim:
+                    self.start_generation(k, t, ("trainer", j))
+                    changed = True
+        return changed
+
+    def run(self, t: float = 0.0) -> None:
+        while True:
+            while self._settle(t):
+                pass
+            if self.train_step >= self.K:
+                return
+            later = [x for x in (*self.rep_free, *self.trn_free, *(g for g in self.gate if g is not None),
+                                 *(e.ready for q in self.queues for e in q)) if x > t]
+            assert later, f"simulator stalled at t={t}: step {self.train_step} cannot finish"
+            t = min(later)
+
+    def result(self) -> SimResult:
+        makespan = self.step_end[-1]
+        busy = [sum(tr.busy_seconds(k) for k in range(self.K)) for tr in self.tracers]
+        return SimResult(makespan, list(self.step_end), _events(self.tracers), bubble_fraction(busy, makespan),
+                         self.num_by_trainers, self.generated_by, self.decisions)
+
+
+def _events(tracers: list[Tracer]) -> list[dict[str, Any]]:
+    """Every rank's Chrome events; transfers go on a `comm` lane of their rank, since they overlap
+    the rank's next generation."""
+    out = []
+    for tr in tracers:
+        for e in tr.chrome_events():
+            if e.get("cat") == "comm":
+                e = {**e, "tid": "comm"}
+            out.append(e)
+    return out
+
+
+def _colocated(num_steps: int, owners: list[int], costs: Costs, num_trainers: int) -> SimResult:
+    """Every rank generates its planned fragments, then trains; one update (the sync point of all
+    ranks) ends the step. The training work of a fragment, train_fragment_s * num_trainers
+    rank-seconds, is split over all ranks once generation ends everywhere (TSP: all data moves
+    first), or without TSP done by the fragment's owner (the colocated plan keeps chunks local)."""
+    n, c = costs.num_replicas, costs
+    work = c.train_fragment_s * num_trainers
+    tracers = [Tracer(r, "colocated") for r in range(n)]
+    step_end, start = [], 0.0
+    for k in range(num_steps):
+        gen_end = [start] * n
+        for f, r in enumerate(owners):
+            tracers[r].record("generate", "generate", k, gen_end[r] * 1e6, c.replica_fragment_s[r] * 1e6, f)
+            gen_end[r] += c.replica_fragment_s[r]
+        train_end = list(gen_end)
+        if c.chunks_per_fragment is None:
+            t0 = max(gen_end)
+            train_end = [t0] * n
+            for f in range(len(owners)):
+                for r in range(n):
+                    tracers[r].record("train", "train", k, train_end[r] * 1e6, work / n * 1e6, f)
+                    train_end[r] += work / n
+        else:
+            for f, r in enumerate(owners):
+                tracers[r].record("train", "train", k, train_end[r] * 1e6, work * 1e6, f)
+                train_end[r] += work
+        t = max(train_end)
+        for tr in tracers:
+            tr.record("optimizer", "optimizer", k, t * 1e6, c.update_s * 1e6)
+        start = t + c.update_s
+        step_end.append(start)
+    busy = [sum(tr.busy_seconds(k) for k in range(num_steps)) for tr in tracers]
+    generated_by = [list(owners) for _ in range(num_steps)]
+    return SimResult(start, step_end, _events(tracers), bubble_fraction(busy, start), 0, generated_by)
+
+
+__all__ = ["Costs", "MODES", "SimResult", "StepState", "TAG_POLICIES", "predict_makespan", "simulate_run",
+           "simulate_step"]
