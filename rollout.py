@@ -69,6 +69,10 @@ class Generator:
     def __init__(self, adapter: DiTAdapter, sampling: sampler.SamplingConfig, rewards, records, *, seed: int,
                  negative_prompt: str = "", same_group_noise: bool = False, adv_clip: float = 5.0,
                  drop_zero_std: bool = False, autocast_ctx=None):
+        from scoring import LocalScorer
+
+        if not hasattr(rewards, "submit"):  # a RewardSet: score on this rank
+            rewards = LocalScorer(rewards)
         self.adapter, self.sampling, self.rewards, self.records = adapter, sampling, rewards, records
         self.seed, self.negative_prompt = seed, negative_prompt
         self.same_group_noise, self.adv_clip, self.drop_zero_std = same_group_noise, adv_clip, drop_zero_std
@@ -88,6 +92,10 @@ class Generator:
         return [-1 - i // g for i in chunk.sample_ids] if self.same_group_noise else list(chunk.sample_ids)
 
     def generate_fragment(self, plan, fragment, version: int, reward_std: float | None = None) -> FragmentResult:
+        return self.complete(self.start_fragment(plan, fragment, version, reward_std))
+
+    def start_fragment(self, plan, fragment, version: int, reward_std: float | None = None):
+        """Denoise and decode a fragment and submit it for scoring (see `complete`)."""
         trajs, conds, negs = [], [], []
         for chunk in fragment.chunks:
             _, cond, neg, init_ids = self.chunk_inputs(plan, chunk)
@@ -96,21 +104,33 @@ class Generator:
                                              self.sampling, init_ids=init_ids, sigmas=self.sigmas))
             conds.append(cond)
             negs.append(neg)
-        return self.finish_fragment(plan, fragment, trajs, conds, negs, version, reward_std)
+        return self.start_scoring(plan, fragment, trajs, conds, negs, version, reward_std)
 
     def finish_fragment(self, plan, fragment, trajs, conds, negs, version: int,
                         reward_std: float | None) -> FragmentResult:
         """Decode and score a denoised fragment, compute its group advantages, cut it into chunks."""
-        from trainer import TrainChunk
+        return self.complete(self.start_scoring(plan, fragment, trajs, conds, negs, version, reward_std))
 
+    def start_scoring(self, plan, fragment, trajs, conds, negs, version: int, reward_std: float | None):
+        """Decode a denoised fragment and hand it to the scorer (local: scored now; remote: sent)."""
         g = plan.group_size
         with self.autocast():
             images = torch.cat([self.adapter.decode(t.latents[:, -1]).cpu() for t in trajs])
+        records = [self.records[plan.prompt_indices[i // g]] for i in fragment.sample_ids]
+        ticket = self.rewards.submit(plan.step, fragment.index, images, [r.prompt for r in records],
+                                     [r.metadata for r in records])
+        return (plan, fragment, trajs, conds, negs, version, reward_std, images, ticket)
+
+    def complete(self, pending) -> FragmentResult:
+        """Wait for a fragment's scores, then compute its group advantages and cut it into chunks."""
+        from trainer import TrainChunk
+
+        plan, fragment, trajs, conds, negs, version, reward_std, images, ticket = pending
+        g = plan.group_size
+        scores = self.rewards.wait(ticket)
+        combined = scores.pop("combined")
         ids = list(fragment.sample_ids)
-        records = [self.records[plan.prompt_indices[i // g]] for i in ids]
-        prompts = [r.prompt for r in records]
-        scores = self.rewards.score(images, prompts, [r.metadata for r in records])
-        combined = self.rewards.combine(scores).float().cpu()
+        prompts = [self.records[plan.prompt_indices[i // g]].prompt for i in ids]
         group_ids = torch.tensor([i // g for i in ids])
         adv = algorithm.group_advantages(combined, group_ids, adv_clip=self.adv_clip, std=reward_std)
         zero_std = algorithm.zero_std_groups(combined, group_ids)
@@ -192,27 +212,41 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
     mine = [f for f in plan.fragments if f.replica == topo.replica_of(ctx.rank)]
     results, local, handles = [], {}, []
     if replica is not None:  # a GAP replica of several stages; the last one emits the fragments
-        def emit(result):
+        def send(result):
             for dst, tensors, meta in route_chunks(ctx, plan, result.chunks):
                 handles.append(p2p.isend_payload(tensors, meta, dst=dst))
 
-        results = replica.run_step(plan, mine, version=version, reward_std=reward_std, emit=emit, tracer=tracer)
+        results = replica.run_step(plan, mine, version=version, reward_std=reward_std, emit=send, tracer=tracer)
         mine = []
-    for fragment in mine:
-        if versions is not None:
-            version = versions.at_fragment_boundary(step)
-        with tracer.span("generate", "generate", step, fragment.index, version=version) as span:
-            t0 = time.perf_counter()
-            result = generator.generate_fragment(plan, fragment, version=version, reward_std=reward_std)
-            if slow > 1:  # --debug-slow-rank: emulate a slower GPU
-                time.sleep((time.perf_counter() - t0) * (slow - 1))
-            span["samples"] = len(result.sample_ids)
+    def emit(result):
         results.append(result)
         if ctx.disagg:
             for dst, tensors, meta in route_chunks(ctx, plan, result.chunks):
                 handles.append(p2p.isend_payload(tensors, meta, dst=dst))
         else:
             local.update({chunk.chunk: chunk for chunk in result.chunks})
+
+    # With scorer ranks, fragment i's scores are collected after fragment i+1 is denoised, so the
+    # scorer works while this rank generates; local scoring completes a fragment at once.
+    lag = getattr(generator.rewards, "scorer_ranks", None) is not None
+    pending = None
+    for fragment in mine:
+        if versions is not None:
+            version = versions.at_fragment_boundary(step)
+        with tracer.span("generate", "generate", step, fragment.index, version=version):
+            t0 = time.perf_counter()
+            started = generator.start_fragment(plan, fragment, version=version, reward_std=reward_std)
+            if slow > 1:  # --debug-slow-rank: emulate a slower GPU
+                time.sleep((time.perf_counter() - t0) * (slow - 1))
+        if pending is not None:
+            with tracer.span("wait_scores", "comm", step, pending[1].index):
+                emit(generator.complete(pending))
+        pending = started if lag else None
+        if not lag:
+            emit(generator.complete(started))
+    if pending is not None:
+        with tracer.span("wait_scores", "comm", step, pending[1].index):
+            emit(generator.complete(pending))
     with tracer.span("send_wait", "comm", step):
         for h in handles:
             h.wait()  # drain sends at the end of the step

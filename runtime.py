@@ -56,6 +56,7 @@ def _slow_factor(cfg: RunConfig, rank: int) -> float:
 def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
     from rewards import RewardSet, reward_model_paths
     from rollout import Generator, VersionSync, generator_step
+    from scoring import LocalScorer, RemoteScorer, scorer_step
     from trainer import Trainer, autocast, trainer_step
 
     device = _device(cfg)
@@ -81,8 +82,15 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
     shard = cfg.topology.colocated_sharding if topo.mode == "colocated" else cfg.topology.train_sharding
     trainer = Trainer(cfg, adapter, sampling, groups.trainers if is_train else None, shard) if is_train else None
     generator = None
+    scorer_rewards = None
+    if topo.is_scorer(rank):
+        scorer_rewards = RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model))
     if is_gen:
-        rewards = RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model))
+        if topo.scorer_ranks:
+            rewards = RemoteScorer(topo.scorer_ranks)
+        else:
+            rewards = LocalScorer(RewardSet(cfg.rl.reward, device=device,
+                                            model_paths=reward_model_paths(cfg.rl.reward_model)))
         generator = Generator(adapter, sampling, rewards, records, seed=cfg.seed,
                               negative_prompt=cfg.sampling.negative_prompt,
                               same_group_noise=cfg.sampling.same_group_noise, adv_clip=cfg.rl.adv_clip,
@@ -133,6 +141,8 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
             if is_gen:
                 std = _reward_std(cfg, store, running, step, start)
                 gen_out, local = generator_step(ctx, generator, versions, plan, std, slow, replica)
+            if scorer_rewards is not None:
+                scorer_step(ctx, scorer_rewards, plan, lambda f: topo.replica_ranks(f.replica)[-1])
             train_stats = None
             if is_train:
                 train_stats = trainer_step(ctx, trainer, plan, local, publish_names)

@@ -61,8 +61,6 @@ def validate(cfg: RunConfig, topo: Topology) -> None:
     for name, value in (("--colocated-sharding", t.colocated_sharding), ("--train-sharding", t.train_sharding)):
         if value not in SHARDINGS:
             raise ValueError(f"unknown {name} {value!r}; choose one of {SHARDINGS}")
-    if topo.scorer_ranks:
-        raise ValueError(f"--scorers {len(topo.scorer_ranks)}: scorer ranks are not available yet; use 0")
     parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))
     if cfg.output.resume:
         from checkpoint import latest_checkpoint

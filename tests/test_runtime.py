@@ -143,3 +143,14 @@ def test_bad_topology_fails_fast_with_a_clear_message(tmp_path, nproc, args, mes
                     timeout=120)
     assert proc.returncode != 0
     assert f"error: {message}" in proc.stderr or message in proc.stderr.split("error:", 1)[-1]
+
+
+def test_scorer_ranks_match_colocated(tmp_path):
+    """Rewards computed on a scorer rank (while the generator denoises its next fragment) give the
+    colocated run's weights."""
+    args = [*TINY, "--lora-rank", "4", "--steps", "2", "--fragment-groups", "1"]
+    torchrun(3, [*args, "--generators", "1", "--trainers", "1", "--scorers", "1", "--output-dir", str(tmp_path / "s")])
+    torchrun(2, [*args, "--mode", "colocated", "--output-dir", str(tmp_path / "c")])
+    _assert_same_weights(trained_weights(str(tmp_path / "c"), 2), trained_weights(str(tmp_path / "s"), 2), "scorers")
+    trace = json.loads((tmp_path / "s" / "trace" / "rank2.json").read_text())
+    assert any(e.get("cat") == "score" for e in trace["traceEvents"])

@@ -1,0 +1,86 @@
+"""Where rewards are computed: on the generator itself, or on scorer ranks (DESIGN.md section 3).
+
+Both scorers have one interface: `submit` a decoded fragment, later `wait` for its scores. The
+remote one sends the images to scorer rank `fragment % R` and returns at once, so the generator
+can denoise its next fragment while the scorer works; scores come back in submission order.
+The scorer rank computes the weighted combination too, so every placement combines bitwise alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from parallel import p2p
+
+
+@dataclass
+class Ticket:
+    step: int
+    fragment: int
+    scores: dict[str, Tensor] | None = None  # filled at once by a local scorer
+    dst: int | None = None
+    handle: object = None
+
+
+class LocalScorer:
+    def __init__(self, rewards):
+        self.rewards = rewards
+
+    def submit(self, step: int, fragment: int, images: Tensor, prompts: list[str], metadata: list[dict]) -> Ticket:
+        scores = self.rewards.score(images, prompts, metadata)
+        scores = {n: v.float().cpu() for n, v in scores.items()}
+        scores["combined"] = self.rewards.combine(scores).float().cpu()
+        return Ticket(step, fragment, scores)
+
+    def wait(self, ticket: Ticket) -> dict[str, Tensor]:
+        return ticket.scores
+
+
+class RemoteScorer:
+    """The generator's side of scorer ranks."""
+
+    def __init__(self, scorer_ranks: tuple[int, ...]):
+        self.scorer_ranks = scorer_ranks
+
+    def scorer_of(self, fragment: int) -> int:
+        return self.scorer_ranks[fragment % len(self.scorer_ranks)]
+
+    def submit(self, step: int, fragment: int, images: Tensor, prompts: list[str], metadata: list[dict]) -> Ticket:
+        dst = self.scorer_of(fragment)
+        handle = p2p.isend_framed({"images": images.float().contiguous()}, {"step": step, "fragment": fragment},
+                                  dst=dst)
+        return Ticket(step, fragment, dst=dst, handle=handle)
+
+    def wait(self, ticket: Ticket) -> dict[str, Tensor]:
+        tensors, meta = p2p.post_recv(ticket.dst, device=torch.device("cpu")).wait()  # rank wait: the scorer
+        assert (meta["step"], meta["fragment"]) == (ticket.step, ticket.fragment), (meta, ticket)
+        ticket.handle.wait()
+        return {k: v.clone() for k, v in tensors.items()}
+
+
+def scorer_step(ctx, rewards, plan, source_of) -> dict[str, list[float]]:
+    """One step of a scorer rank: score the fragments assigned to it (fragment % R == its index),
+    in plan order, each received from the rank `source_of(fragment)` that generated it."""
+    me = ctx.topo.scorer_ranks.index(ctx.rank)
+    num = len(ctx.topo.scorer_ranks)
+    sends, busy = [], {}
+    for fragment in plan.fragments:
+        if fragment.index % num != me:
+            continue
+        src = source_of(fragment)
+        with ctx.tracer.span("recv_images", "comm", plan.step, fragment.index):
+            tensors, meta = p2p.post_recv(src, device=ctx.device).wait()  # rank wait: the generator
+        assert (meta["step"], meta["fragment"]) == (plan.step, fragment.index), (meta, fragment.index)
+        g = plan.group_size
+        records = [ctx.records[plan.prompt_indices[i // g]] for i in fragment.sample_ids]
+        with ctx.tracer.span("score", "score", plan.step, fragment.index):
+            scores = rewards.score(tensors["images"], [r.prompt for r in records], [r.metadata for r in records])
+            scores = {n: v.float().cpu().contiguous() for n, v in scores.items()}
+            scores["combined"] = rewards.combine(scores).float().cpu().contiguous()
+        sends.append(p2p.isend_framed(scores, meta, dst=src))
+        busy[fragment.index] = len(records)
+    for h in sends:
+        h.wait()
+    return busy
