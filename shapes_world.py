@@ -336,6 +336,7 @@ def _in_half(d: Detection, position: str, height: int, width: int) -> bool:
 
 # Weights of the four checks; a prompt without a position phrase spreads its weight over the rest.
 WEIGHTS = {"color": 0.2, "shape": 0.2, "count": 0.4, "position": 0.2}
+EXTRA_PENALTY = 0.5  # the score is divided by 1 + EXTRA_PENALTY x (objects the prompt does not name)
 
 
 def evaluate(image: np.ndarray, spec: Spec | str) -> tuple[float, dict[str, float | None]]:
@@ -345,12 +346,13 @@ def evaluate(image: np.ndarray, spec: Spec | str) -> tuple[float, dict[str, floa
     and shape s:
       color    = sum over prompt colours c of min(n(c, any shape), objects asked in c) / R
       shape    = sum over asked groups (c, s, k) of min(n(c, s), k) / R
-      count    = sum over asked groups of k/R * (1 if n(c, s) == k else 0.5 * max(0, 1 - |n - k| / k)),
-                 divided by (1 + 0.5 * objects whose (c, s) the prompt does not name)
+      count    = sum over asked groups of k/R * (1 if n(c, s) == k else 0.5 * max(0, 1 - |n - k| / k))
       position = sum over asked groups of min(objects of (c, s) in the named half, k) / R
                  (None when the prompt names no position)
-    score = weighted mean (WEIGHTS). Exactly the asked objects, and nothing else, score 1.0; a wrong
-    colour or count loses most of the color/shape/count credit.
+      extra    = detected objects whose (colour, shape) the prompt does not name
+    score = weighted mean of the checks (WEIGHTS) / (1 + EXTRA_PENALTY * extra). Exactly the asked
+    objects, and nothing else, score 1.0; a wrong colour or count loses most of the credit, and
+    clutter (or noise) cannot collect colour credit by offering every colour.
     """
     spec = parse_prompt(spec) if isinstance(spec, str) else spec
     h, w, _ = image.shape
@@ -374,11 +376,10 @@ def evaluate(image: np.ndarray, spec: Spec | str) -> tuple[float, dict[str, floa
         count += k / total * (1.0 if n == k else 0.5 * max(0.0, 1.0 - abs(n - k) / k))
         if spec.position:
             position += min(sum(_in_half(d, spec.position, h, w) for d in matches), k) / total
-    unexplained = sum((d.color, d.shape) not in groups for d in found)
-    count /= 1.0 + 0.5 * unexplained
+    extra = float(sum((d.color, d.shape) not in groups for d in found))
 
     breakdown: dict[str, float | None] = {"color": color, "shape": shape, "count": count,
-                                          "position": position if spec.position else None}
+                                          "position": position if spec.position else None, "extra": extra}
     weights = {k: v for k, v in WEIGHTS.items() if breakdown[k] is not None}
     score = sum(weights[k] * breakdown[k] for k in weights) / sum(weights.values())
-    return float(score), breakdown
+    return float(score / (1.0 + EXTRA_PENALTY * extra)), breakdown

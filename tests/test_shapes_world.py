@@ -62,11 +62,17 @@ def test_breakdown_isolates_the_failed_check():
     assert right["color"] == right["shape"] == right["count"] == 1.0 and right["position"] == 0.0
     _, square = sw.evaluate(image, "two red squares")
     assert square["color"] == 1.0 and square["shape"] == 0.0 and square["position"] is None
+    assert square["extra"] == 2  # the two red circles are objects the prompt does not name
 
 
-def test_extra_objects_cost_count_credit():
+def test_extra_objects_and_noise_score_low():
     score, breakdown = sw.evaluate(_scene("a red circle and a blue square"), "a red circle")
-    assert breakdown["color"] == breakdown["shape"] == 1.0 and score < 1.0
+    assert breakdown["color"] == breakdown["shape"] == breakdown["count"] == 1.0 and breakdown["extra"] == 1
+    assert score < 0.7
+    rng = np.random.default_rng(0)
+    noise = [sw.evaluate(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), p)[0]
+             for p in ("a red circle", "a blue square and a green triangle", "three cyan circles on the top")]
+    assert max(noise) < 0.3, noise
 
 
 @pytest.mark.parametrize("prompt", ["a purple circle", "two red circle", "a red circles", "a red hexagon",
