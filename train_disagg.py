@@ -67,6 +67,8 @@ def validate(cfg: RunConfig, topo: Topology) -> None:
 
         if latest_checkpoint(cfg.output.resume) is None:
             raise ValueError(f"--resume {cfg.output.resume!r} holds no complete checkpoint (checkpoints/step-N/state.json)")
+    if t.train_micro_batch is not None and t.train_micro_batch < 1:
+        raise ValueError(f"--train-micro-batch must be >= 1, got {t.train_micro_batch}")
     if cfg.optim.lora_rank < 0:
         raise ValueError(f"--lora-rank must be >= 0, got {cfg.optim.lora_rank}")
 
@@ -80,17 +82,16 @@ def check_fsdp_balance(plan, topo: Topology, trainer, shard: str) -> int:
     the forward count every trainer pads to. Colocated FSDP generation needs equal chunk counts."""
     if shard != "fsdp":
         return 0
-    counts = [0] * len(topo.trainer_ranks)
-    for c in plan.chunks:
-        counts[c.trainer] += len(trainer.forwards_for(plan.step, c.sample_ids))
+    counts = trainer.planned_forwards(plan, len(topo.trainer_ranks))
     if topo.mode == "colocated":
         gen = [sum(len(f.chunks) for f in plan.fragments if f.replica == r) for r in range(topo.num_replicas)]
         if len(set(gen)) > 1:
             raise ValueError(f"--colocated-sharding fsdp needs every rank to generate equally many chunks, got {gen} "
                              f"(choose --prompts-per-step, --group-size and --micro-batch so they divide evenly)")
     if min(counts) == 0:
+        what = "transition (TSP)" if trainer.cfg.topology.tsp else "chunk"
         raise ValueError(f"--train-sharding fsdp: trainer(s) {[i for i, c in enumerate(counts) if c == 0]} get no "
-                         f"chunk; use more samples per step or a smaller --micro-batch")
+                         f"{what}; use more samples per step or a smaller --micro-batch")
     return max(counts)
 
 

@@ -7,12 +7,17 @@ adds the *sum* of its transitions' losses; `finish_step` sums gradients over tra
 divides by the batch's transition count, so every placement computes the same gradient up to
 reduction order (DESIGN.md section 4).
 
+Without TSP a chunk of samples goes whole to one trainer, which runs one forward per trained
+timestep. With --tsp (DESIGN.md 5.3) every trainer receives a `TransitionBatch`: its share of each
+fragment's transitions, packed by `parallel.tsp` into micro-batches that mix samples and timesteps.
+
 Run directly, it prints the trainer flags: `python trainer.py --help`.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from dataclasses import dataclass
 
@@ -25,6 +30,7 @@ import sampler
 from config import RunConfig
 from models import Conditioning, DiTAdapter
 from models.lora import trainable_names
+from parallel import tsp
 
 STAT_KEYS = ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_high", "clipfrac_low", "ratio")
 
@@ -62,6 +68,113 @@ class TrainChunk:
                    tensors["latents"], tensors["log_probs"], tensors["advantages"], tensors["keep"],
                    tensors["sigmas"], Conditioning.from_state_dict(tensors),
                    Conditioning.from_state_dict(neg) if neg else None)
+
+
+@dataclass
+class TransitionBatch:
+    """TSP: one trainer's share of one fragment, its packed micro-batches transition by transition
+    (DESIGN.md 5.3). Conditioning is carried once per sample involved; `cond_index` maps each
+    transition to its sample's row."""
+
+    step: int
+    fragment: int
+    version: int
+    micro_batches: tuple[int, ...]  # step-wide micro-batch indices (parallel.tsp.MicroBatch.index)
+    sizes: tuple[int, ...]          # transitions per micro-batch; rows are consecutive
+    sample_ids: Tensor   # (n,) int64
+    timesteps: Tensor    # (n,) int64: t of each transition
+    x_t: Tensor          # (n, *latent_shape) float32
+    x_next: Tensor       # (n, *latent_shape) float32
+    sigma: Tensor        # (n,) float32
+    sigma_next: Tensor   # (n,) float32
+    log_probs: Tensor    # (n,) float32 under the generating policy (pi_old)
+    advantages: Tensor   # (n,) float32
+    keep: Tensor         # (n,) bool
+    cond_index: Tensor   # (n,) int64 rows of cond / neg_cond
+    cond: Conditioning   # (u rows): the samples involved
+    neg_cond: Conditioning | None
+
+    _ROWS = ("sample_ids", "timesteps", "x_t", "x_next", "sigma", "sigma_next", "log_probs", "advantages", "keep",
+             "cond_index")
+
+    @classmethod
+    def gather(cls, chunks: list[TrainChunk], micro_batches: tuple[tsp.MicroBatch, ...]) -> "TransitionBatch":
+        """Pick the transitions of `micro_batches` (all of one fragment and one trainer) from the
+        fragment's chunks."""
+        where = {int(i): (c, j) for c in chunks for j, i in enumerate(c.sample_ids.tolist())}
+        rows, samples = [], {}  # samples: sample id -> (chunk, row in chunk, row in cond)
+        for mb in micro_batches:
+            for i, t in mb.transitions:
+                c, j, u = samples.setdefault(i, (*where[i], len(samples)))
+                rows.append((c, j, t, u))
+        conds = [c.cond.select([j]) for c, j, _ in samples.values()]
+        negs = [c.neg_cond.select([j]) for c, j, _ in samples.values() if c.neg_cond is not None]
+        first = chunks[0]
+        return cls(first.step, first.fragment, first.version, tuple(m.index for m in micro_batches),
+                   tuple(len(m.transitions) for m in micro_batches),
+                   sample_ids=torch.tensor([int(c.sample_ids[j]) for c, j, _, _ in rows], dtype=torch.int64),
+                   timesteps=torch.tensor([t for _, _, t, _ in rows], dtype=torch.int64),
+                   x_t=torch.stack([c.latents[j, t] for c, j, t, _ in rows]),
+                   x_next=torch.stack([c.latents[j, t + 1] for c, j, t, _ in rows]),
+                   sigma=torch.stack([c.sigmas[t] for c, _, t, _ in rows]),
+                   sigma_next=torch.stack([c.sigmas[t + 1] for c, _, t, _ in rows]),
+                   log_probs=torch.stack([c.log_probs[j, t] for c, j, t, _ in rows]),
+                   advantages=torch.stack([c.advantages[j] for c, j, _, _ in rows]),
+                   keep=torch.stack([c.keep[j] for c, j, _, _ in rows]),
+                   cond_index=torch.tensor([u for _, _, _, u in rows], dtype=torch.int64),
+                   cond=Conditioning.cat(conds), neg_cond=Conditioning.cat(negs) if negs else None)
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """[lo, hi) rows of each micro-batch."""
+        out, lo = [], 0
+        for n in self.sizes:
+            out.append((lo, lo + n))
+            lo += n
+        return out
+
+    def to_payload(self) -> tuple[dict[str, Tensor], dict]:
+        tensors = {k: getattr(self, k) for k in self._ROWS}
+        tensors.update(self.cond.state_dict())
+        if self.neg_cond is not None:
+            tensors.update({"neg." + k: v for k, v in self.neg_cond.state_dict().items()})
+        meta = {"kind": "transitions", "step": self.step, "fragment": self.fragment, "version": self.version,
+                "micro_batches": list(self.micro_batches), "sizes": list(self.sizes)}
+        return {k: v.contiguous() for k, v in tensors.items()}, meta
+
+    @classmethod
+    def from_payload(cls, tensors: dict[str, Tensor], meta: dict) -> "TransitionBatch":
+        assert meta["kind"] == "transitions", meta
+        neg = {k[len("neg."):]: v for k, v in tensors.items() if k.startswith("neg.")}
+        return cls(meta["step"], meta["fragment"], meta["version"], tuple(meta["micro_batches"]),
+                   tuple(meta["sizes"]), **{k: tensors[k] for k in cls._ROWS},
+                   cond=Conditioning.from_state_dict(tensors),
+                   neg_cond=Conditioning.from_state_dict(neg) if neg else None)
+
+
+def tsp_packing(cfg: RunConfig, sampling: sampler.SamplingConfig, plan, num_trainers: int) -> tsp.Packing:
+    """The step's TSP packing: a pure function of (seed, step, config), computed alike by the
+    generator that routes a fragment and by every trainer that receives a share of it."""
+    rl = cfg.rl
+    micro_batch = cfg.topology.train_micro_batch or rl.micro_batch
+    return _packing(tuple(f.sample_ids for f in plan.fragments), plan.step, rl.algorithm, sampling.num_steps,
+                    rl.timestep_fraction, cfg.seed, sampling.sde_window, micro_batch, num_trainers)
+
+
+@functools.lru_cache(maxsize=8)
+def _packing(fragment_ids, step, algorithm_name, num_steps, fraction, seed, window, micro_batch, num_trainers):
+    timesteps = {i: algorithm.trained_timesteps(algorithm_name, num_steps, fraction, seed=seed, step=step,
+                                                sample_id=i, window=window)
+                 for ids in fragment_ids for i in ids}
+    return tsp.pack_step(fragment_ids, timesteps, micro_batch=micro_batch, num_trainers=num_trainers)
+
+
+def transition_batches(cfg: RunConfig, sampling: sampler.SamplingConfig, plan, num_trainers: int,
+                       chunks: list[TrainChunk]) -> list[tuple[int, TransitionBatch]]:
+    """TSP: a scored fragment's chunks -> (trainer index, that trainer's TransitionBatch) for every
+    trainer that trains part of the fragment."""
+    packing = tsp_packing(cfg, sampling, plan, num_trainers)
+    fragment = chunks[0].fragment
+    return [(r, TransitionBatch.gather(chunks, packing.of(fragment, r))) for r in packing.trainers_of(fragment)]
 
 
 def autocast(device: torch.device, dtype_name: str):
@@ -109,6 +222,7 @@ class Trainer:
         self.reference = self._make_reference() if cfg.rl.beta > 0 else None
         if sharding == "fsdp":
             shard_modules(model, group)
+            self._count_allgathers()
         if cfg.optim.grad_checkpointing:
             self._checkpoint_blocks()
         self.params = [p for _, p in model.named_parameters() if p.requires_grad]
@@ -141,6 +255,31 @@ class Trainer:
         self.sums = {k: 0.0 for k in STAT_KEYS}
         self.num_transitions = 0
         self.num_forwards = 0
+        self.num_allgathers = 0
+
+    def _count_allgathers(self) -> None:
+        """Count FSDP2's parameter all-gathers: wrap every param group's `unshard`, which starts one
+        all-gather when the group is sharded and none is pending (FSDP2 internals, torch 2.13)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if dist.get_world_size(self.group) == 1:
+            return  # FSDP over one rank gathers nothing
+        for module in self.adapter.transformer.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            if group is None:
+                continue
+
+            def unshard(*args, _group=group, _unshard=group.unshard, **kwargs):
+                idle = _group._all_gather_result is None
+                _unshard(*args, **kwargs)
+                if idle and _group._all_gather_result is not None:
+                    self.num_allgathers += 1
+
+            group.unshard = unshard
+
+    def begin_step(self) -> None:
+        """Count only the training phase's all-gathers (colocated FSDP generation gathers too)."""
+        self.num_allgathers = 0
 
     # ----- training -------------------------------------------------------------------------
     def trained_timesteps(self, step: int, sample_id: int) -> tuple[int, ...]:
@@ -155,6 +294,15 @@ class Trainer:
         for i in sample_ids:
             ts.update(self.trained_timesteps(step, i))
         return sorted(ts)
+
+    def planned_forwards(self, plan, num_trainers: int) -> list[int]:
+        """Forward passes per trainer this step, from the plan alone (FSDP ranks pad to the max)."""
+        if self.cfg.topology.tsp:
+            return tsp_packing(self.cfg, self.sampling, plan, num_trainers).num_forwards()
+        counts = [0] * num_trainers
+        for c in plan.chunks:
+            counts[c.trainer] += len(self.forwards_for(plan.step, c.sample_ids))
+        return counts
 
     def train_chunk(self, chunk: TrainChunk) -> None:
         """Forward + backward of every trained transition of a chunk, one timestep per forward."""
@@ -188,40 +336,113 @@ class Trainer:
         out = sampler.sde_step(x_t, v, sigma, sigma_next, sde_type=s.sde_type, noise_level=s.noise_level_at(t),
                                x_next=x_next)
         policy, ratio = algorithm.clipped_policy_loss(out.log_prob, logp_old, adv, self.cfg.rl.clip_range)
-        loss = policy
+        loss, kl = policy, None
         if self.cfg.rl.beta > 0:
             kl = algorithm.kl_to_reference(out.mean, self._reference_mean(x_t, sigma_vec, cond, neg, t, sigmas),
                                            out.std)
             loss = loss + self.cfg.rl.beta * kl
-            self.sums["kl"] += kl.detach().sum().item()
-        with torch.no_grad():
-            eps = self.cfg.rl.clip_range
-            d = (out.log_prob - logp_old).detach()
-            self.sums["loss"] += loss.detach().sum().item()
-            self.sums["policy_loss"] += policy.detach().sum().item()
-            self.sums["approx_kl"] += (0.5 * d.pow(2)).sum().item()
-            self.sums["clipfrac"] += ((ratio - 1).abs() > eps).float().sum().item()
-            self.sums["clipfrac_high"] += (ratio > 1 + eps).float().sum().item()
-            self.sums["clipfrac_low"] += (ratio < 1 - eps).float().sum().item()
-            self.sums["ratio"] += ratio.detach().sum().item()
+        self._record_stats(loss, policy, ratio, out.log_prob, logp_old, kl)
         return loss.sum()
 
     @torch.no_grad()
-    def _reference_mean(self, x_t, sigma_vec, cond, neg, t, sigmas) -> Tensor:
-        s = self.sampling
+    def _record_stats(self, loss, policy, ratio, logp_new, logp_old, kl) -> None:
+        """Add per-transition sums; finish_step divides by the batch's transition count."""
+        eps = self.cfg.rl.clip_range
+        if kl is not None:
+            self.sums["kl"] += kl.detach().sum().item()
+        d = (logp_new - logp_old).detach()
+        self.sums["loss"] += loss.detach().sum().item()
+        self.sums["policy_loss"] += policy.detach().sum().item()
+        self.sums["approx_kl"] += (0.5 * d.pow(2)).sum().item()
+        self.sums["clipfrac"] += ((ratio - 1).abs() > eps).float().sum().item()
+        self.sums["clipfrac_high"] += (ratio > 1 + eps).float().sum().item()
+        self.sums["clipfrac_low"] += (ratio < 1 - eps).float().sum().item()
+        self.sums["ratio"] += ratio.detach().sum().item()
+
+    @torch.no_grad()
+    def _reference_velocity(self, x_t, sigma_vec, cond, neg) -> Tensor:
+        """The reference policy's guided velocity: LoRA disabled, or the frozen copy."""
         ctx = self.adapter.transformer.disable_adapters if self.reference is None else None
         ref = self.reference or self.adapter
         if ctx is not None:
             self.adapter.transformer.disable_adapters()
         try:
             with autocast(self.device, self.cfg.model.dtype):
-                v = sampler.guided_velocity(ref, x_t, sigma_vec, cond, neg, s)
+                return sampler.guided_velocity(ref, x_t, sigma_vec, cond, neg, self.sampling)
         finally:
             if ctx is not None:
                 self.adapter.transformer.enable_adapters()
+
+    @torch.no_grad()
+    def _reference_mean(self, x_t, sigma_vec, cond, neg, t, sigmas) -> Tensor:
+        s = self.sampling
+        v = self._reference_velocity(x_t, sigma_vec, cond, neg)
         out = sampler.sde_step(x_t, v, sigmas[t].item(), sigmas[t + 1].item(), sde_type=s.sde_type,
                                noise_level=s.noise_level_at(t), x_next=x_t)
         return out.mean
+
+    # ----- TSP: packed micro-batches of (sample, timestep) transitions ---------------------
+    def train_transitions(self, batch: TransitionBatch) -> None:
+        """Forward + backward of this trainer's packed micro-batches of one fragment, each mixing
+        samples and timesteps (per-sample sigma vectors; CFG runs the unconditional branch of every
+        transition in the same packed batch)."""
+        cond = batch.cond.to(self.device)
+        neg = batch.neg_cond.to(self.device) if batch.neg_cond is not None else None
+        for lo, hi in batch.bounds():
+            rows = [j for j in range(lo, hi) if batch.keep[j]]
+            if not rows:
+                if self.sharding == "fsdp":  # the other FSDP ranks run this forward's collectives
+                    self.num_forwards += 1
+                    self._packed_forward(batch, [lo], cond, neg, weight=0.0)
+                continue
+            self.num_forwards += 1
+            self._packed_forward(batch, rows, cond, neg)
+            self.num_transitions += len(rows)
+
+    def _packed_forward(self, batch: TransitionBatch, rows: list[int], cond, neg, weight: float = 1.0) -> None:
+        """One forward + backward over `rows` of `batch`. weight 0 is a dummy that runs the same
+        collectives as a real forward (FSDP padding) and records nothing."""
+        dev = self.device
+        sel = torch.tensor(rows)
+        idx = batch.cond_index[sel].to(dev)
+        loss = self._packed_loss(batch.x_t[sel].to(dev), batch.x_next[sel].to(dev), batch.sigma[sel].to(dev),
+                                 batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
+                                 neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
+                                 batch.advantages[sel].to(dev), record=weight != 0)
+        (loss if weight == 1.0 else loss * weight).backward()
+
+    def _packed_loss(self, x_t, x_next, sigma, sigma_next, ts, cond, neg, logp_old, adv, record=True) -> Tensor:
+        """Sum of the losses of n transitions at per-transition sigmas (n,) and timesteps `ts`."""
+        with autocast(self.device, self.cfg.model.dtype):
+            v = sampler.guided_velocity(self.adapter, x_t, sigma, cond, neg, self.sampling)
+        out = self._score_steps(x_t, v, sigma, sigma_next, ts, x_next)
+        policy, ratio = algorithm.clipped_policy_loss(out.log_prob, logp_old, adv, self.cfg.rl.clip_range)
+        loss, kl = policy, None
+        if self.cfg.rl.beta > 0:
+            ref = self._score_steps(x_t, self._reference_velocity(x_t, sigma, cond, neg), sigma, sigma_next, ts, x_t)
+            kl = algorithm.kl_to_reference(out.mean, ref.mean, out.std)
+            loss = loss + self.cfg.rl.beta * kl
+        if record:
+            self._record_stats(loss, policy, ratio, out.log_prob, logp_old, kl)
+        return loss.sum()
+
+    def _score_steps(self, x_t, v, sigma, sigma_next, ts, x_next) -> sampler.StepOutput:
+        """sampler.sde_step over transitions at different timesteps: one call per distinct noise
+        level (a windowed sampler is deterministic outside its window), rows put back in order."""
+        s = self.sampling
+        levels = [s.noise_level_at(t) for t in ts]
+        if len(set(levels)) == 1:
+            return sampler.sde_step(x_t, v, sigma, sigma_next, sde_type=s.sde_type, noise_level=levels[0],
+                                    x_next=x_next)
+        parts, order = [], []
+        for level in sorted(set(levels)):
+            rows = torch.tensor([j for j, l in enumerate(levels) if l == level], device=x_t.device)
+            parts.append(sampler.sde_step(x_t[rows], v[rows], sigma[rows], sigma_next[rows], sde_type=s.sde_type,
+                                          noise_level=level, x_next=x_next[rows]))
+            order.append(rows)
+        inverse = torch.argsort(torch.cat(order))
+        return sampler.StepOutput(*(torch.cat([getattr(p, k) for p in parts])[inverse]
+                                    for k in ("x_next", "log_prob", "mean", "std")))
 
     def _dummy_forward(self, chunk: TrainChunk, t: int, cond, neg) -> None:
         """A zero-weight forward + backward: keeps FSDP ranks' collectives in step when a rank has
@@ -238,8 +459,12 @@ class Trainer:
         while self.num_forwards < count:
             assert template is not None, "a trainer with no chunk cannot pad FSDP forwards"
             self.num_forwards += 1
-            self._dummy_forward(template, 0, template.cond.to(self.device),
-                                template.neg_cond.to(self.device) if template.neg_cond is not None else None)
+            cond = template.cond.to(self.device)
+            neg = template.neg_cond.to(self.device) if template.neg_cond is not None else None
+            if isinstance(template, TransitionBatch):
+                self._packed_forward(template, [0], cond, neg, weight=0.0)
+            else:
+                self._dummy_forward(template, 0, cond, neg)
 
     def finish_step(self) -> dict[str, float]:
         """Sum gradients and statistics over trainer ranks, normalize by the batch's transition
@@ -274,7 +499,8 @@ class Trainer:
                     e.lerp_(p.detach(), 1 - decay)
         stats = {f"train/{k}": counts[1 + i].item() / total for i, k in enumerate(STAT_KEYS)}
         stats.update({"train/grad_norm": grad_norm, "train/num_transitions": total,
-                      "train/num_forwards": float(self.num_forwards)})
+                      "train/num_forwards": float(self.num_forwards),
+                      "train/num_allgathers": float(self.num_allgathers)})
         if not math.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at update {self.num_updates}")
         self.reset_stats()
@@ -315,37 +541,39 @@ class Trainer:
 
 def route_chunks(ctx, plan, chunks: list[TrainChunk]) -> list[tuple[int, dict[str, Tensor], dict]]:
     """Where a scored fragment's training data goes: (trainer rank, tensors, meta) payloads, sent
-    by the generator as soon as the fragment is scored. Each chunk goes whole to its planned trainer."""
+    by the generator as soon as the fragment is scored. Each chunk goes whole to its planned
+    trainer; with --tsp every trainer that trains part of the fragment gets exactly its transitions."""
+    topo = ctx.topo
+    if ctx.cfg.topology.tsp:
+        return [(topo.trainer_ranks[r], *batch.to_payload())
+                for r, batch in transition_batches(ctx.cfg, ctx.sampling, plan, len(topo.trainer_ranks), chunks)]
     out = []
     for chunk in chunks:
         tensors, meta = chunk.to_payload()
-        out.append((ctx.topo.trainer_ranks[plan.chunks[chunk.chunk].trainer], tensors, meta))
+        out.append((topo.trainer_ranks[plan.chunks[chunk.chunk].trainer], tensors, meta))
     return out
 
 
 def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[int, list[str]]) -> dict[str, float]:
-    """One step of a trainer rank: train its chunks in plan order as they arrive (or, colocated,
-    from `local`), one optimizer update, then publish version k+1 to every generator."""
-    from parallel import p2p, publish
+    """One step of a trainer rank: train its chunks (or, with --tsp, its packed transitions of
+    every fragment) in plan order as they arrive (or, colocated, from `local`), one optimizer
+    update, then publish version k+1 to every generator."""
+    from parallel import publish
     from train_disagg import check_fsdp_balance
 
     tracer, topo, step = ctx.tracer, ctx.topo, plan.step
     me = topo.trainer_ranks.index(ctx.rank)
     pad_to = check_fsdp_balance(plan, topo, trainer, trainer.sharding)
+    trainer.begin_step()
+    if ctx.cfg.topology.tsp:
+        work, train = _transition_intake(ctx, plan, local, me), trainer.train_transitions
+    else:
+        work, train = _chunk_intake(ctx, plan, local, me), trainer.train_chunk
     template = None
-    for c in plan.chunks:
-        if c.trainer != me:
-            continue
-        if c.index in local:
-            chunk = local.pop(c.index)
-        else:
-            src = topo.replica_ranks(plan.fragments[c.fragment].replica)[-1]
-            with tracer.span("recv", "comm", step, c.fragment):
-                chunk = TrainChunk.from_payload(*p2p.recv_payload(src, device=torch.device("cpu")))
-            assert (chunk.step, chunk.chunk) == (step, c.index), (chunk.step, chunk.chunk, step, c.index)
-        with tracer.span("train", "train", step, c.fragment, chunk=c.index):
-            trainer.train_chunk(chunk)
-        template = chunk
+    for item, span_args in work:
+        with tracer.span("train", "train", step, item.fragment, **span_args):
+            train(item)
+        template = item
     if pad_to:
         with tracer.span("pad", "train", step):
             trainer.pad_forwards(pad_to, template)
@@ -358,6 +586,61 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
                 for g in topo.generator_ranks:  # each generator (stage) gets only the weights it holds
                     publish.publish_weights({n: weights[n] for n in publish_names[g]}, step + 1, dst=g)
     return stats
+
+
+def _chunk_intake(ctx, plan, local: dict, me: int):
+    """This trainer's chunks in plan order: taken from `local` (colocated) or received from the
+    replica that generated them, each as soon as the previous one is trained."""
+    from parallel import p2p
+
+    for c in plan.chunks:
+        if c.trainer != me:
+            continue
+        if c.index in local:
+            chunk = local.pop(c.index)
+        else:
+            src = ctx.topo.replica_ranks(plan.fragments[c.fragment].replica)[-1]
+            with ctx.tracer.span("recv", "comm", plan.step, c.fragment):
+                chunk = TrainChunk.from_payload(*p2p.recv_payload(src, device=torch.device("cpu")))
+            assert (chunk.step, chunk.chunk) == (plan.step, c.index), (chunk.step, chunk.chunk, plan.step, c.index)
+        yield chunk, {"chunk": c.index}
+
+
+def _transition_intake(ctx, plan, local: dict, me: int):
+    """TSP: this trainer's TransitionBatch of every fragment it has a share of, in plan order.
+
+    Disagg: received from the fragment's replica as the fragment lands. Colocated: the owner of
+    each fragment routes it like a generator would; every rank walks the fragments in the same
+    order, so each blocking send meets its receive (no cycle of waiting ranks), and all data
+    moves before training starts (generation already finished on every rank)."""
+    from parallel import p2p
+
+    topo, step = ctx.topo, plan.step
+    packing = tsp_packing(ctx.cfg, ctx.sampling, plan, len(topo.trainer_ranks))
+    batches = []
+    for f in plan.fragments:
+        src = topo.replica_ranks(f.replica)[-1]
+        if not ctx.disagg and src == ctx.rank:
+            chunks = [local.pop(c.index) for c in f.chunks]
+            for r, batch in transition_batches(ctx.cfg, ctx.sampling, plan, len(topo.trainer_ranks), chunks):
+                if r == me:
+                    batches.append(batch)
+                    continue
+                with ctx.tracer.span("send", "comm", step, f.index):
+                    p2p.send_payload(*batch.to_payload(), dst=topo.trainer_ranks[r])  # rank wait: the receiver
+            continue
+        if me not in packing.trainers_of(f.index):
+            continue
+        with ctx.tracer.span("recv", "comm", step, f.index):
+            batch = TransitionBatch.from_payload(*p2p.recv_payload(src, device=torch.device("cpu")))
+        assert (batch.step, batch.fragment) == (step, f.index), (batch.step, batch.fragment, step, f.index)
+        assert batch.micro_batches == tuple(m.index for m in packing.of(f.index, me)), batch.micro_batches
+        if ctx.disagg:
+            yield batch, {"micro_batches": len(batch.sizes), "transitions": len(batch.keep)}
+        else:
+            batches.append(batch)
+    for batch in batches:  # colocated: everything arrived above
+        yield batch, {"micro_batches": len(batch.sizes), "transitions": len(batch.keep)}
 
 
 if __name__ == "__main__":

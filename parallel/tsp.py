@@ -1,0 +1,113 @@
+"""TSP, timestep parallelism (DESIGN.md 5.3): the trainer treats a fragment as a bag of
+(sample, timestep) transitions, packs transitions of different samples *and* timesteps into
+micro-batches and spreads them over all M trainer ranks, so every trainer works on every fragment
+as soon as it lands.
+
+Pure functions of plain data: the runtime (the generator that routes a fragment, every trainer that
+receives its share) and the simulator call the same code, and since the inputs are functions of
+(seed, step, config), every rank computes the whole packing itself without a message.
+
+The packing of one fragment with T transitions, M trainers and micro-batch size b:
+
+  - transitions are ordered sample-major (sample 0 at its trained timesteps, then sample 1, ...),
+    so a trainer's share covers few samples and needs little conditioning;
+  - the T transitions are split into M contiguous shares whose sizes differ by at most one; which
+    trainers take the larger shares rotates across the fragments of a step, so per-step totals also
+    differ by at most one;
+  - every trainer with a non-empty share cuts it into the same number k = ceil(T / (M b)) of
+    micro-batches (fewer only when its share is smaller than k), with sizes differing by at most
+    one and never above b. Equal counts keep FSDP ranks, whose forwards are collectives, in step.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+Transition = tuple[int, int]  # (sample_id, t): sample `sample_id` of the step at denoising step t
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The transitions of one training forward pass."""
+
+    index: int  # position in the step (fragment by fragment, trainer by trainer)
+    fragment: int
+    trainer: int  # index into the trainer ranks
+    transitions: tuple[Transition, ...]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A step's micro-batches, fragment by fragment."""
+
+    micro_batches: tuple[MicroBatch, ...]
+    num_trainers: int
+
+    def of(self, fragment: int, trainer: int) -> tuple[MicroBatch, ...]:
+        return tuple(m for m in self.micro_batches if m.fragment == fragment and m.trainer == trainer)
+
+    def trainers_of(self, fragment: int) -> tuple[int, ...]:
+        """The trainers that receive a share of `fragment`, in trainer order."""
+        return tuple(sorted({m.trainer for m in self.micro_batches if m.fragment == fragment}))
+
+    def num_forwards(self) -> list[int]:
+        """Micro-batches (forward passes) per trainer."""
+        counts = [0] * self.num_trainers
+        for m in self.micro_batches:
+            counts[m.trainer] += 1
+        return counts
+
+    def num_transitions(self) -> list[int]:
+        counts = [0] * self.num_trainers
+        for m in self.micro_batches:
+            counts[m.trainer] += len(m.transitions)
+        return counts
+
+
+def fragment_transitions(sample_ids: Sequence[int], timesteps: Mapping[int, Sequence[int]]) -> list[Transition]:
+    """A fragment's transitions, sample-major: every trained timestep of its first sample, then the next."""
+    return [(i, int(t)) for i in sample_ids for t in sorted(timesteps[i])]
+
+
+def _split(n: int, parts: int, first_larger: int = 0) -> list[int]:
+    """n split into `parts` sizes differing by at most one; the n % parts larger ones start at
+    position `first_larger` (cyclically)."""
+    q, r = divmod(n, parts)
+    return [q + (1 if (j - first_larger) % parts < r else 0) for j in range(parts)]
+
+
+def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_trainers: int) -> Packing:
+    """Pack each fragment's transitions (in the given order) into micro-batches of at most
+    `micro_batch` transitions, balanced over `num_trainers` trainers (see the module docstring)."""
+    if micro_batch < 1:
+        raise ValueError(f"--train-micro-batch must be >= 1, got {micro_batch}")
+    if num_trainers < 1:
+        raise ValueError(f"TSP needs at least one trainer, got {num_trainers}")
+    out, rotate = [], 0
+    for f, transitions in enumerate(fragments):
+        if len(set(transitions)) != len(transitions):
+            raise ValueError(f"fragment {f} lists a (sample, timestep) transition twice")
+        total = len(transitions)
+        shares = _split(total, num_trainers, first_larger=rotate)
+        rotate = (rotate + total % num_trainers) % num_trainers
+        per_trainer = -(-total // (num_trainers * micro_batch))  # k: micro-batches of every full share
+        start = 0
+        for trainer, share in enumerate(shares):
+            own = transitions[start:start + share]
+            start += share
+            if not own:
+                continue
+            sizes = _split(share, min(per_trainer, share))
+            offset = 0
+            for size in sizes:
+                out.append(MicroBatch(len(out), f, trainer, tuple(own[offset:offset + size])))
+                offset += size
+    return Packing(tuple(out), num_trainers)
+
+
+def pack_step(fragment_sample_ids: Sequence[Sequence[int]], timesteps: Mapping[int, Sequence[int]], *,
+              micro_batch: int, num_trainers: int) -> Packing:
+    """The packing of a step: `fragment_sample_ids[f]` are fragment f's samples, `timesteps[i]`
+    sample i's trained timesteps (Flow-GRPO in order, a DanceGRPO subset, a window)."""
+    return pack([fragment_transitions(ids, timesteps) for ids in fragment_sample_ids],
+                micro_batch=micro_batch, num_trainers=num_trainers)
