@@ -54,7 +54,7 @@ def sample_images(adapter: DiTAdapter, prompts: list[str], cfg: sampler.Sampling
 class FragmentResult:
     """A generated, decoded and scored fragment: its training chunks and what the logs need."""
 
-    chunks: list  # list[trainer.TrainChunk], in plan order
+    chunks: list  # list[intake.TrainChunk], in plan order
     sample_ids: list[int]
     rewards: dict[str, list[float]]  # per reward name, and "combined"
     zero_std: list[bool]
@@ -123,7 +123,7 @@ class Generator:
 
     def complete(self, pending) -> FragmentResult:
         """Wait for a fragment's scores, then compute its group advantages and cut it into chunks."""
-        from trainer import TrainChunk
+        from intake import TrainChunk
 
         plan, fragment, trajs, conds, negs, version, reward_std, images, ticket = pending
         g = plan.group_size
@@ -205,7 +205,7 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
     depth-first, streaming every chunk to its trainer as soon as its fragment is scored; new
     versions are installed only between fragments. Colocated ranks keep their chunks (returned)."""
     from parallel import p2p
-    from trainer import route_chunks
+    from intake import route_chunks
 
     tracer, topo, step = ctx.tracer, ctx.topo, plan.step
     version = versions.at_step_start(step) if versions is not None else step

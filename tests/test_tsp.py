@@ -94,7 +94,8 @@ def _rollout(algorithm_name, cfg_scale, window, beta):
     from models import load_model
     from parallel.plan import plan_step
     from rollout import encode_batch
-    from trainer import TrainChunk, Trainer
+    from intake import TrainChunk
+    from trainer import Trainer
 
     torch.manual_seed(0)
     adapter = load_model("flux", preset="tiny", seed=0)
@@ -135,7 +136,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_gradients_equal_the_per_timestep_loop(case):
-    from trainer import STAT_KEYS, TransitionBatch, transition_batches
+    from intake import TransitionBatch, transition_batches
+    from trainer import STAT_KEYS
 
     trainer, plan, chunks = _rollout(*CASES[case])
     chunks[1].keep[1] = False  # a dropped sample is left out alike
@@ -184,7 +186,7 @@ def test_packed_steps_with_mixed_noise_levels_match_per_transition_steps():
 def test_forwards_drop_by_the_packing_factor():
     """2 samples x 3 trained timesteps per chunk: the loop runs 3 forwards of 2 transitions per
     chunk, TSP with --train-micro-batch 6 one forward of 6 per chunk's worth."""
-    from trainer import transition_batches
+    from intake import transition_batches
 
     trainer, plan, chunks = _rollout("window", 1.0, (1, 4), 0.0)
     for chunk in chunks:
