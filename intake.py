@@ -176,39 +176,46 @@ def route_chunks(ctx, plan, chunks: list[TrainChunk]) -> list[tuple[int, dict[st
     return out
 
 
-def chunk_intake(ctx, plan, local: dict, me: int):
-    """This trainer's chunks in plan order: taken from `local` (colocated) or received from the
-    replica that generated them, each as soon as the previous one is trained."""
+def static_source(ctx, plan):
+    """Where fragments come from without TAG: the last stage of the replica the plan assigns."""
+    return lambda f: ctx.topo.replica_ranks(plan.fragments[f].replica)[-1]
+
+
+def chunk_intake(ctx, plan, local: dict, me: int, source_of=None):
+    """This trainer's chunks in plan order: taken from `local` (colocated, or generated here by
+    TAG) or received from the rank that generated them, each as soon as the previous one is trained."""
     from parallel import p2p
 
+    source_of = source_of or static_source(ctx, plan)
     for c in plan.chunks:
         if c.trainer != me:
             continue
-        if c.index in local:
-            chunk = local.pop(c.index)
-        else:
-            src = ctx.topo.replica_ranks(plan.fragments[c.fragment].replica)[-1]
-            with ctx.tracer.span("recv", "comm", plan.step, c.fragment):
-                chunk = TrainChunk.from_payload(*p2p.recv_payload(src, device=torch.device("cpu")))
-            assert (chunk.step, chunk.chunk) == (plan.step, c.index), (chunk.step, chunk.chunk, plan.step, c.index)
-        yield chunk, {"chunk": c.index}
+        if c.index not in local:
+            src = source_of(c.fragment)  # with TAG this may generate fragments into `local`
+            if c.index not in local:
+                with ctx.tracer.span("recv", "comm", plan.step, c.fragment):
+                    chunk = TrainChunk.from_payload(*p2p.recv_payload(src, device=torch.device("cpu")))
+                assert (chunk.step, chunk.chunk) == (plan.step, c.index), (chunk.step, chunk.chunk, plan.step, c.index)
+                local[c.index] = chunk
+        yield local.pop(c.index), {"chunk": c.index}
 
 
-def transition_intake(ctx, plan, local: dict, me: int):
+def transition_intake(ctx, plan, local: dict, me: int, source_of=None):
     """TSP: this trainer's TransitionBatch of every fragment it has a share of, in plan order.
 
-    Disagg: received from the fragment's replica as the fragment lands. Colocated: the owner of
-    each fragment routes it like a generator would; every rank walks the fragments in the same
-    order, so each blocking send meets its receive (no cycle of waiting ranks), and all data
-    moves before training starts (generation already finished on every rank)."""
+    Disagg: received from the rank that generated the fragment as it lands (or taken from `local`
+    when TAG generated it here). Colocated: the owner of each fragment routes it like a generator
+    would; every rank walks the fragments in the same order, so each blocking send meets its
+    receive (no cycle of waiting ranks), and all data moves before training starts (generation
+    already finished on every rank)."""
     from parallel import p2p
 
     topo, step = ctx.topo, plan.step
+    source_of = source_of or static_source(ctx, plan)
     packing = tsp_packing(ctx.cfg, ctx.sampling, plan, len(topo.trainer_ranks))
     batches = []
     for f in plan.fragments:
-        src = topo.replica_ranks(f.replica)[-1]
-        if not ctx.disagg and src == ctx.rank:
+        if not ctx.disagg and topo.replica_ranks(f.replica)[-1] == ctx.rank:
             chunks = [local.pop(c.index) for c in f.chunks]
             for r, batch in transition_batches(ctx.cfg, ctx.sampling, plan, len(topo.trainer_ranks), chunks):
                 if r == me:
@@ -219,8 +226,14 @@ def transition_intake(ctx, plan, local: dict, me: int):
             continue
         if me not in packing.trainers_of(f.index):
             continue
-        with ctx.tracer.span("recv", "comm", step, f.index):
-            batch = TransitionBatch.from_payload(*p2p.recv_payload(src, device=torch.device("cpu")))
+        key = ("tsp", f.index)
+        if key not in local:
+            src = source_of(f.index)  # with TAG this may generate fragments into `local`
+        if key in local:
+            batch = local.pop(key)
+        else:
+            with ctx.tracer.span("recv", "comm", step, f.index):
+                batch = TransitionBatch.from_payload(*p2p.recv_payload(src, device=torch.device("cpu")))
         assert (batch.step, batch.fragment) == (step, f.index), (batch.step, batch.fragment, step, f.index)
         assert batch.micro_batches == tuple(m.index for m in packing.of(f.index, me)), batch.micro_batches
         if ctx.disagg:

@@ -200,7 +200,7 @@ class VersionSync:
 
 
 def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan, reward_std: float | None,
-                   slow: float = 1.0, replica=None) -> tuple[list[FragmentResult], dict]:
+                   slow: float = 1.0, replica=None, store=None) -> tuple[list[FragmentResult], dict]:
     """One step of a generator rank: generate, decode and score this replica's fragments
     depth-first, streaming every chunk to its trainer as soon as its fragment is scored; new
     versions are installed only between fragments. Colocated ranks keep their chunks (returned)."""
@@ -226,11 +226,33 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
         else:
             local.update({chunk.chunk: chunk for chunk in result.chunks})
 
+    board = None
+    if ctx.cfg.topology.tag:  # TAG: fragments are claimed at run time, by replicas and idle trainers
+        from tag import FragmentBoard, publish_replica_cost
+
+        board = FragmentBoard(store, step, len(plan.fragments))
+        me, cost = topo.replica_of(ctx.rank), None
+
+        def claimed():
+            while (f := board.claim(ctx.rank, me)) is not None:
+                yield plan.fragments[f]
+        mine = claimed()
+        plain_emit = emit
+
+        def emit(result):  # noqa: F811 - with TAG, mark the fragment landed and share its cost
+            nonlocal cost
+            plain_emit(result)
+            board.land(result.chunks[0].fragment)
+            took = time.time() - t_start
+            cost = took if cost is None else 0.7 * cost + 0.3 * took
+            publish_replica_cost(store, me, cost)
+
     # With scorer ranks, fragment i's scores are collected after fragment i+1 is denoised, so the
     # scorer works while this rank generates; local scoring completes a fragment at once.
     lag = getattr(generator.rewards, "scorer_ranks", None) is not None
     pending = None
     for fragment in mine:
+        t_start = time.time()
         if versions is not None:
             version = versions.at_fragment_boundary(step)
         with tracer.span("generate", "generate", step, fragment.index, version=version):

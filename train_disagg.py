@@ -61,6 +61,18 @@ def validate(cfg: RunConfig, topo: Topology) -> None:
     for name, value in (("--colocated-sharding", t.colocated_sharding), ("--train-sharding", t.train_sharding)):
         if value not in SHARDINGS:
             raise ValueError(f"unknown {name} {value!r}; choose one of {SHARDINGS}")
+    if t.tag:
+        why = [w for w, bad in (("--mode disagg", topo.mode != "disagg"), ("--gap-stages 1", topo.gap_stages != 1),
+                                ("--scorers 0", bool(topo.scorer_ranks)),
+                                ("--train-sharding replicate", t.train_sharding != "replicate")) if bad]
+        if why:
+            raise ValueError(f"--tag needs {', '.join(why)}: a trainer generates with its own full weights and "
+                             f"scores on its own rank")
+    if t.tcss and topo.mode != "disagg":
+        raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
+    if cfg.sampling.sde_window and rl.algorithm != "window":
+        raise ValueError(f"--sde-window {cfg.sampling.sde_window} samples ODE steps outside the window, which have no "
+                         f"log-probability to train: use --algorithm window (got {rl.algorithm!r})")
     parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))
     if cfg.output.resume:
         from checkpoint import latest_checkpoint

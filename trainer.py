@@ -30,7 +30,8 @@ from intake import TrainChunk, TransitionBatch, chunk_intake, transition_intake,
 from models import DiTAdapter
 from models.lora import trainable_names
 
-STAT_KEYS = ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_high", "clipfrac_low", "ratio")
+STAT_KEYS = ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_high", "clipfrac_low", "ratio",
+             "staleness_mean", "staleness_frac_1")
 
 
 def autocast(device: torch.device, dtype_name: str):
@@ -87,6 +88,7 @@ class Trainer:
                                            weight_decay=cfg.optim.weight_decay)
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
         self.num_updates = 0
+        self.current_step: int | None = None  # the step being trained (its update makes version step+1)
         self.reset_stats()
 
     # ----- set-up ---------------------------------------------------------------------------
@@ -109,6 +111,7 @@ class Trainer:
 
     def reset_stats(self) -> None:
         self.sums = {k: 0.0 for k in STAT_KEYS}
+        self.max_staleness = 0
         self.num_transitions = 0
         self.num_forwards = 0
         self.num_allgathers = 0
@@ -181,7 +184,7 @@ class Trainer:
             loss = self._transition_loss(x_t, x_next, chunk.sigmas, t, c, n, chunk.log_probs[sel, t].to(dev),
                                          chunk.advantages[sel].to(dev))
             loss.backward()
-            self.num_transitions += len(rows)
+            self._count(len(rows), chunk.version)
 
     def _transition_loss(self, x_t, x_next, sigmas, t, cond, neg, logp_old, adv) -> Tensor:
         s = self.sampling
@@ -253,7 +256,7 @@ class Trainer:
                 continue
             self.num_forwards += 1
             self._packed_forward(batch, rows, cond, neg)
-            self.num_transitions += len(rows)
+            self._count(len(rows), batch.version)
 
     def _packed_forward(self, batch: TransitionBatch, rows: list[int], cond, neg, weight: float = 1.0) -> None:
         """One forward + backward over `rows` of `batch`. weight 0 is a dummy that runs the same
@@ -322,6 +325,15 @@ class Trainer:
             else:
                 self._dummy_forward(template, 0, cond, neg)
 
+    def _count(self, n: int, version: int) -> None:
+        """n transitions trained; their staleness is this update's version minus the generating one
+        (0 on-policy, at most 1 with TCSS)."""
+        stale = 0 if self.current_step is None else self.current_step - version
+        self.num_transitions += n
+        self.sums["staleness_mean"] += n * stale
+        self.sums["staleness_frac_1"] += n * (stale == 1)
+        self.max_staleness = max(self.max_staleness, stale)
+
     def finish_step(self) -> dict[str, float]:
         """Sum gradients and statistics over trainer ranks, normalize by the batch's transition
         count, clip, step, update the EMA. Every trainer rank waits here for the others."""
@@ -354,6 +366,8 @@ class Trainer:
                 for e, p in zip(self.ema, self.params):
                     e.lerp_(p.detach(), 1 - decay)
         stats = {f"train/{k}": counts[1 + i].item() / total for i, k in enumerate(STAT_KEYS)}
+        stats["train/staleness_frac_0"] = 1.0 - stats["train/staleness_frac_1"]  # staleness is 0 or 1 by design
+        stats["train/staleness_max"] = self._all_reduce_max(float(self.max_staleness))
         stats.update({"train/grad_norm": grad_norm, "train/num_transitions": total,
                       "train/num_forwards": float(self.num_forwards),
                       "train/num_allgathers": float(self.num_allgathers)})
@@ -361,6 +375,13 @@ class Trainer:
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at update {self.num_updates}")
         self.reset_stats()
         return stats
+
+    def _all_reduce_max(self, value: float) -> float:
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # sync point: all trainers
+        return t.item()
 
     def _comm_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
@@ -395,10 +416,14 @@ class Trainer:
         return {n: full_tensor(e) for n, e in zip(self.names, self.ema)}
 
 
-def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[int, list[str]]) -> dict[str, float]:
+def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[int, list[str]],
+                 assistant=None, store=None, reward_std: float | None = None) -> dict[str, float]:
     """One step of a trainer rank: train its chunks (or, with --tsp, its packed transitions of
     every fragment) in plan order as they arrive (or, colocated, from `local`), one optimizer
-    update, then publish version k+1 to every generator."""
+    update, then publish version k+1 to every generator. With TAG, the `assistant` may generate
+    fragments while this rank waits for one."""
+    import time
+
     from parallel import publish
     from train_disagg import check_fsdp_balance
 
@@ -406,26 +431,44 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     me = topo.trainer_ranks.index(ctx.rank)
     pad_to = check_fsdp_balance(plan, topo, trainer, trainer.sharding)
     trainer.begin_step()
+    trainer.current_step = step
+    source_of = None
+    if assistant is not None:
+        assistant.begin_step(plan, reward_std)
+        source_of = lambda f: assistant.source_of(f, local)  # noqa: E731
     if ctx.cfg.topology.tsp:
-        work, train = transition_intake(ctx, plan, local, me), trainer.train_transitions
+        work, train = transition_intake(ctx, plan, local, me, source_of), trainer.train_transitions
     else:
-        work, train = chunk_intake(ctx, plan, local, me), trainer.train_chunk
-    template = None
+        work, train = chunk_intake(ctx, plan, local, me, source_of), trainer.train_chunk
+    template, seconds = None, {}
     for item, span_args in work:
         with tracer.span("train", "train", step, item.fragment, **span_args):
+            t0 = time.perf_counter()
             train(item)
+            seconds[item.fragment] = seconds.get(item.fragment, 0.0) + time.perf_counter() - t0
         template = item
     if pad_to:
         with tracer.span("pad", "train", step):
             trainer.pad_forwards(pad_to, template)
+    t0 = time.perf_counter()
     with tracer.span("optimizer", "optimizer", step):
         stats = trainer.finish_step()  # sync point: all trainers
+    update_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     if ctx.disagg:
         with tracer.span("publish", "publish", step):
             weights = trainer.full_weights(sorted({n for names in publish_names.values() for n in names}))
             if me == 0:
+                if store is not None:
+                    store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
                 for g in topo.generator_ranks:  # each generator (stage) gets only the weights it holds
                     publish.publish_weights({n: weights[n] for n in publish_names[g]}, step + 1, dst=g)
+    if assistant is not None:
+        for s in seconds.values():
+            assistant.tracker.observe_train_fragment(s)
+        assistant.tracker.observe_update(update_s)
+        assistant.tracker.observe_publish(time.perf_counter() - t0)
+        stats.update(assistant.end_step())
     return stats
 
 
