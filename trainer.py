@@ -308,9 +308,11 @@ class Trainer:
         fewer transitions than another."""
         x = chunk.latents[:1, t].to(self.device)
         sigma_vec = chunk.sigmas[t].to(self.device).expand(1)
+        c, n = cond.select([0]), neg.select([0]) if neg is not None else None
         with autocast(self.device, self.cfg.model.dtype):
-            v = sampler.guided_velocity(self.adapter, x, sigma_vec, cond.select([0]),
-                                        neg.select([0]) if neg is not None else None, self.sampling)
+            v = sampler.guided_velocity(self.adapter, x, sigma_vec, c, n, self.sampling)
+        if self.cfg.rl.beta > 0:  # a real forward also runs the reference (the LoRA-disabled model under FSDP)
+            self._reference_velocity(x, sigma_vec, c, n)
         (v.float().sum() * 0.0).backward()
 
     def pad_forwards(self, count: int, template: TrainChunk | None) -> None:
