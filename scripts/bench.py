@@ -51,6 +51,19 @@ MODES: dict[str, Mode] = {
                    "naive disaggregation (DESIGN 5.1): 1 generator, 1 trainer"),
     "gap-stream": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1"],
                        "GAP fragment streaming (DESIGN 5.2): one group per fragment, trainer starts on the first"),
+    "gap-stages": Mode(3, ["--generators", "2", "--trainers", "1", "--gap-stages", "2", "--fragment-groups", "1"],
+                       "GAP block pipeline: one replica of 2 stages + 1 trainer (3 ranks on 2 cores: contention)"),
+    "gap+tsp": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1", "--tsp",
+                        "--train-micro-batch", "16"], "+ TSP (DESIGN 5.3): transitions packed across timesteps"),
+    "gap+tsp+tag": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1", "--tsp",
+                            "--train-micro-batch", "16", "--tag"], "+ TAG with BTS (DESIGN 5.4)"),
+    "gap+tsp+tag+tcss": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1", "--tsp",
+                                 "--train-micro-batch", "16", "--tag", "--tcss"],
+                             "+ TCSS (DESIGN 5.5): generators run at most one version stale"),
+    "slow-gen": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1",
+                         "--debug-slow-rank", "0:3"], "GAP with the generator slowed 3x (an older GPU), TAG off"),
+    "slow-gen+tag": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1",
+                             "--debug-slow-rank", "0:3", "--tag"], "the same with TAG: the trainer generates too"),
 }
 
 BASELINES = ("colocated-replicate", "colocated-fsdp")
