@@ -172,6 +172,11 @@ class DiTAdapter:
             state = self.run_block(i, state)
         return self.head(state)
 
+    def check_no_guidance(self, guidance: float | None) -> None:
+        """For families without a guidance embedding: a guidance value is a mistake (use cfg_scale)."""
+        if guidance is not None:
+            raise ValueError(f"guidance {guidance} given, but {self.family!r} has no guidance embedding (use cfg_scale)")
+
     def combine_cfg(self, v_cond: Tensor, v_uncond: Tensor, scale: float) -> Tensor:
         """Classifier-free guidance as the family's pipeline does it (override where it differs)."""
         return v_uncond + scale * (v_cond - v_uncond)
@@ -184,6 +189,11 @@ class DiTAdapter:
     def decode(self, latents: Tensor) -> Tensor:
         """Images in [0, 1], float32: [B, 3, H, W] (video: [B, 3, F, H, W])."""
         raise NotImplementedError
+
+
+def to_unit_range(images: Tensor) -> Tensor:
+    """VAE output in [-1, 1] -> float32 in [0, 1]."""
+    return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
 def check_model_folder(path: str, required: tuple[str, ...], family: str) -> None:

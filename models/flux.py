@@ -6,7 +6,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from torch import Tensor
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State
+from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range
 
 
 class FluxAdapter(DiTAdapter):
@@ -113,7 +113,7 @@ class FluxAdapter(DiTAdapter):
         z = latents / vae.config.scaling_factor + vae.config.shift_factor
         with torch.no_grad():
             images = vae.decode(z.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit_range(images)
 
     # ----- presets --------------------------------------------------------------------------
     @classmethod

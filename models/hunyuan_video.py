@@ -16,7 +16,7 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaModel
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State
+from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range
 
 # The Llama chat template needs Llama 3's header tokens, and its crop_start (95) counts the real
 # tokenizer's tokens. A tokenizer without those tokens (the tiny preset's byte vocabulary) gets the
@@ -154,7 +154,7 @@ class HunyuanVideoAdapter(DiTAdapter):
         z = latents.to(vae.dtype) / vae.config.scaling_factor
         with torch.no_grad():
             video = vae.decode(z, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
-        return (video.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit_range(video)
 
     # ----- presets --------------------------------------------------------------------------
     @classmethod

@@ -13,7 +13,7 @@ from torch import Tensor
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State
+from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range
 
 # Special tokens of Qwen2.5-VL's vocabulary that the prompt template and the model config refer to.
 _QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -91,13 +91,9 @@ class QwenImageAdapter(DiTAdapter):
         mask = cond.tensors["prompt_mask"].bool()  # (B, L)
         return None if bool(mask.all()) else mask
 
-    @staticmethod
-    def _check_guidance(guidance):
-        if guidance is not None:
-            raise ValueError(f"guidance {guidance} given, but Qwen-Image has no guidance embedding (use cfg_scale)")
 
     def embed(self, latents, sigma, cond, guidance=None):
-        self._check_guidance(guidance)
+        self.check_no_guidance(guidance)
         tr = self.transformer
         b, c, h, w = latents.shape
         packed = QwenImagePipeline._pack_latents(latents.to(self.dtype), b, c, h, w)  # (B, h*w/4, 4C)
@@ -136,7 +132,7 @@ class QwenImageAdapter(DiTAdapter):
         return self._unpack(combined, (c, h, w))
 
     def reference_velocity(self, latents, sigma, cond, guidance=None):
-        self._check_guidance(guidance)
+        self.check_no_guidance(guidance)
         b, c, h, w = latents.shape
         out = self.transformer(
             hidden_states=QwenImagePipeline._pack_latents(latents.to(self.dtype), b, c, h, w),
@@ -155,7 +151,7 @@ class QwenImageAdapter(DiTAdapter):
         z = z / inv_std + mean
         with torch.no_grad():
             images = vae.decode(z, return_dict=False)[0][:, :, 0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit_range(images)
 
     # ----- presets --------------------------------------------------------------------------
     @classmethod

@@ -10,7 +10,7 @@ from torch import Tensor
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State
+from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range
 
 
 class SD3Adapter(DiTAdapter):
@@ -77,13 +77,9 @@ class SD3Adapter(DiTAdapter):
         # StableDiffusion3Pipeline passes the scheduler's timestep, sigma * num_train_timesteps (1000).
         return sigma * 1000
 
-    @staticmethod
-    def _check_guidance(guidance):
-        if guidance is not None:
-            raise ValueError(f"guidance {guidance} given, but SD3 has no guidance embedding (use cfg_scale)")
 
     def embed(self, latents, sigma, cond, guidance=None):
-        self._check_guidance(guidance)
+        self.check_no_guidance(guidance)
         tr = self.transformer
         _, c, h, w = latents.shape
         hidden = tr.pos_embed(latents.to(self.dtype)).contiguous()  # (B, h*w/p^2, D), sin-cos table added
@@ -114,7 +110,7 @@ class SD3Adapter(DiTAdapter):
         return x.reshape(tokens.shape[0], out_channels, h, w)  # (B, C, H, W)
 
     def reference_velocity(self, latents, sigma, cond, guidance=None):
-        self._check_guidance(guidance)
+        self.check_no_guidance(guidance)
         return self.transformer(
             hidden_states=latents.to(self.dtype), encoder_hidden_states=cond.tensors["prompt_embeds"].to(self.dtype),
             pooled_projections=cond.tensors["pooled"].to(self.dtype), timestep=self._timestep(sigma),
@@ -126,7 +122,7 @@ class SD3Adapter(DiTAdapter):
         z = latents / vae.config.scaling_factor + vae.config.shift_factor  # StableDiffusion3Pipeline's inverse
         with torch.no_grad():
             images = vae.decode(z.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit_range(images)
 
     # ----- presets --------------------------------------------------------------------------
     @classmethod

@@ -9,7 +9,7 @@ from torch import Tensor
 from transformers import UMT5Config, UMT5EncoderModel
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State
+from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range
 
 
 class WanAdapter(DiTAdapter):
@@ -126,7 +126,7 @@ class WanAdapter(DiTAdapter):
         z = latents.to(vae.dtype) * std + mean  # WanPipeline's `latents / (1 / std) + mean`
         with torch.no_grad():
             video = vae.decode(z, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
-        return (video.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit_range(video)
 
     # ----- presets --------------------------------------------------------------------------
     @classmethod
