@@ -38,6 +38,7 @@ from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel  # noq
 
 import shapes_world  # noqa: E402
 from models import tiny_text  # noqa: E402
+from models.base import DEFAULTS_FILE  # noqa: E402
 from models.flux import flux_scheduler  # noqa: E402
 
 TEXT_LENGTH = 64  # T5 tokens: the longest grammar prompt is 54 bytes + </s>
@@ -387,6 +388,10 @@ def main() -> None:
 
     print("==== save ====", flush=True)
     ema_pipe.save_pretrained(args.out)
+    # The model's own sampling defaults (models/base.py reads them): it is trained at 32x32 only.
+    with open(os.path.join(args.out, DEFAULTS_FILE), "w") as f:
+        json.dump({"sampling": {"height": 32, "width": 32, "num_steps": 10, "guidance": None}}, f, indent=2)
+        f.write("\n")
     wall = (time.time() - t_start) / 60
     final = evaluate_pipeline(ema_pipe, eval_prompts, 20)
     summary = {"command": command, "wall_minutes": wall, "cpu_minutes": time.process_time() / 60,
