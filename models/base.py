@@ -113,7 +113,9 @@ class DiTAdapter:
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> "DiTAdapter":
         check_model_folder(path, cls.required_components, cls.family)
         pipe = cls.pipeline_class.from_pretrained(path, dtype=dtype, local_files_only=True)
-        return cls(pipe)
+        adapter = cls(pipe)
+        adapter.defaults = read_folder_defaults(path, cls.defaults)
+        return adapter
 
     @classmethod
     def tiny(cls, seed: int = 0) -> "DiTAdapter":
@@ -189,6 +191,26 @@ class DiTAdapter:
     def decode(self, latents: Tensor) -> Tensor:
         """Images in [0, 1], float32: [B, 3, H, W] (video: [B, 3, F, H, W])."""
         raise NotImplementedError
+
+
+DEFAULTS_FILE = "digenrl.json"
+
+
+def read_folder_defaults(path: str, defaults: SamplingDefaults) -> SamplingDefaults:
+    """A model folder may carry its own sampling defaults (e.g. the shipped 32x32 shapes model) in
+    digenrl.json: {"sampling": {"height": 32, "num_steps": 10, ...}}; the family's fill the rest."""
+    import dataclasses
+
+    file = os.path.join(path, DEFAULTS_FILE)
+    if not os.path.isfile(file):
+        return defaults
+    with open(file) as f:
+        overrides = json.load(f).get("sampling", {})
+    known = {f.name for f in dataclasses.fields(SamplingDefaults)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"{file}: unknown sampling default(s) {unknown}; known: {sorted(known)}")
+    return dataclasses.replace(defaults, **overrides)
 
 
 def to_unit_range(images: Tensor) -> Tensor:

@@ -56,3 +56,16 @@ def test_attention_backend_errors(flux):
     if importlib.util.find_spec("flash_attn") is None:
         with pytest.raises(ValueError, match="pip install flash-attn --no-build-isolation"):
             set_attention(flux, "flash")
+
+
+def test_model_folder_carries_its_sampling_defaults(flux, tmp_path):
+    """digenrl.json in a model folder overrides the family's defaults (the shipped model is 32x32)."""
+    import json
+
+    shipped = load_model("flux", "assets/shapes-flux")
+    assert (shipped.defaults.height, shipped.defaults.width, shipped.defaults.num_steps) == (32, 32, 10)
+    flux.save_pretrained(str(tmp_path / "m"))
+    assert load_model("flux", str(tmp_path / "m")).defaults == type(flux).defaults
+    (tmp_path / "m" / "digenrl.json").write_text(json.dumps({"sampling": {"hieght": 64}}))
+    with pytest.raises(ValueError, match=r"unknown sampling default\(s\) \['hieght'\]"):
+        load_model("flux", str(tmp_path / "m"))
