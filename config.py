@@ -49,7 +49,7 @@ class RLConfig:
                                    "default: data/shapes_train.txt")
     reward: list = _f([], "reward NAME[:WEIGHT], repeatable (default: shapes:1.0)", action="append")
     reward_model: list = _f([], "NAME=DIR: local weights folder of a model-based reward, repeatable", action="append")
-    steps: int = _f(20, "training steps (one optimizer update each)")
+    steps: int = _f(50, "training steps (one optimizer update each)")
     prompts_per_step: int = _f(8, "B: prompts (groups) per step")
     group_size: int = _f(8, "G: samples per prompt")
     micro_batch: int = _f(8, "samples per forward pass, in generation and in training")
@@ -83,7 +83,8 @@ class TopologyConfig:
     trainers: int | None = _f(None, "number of trainer ranks (disagg; default: the rest)")
     scorers: int = _f(0, "number of scorer ranks (run the rewards of fragments they receive)")
     gap_stages: int = _f(1, "pipeline stages per generator replica (GAP)")
-    fragment_groups: int | None = _f(None, "groups per fragment (default: all of a replica's groups in one fragment)")
+    fragment_groups: int | None = _f(1, "groups per fragment (GAP streaming); 0 = naive: all of a replica's groups "
+                                           "in one fragment")
     colocated_sharding: str = _f("replicate", "colocated mode: replicate (every rank a full copy) or fsdp")
     train_sharding: str = _f("replicate", "trainer group: replicate (data parallel) or fsdp (FSDP2 fully_shard)")
     tsp: bool = _f(False, "TSP: pack transitions across samples and timesteps and spread every fragment over all "
@@ -100,9 +101,9 @@ class OutputConfig:
     resume: str | None = _f(None, "a run folder: continue from its newest checkpoint")
     save_every: int = _f(0, "save a checkpoint every N steps (0 = only at the end)")
     log_images_every: int = _f(5, "log a grid of training samples every N steps (0 = never)")
-    eval_every: int = _f(0, "evaluate on held-out prompts with the ODE sampler every N steps (0 = never)")
+    eval_every: int = _f(10, "evaluate on held-out prompts with the ODE sampler every N steps (0 = never)")
     eval_prompts: str | None = _f(None, "held-out prompt file for evaluation (default: data/shapes_eval.txt)")
-    eval_num_prompts: int = _f(32, "held-out prompts evaluated each time")
+    eval_num_prompts: int = _f(64, "held-out prompts evaluated each time")
     trace: bool = _f(True, "write a Chrome trace per rank to DIR/trace/rank{R}.json")
     debug_slow_rank: str | None = _f(None, "R:FACTOR: test-only, rank R sleeps to run FACTOR x slower")
 

@@ -137,7 +137,7 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
             plan = plan_step(step, seed=cfg.seed, num_prompts=len(records), prompts_per_step=cfg.rl.prompts_per_step,
                              group_size=cfg.rl.group_size, micro_batch=cfg.rl.micro_batch,
                              num_replicas=topo.num_replicas, num_trainers=len(topo.trainer_ranks),
-                             fragment_groups=cfg.topology.fragment_groups, colocated=not disagg)
+                             fragment_groups=cfg.topology.fragment_groups or None, colocated=not disagg)
             step_start = time.time()
             local: dict = {}
             gen_out = []

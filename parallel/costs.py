@@ -189,7 +189,7 @@ def sim_setup(config: dict[str, Any], world_size: int) -> SimSetup:
     num_trainers = len(topo.trainer_ranks)
     plan = plan_step(0, seed=0, num_prompts=rl["prompts_per_step"], prompts_per_step=rl["prompts_per_step"],
                      group_size=rl["group_size"], micro_batch=rl["micro_batch"], num_replicas=topo.num_replicas,
-                     num_trainers=num_trainers, fragment_groups=t.get("fragment_groups"), colocated=colocated)
+                     num_trainers=num_trainers, fragment_groups=t.get("fragment_groups") or None, colocated=colocated)
     num_fragments = len(plan.fragments)
     chunks = None if t.get("tsp") else len(plan.fragments[0].chunks)
     if colocated:

@@ -47,7 +47,7 @@ MODES: dict[str, Mode] = {
     "colocated-replicate": Mode(2, ["--mode", "colocated"], "every rank generates then trains; full replicas"),
     "colocated-fsdp": Mode(2, ["--mode", "colocated", "--colocated-sharding", "fsdp"],
                            "every rank generates then trains; FSDP2-sharded generation and training"),
-    "disagg": Mode(2, ["--generators", "1", "--trainers", "1"],
+    "disagg": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "0"],
                    "naive disaggregation (DESIGN 5.1): 1 generator, 1 trainer"),
     "gap-stream": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1"],
                        "GAP fragment streaming (DESIGN 5.2): one group per fragment, trainer starts on the first"),
@@ -133,7 +133,7 @@ def workload_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
              "--group-size", str(args.group_size), "--micro-batch", str(args.micro_batch),
              "--sample-steps", str(args.sample_steps), "--height", str(args.height), "--width", str(args.width),
-             "--log-images-every", "0"]
+             "--log-images-every", "0", "--eval-every", "0"]
     if args.preset != "auto":
         flags += ["--preset", args.preset]
     return flags + shlex.split(args.workload) + args.passthrough

@@ -6,7 +6,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch", "2",
         "--sample-steps", "3", "--height", "16", "--width", "16", "--reward", "jpeg_compressibility",
-        "--log-images-every", "1", "--lr", "1e-3"]
+        "--log-images-every", "1", "--lr", "1e-3", "--eval-every", "0"]
 
 
 def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: int = 300,

@@ -22,7 +22,7 @@ def _changed(before, after):
 
 PLACEMENTS = {
     "colocated-2": (2, ["--mode", "colocated"]),
-    "disagg-1g1t": (2, ["--generators", "1", "--trainers", "1"]),
+    "disagg-1g1t": (2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "0"]),  # naive
     "disagg-2g2t": (4, ["--generators", "2", "--trainers", "2"]),
 }
 
