@@ -39,6 +39,7 @@ def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny"
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DiTAdapter:
     """A local diffusers folder when `model_path` is given, else the named preset (built offline)."""
     cls = adapter_class(name)
+    _quiet_loading()
     if model_path:
         adapter = cls.from_pretrained(model_path, dtype=dtype)
     elif preset in ("tiny", "mid") and hasattr(cls, preset):
@@ -53,6 +54,15 @@ def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny"
 
 __all__ = ["Conditioning", "DiTAdapter", "SamplingDefaults", "State", "adapter_class", "load_model", "model_names",
            "resolve_device", "resolve_dtype", "set_attention"]
+
+
+def _quiet_loading() -> None:
+    """Every rank loads the model: no per-component progress bars from diffusers / transformers."""
+    import diffusers.utils.logging as dlog
+    import transformers.utils.logging as tlog
+
+    dlog.disable_progress_bar()
+    tlog.disable_progress_bar()
 
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "flash_varlen", "sage", "native")
