@@ -120,8 +120,8 @@ def test_missing_traces_is_a_user_error(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world, topology, expected", [
-    (2, dict(mode="colocated"), ("colocated", None, 2, 2, 1, 2)),
-    (2, dict(), ("disagg", None, 1, 1, 1, 4)),  # naive: one fragment per replica
+    (2, dict(mode="colocated", fragment_groups=0), ("colocated", None, 2, 2, 1, 2)),
+    (2, dict(fragment_groups=0), ("disagg", None, 1, 1, 1, 4)),  # naive: one fragment per replica
     (2, dict(fragment_groups=1), ("gap", None, 4, 1, 1, 1)),
     (4, dict(fragment_groups=2, generators=2, trainers=2), ("disagg", None, 2, 2, 1, 2)),  # one per replica
     (2, dict(fragment_groups=1, tsp=True), ("gap", None, 4, 1, 1, None)),

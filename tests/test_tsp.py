@@ -214,6 +214,7 @@ def test_placement_invariance_with_tsp(tmp_path):
     transitions where the per-timestep loop runs 2 forwards of 2 samples. Colocated, each rank's
     fragment (4 transitions) is split over both ranks: 2 forwards of 2 transitions per trainer."""
     tsp_flags = ["--tsp", "--train-micro-batch", "4"]
+    naive = ["--fragment-groups", "0"]  # one fragment per replica, as counted above
     runs = {"colocated-2": (2, ["--mode", "colocated"]),
             "disagg-1g2t-tsp": (3, ["--generators", "1", "--trainers", "2", *tsp_flags]),
             "disagg-1g2t-tsp-fsdp": (3, ["--generators", "1", "--trainers", "2", *tsp_flags,
@@ -222,7 +223,7 @@ def test_placement_invariance_with_tsp(tmp_path):
     results = {}
     for name, (nproc, placement) in runs.items():
         out = tmp_path / name
-        torchrun(nproc, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement])
+        torchrun(nproc, [*TINY, *naive, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement])
         results[name] = (trained_weights(str(out), 2), read_metrics(str(out / "metrics.jsonl")))
     ref_w, ref_m = results["colocated-2"]
     for name, (w, m) in results.items():
