@@ -200,7 +200,8 @@ class VersionSync:
 
 
 def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan, reward_std: float | None,
-                   slow: float = 1.0, replica=None, store=None) -> tuple[list[FragmentResult], dict]:
+                   slow: float = 1.0, replica=None, store=None, deferred: list | None = None
+                   ) -> tuple[list[FragmentResult], dict]:
     """One step of a generator rank: generate, decode and score this replica's fragments
     depth-first, streaming every chunk to its trainer as soon as its fragment is scored; new
     versions are installed only between fragments. Colocated ranks keep their chunks (returned)."""
@@ -269,9 +270,14 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
     if pending is not None:
         with tracer.span("wait_scores", "comm", step, pending[1].index):
             emit(generator.complete(pending))
+    if deferred is not None:
+        # TCSS: step k's sends complete while step k+1 is generated; the caller drains them later.
+        deferred.append((step, handles))
+        handles = [h for s, hs in deferred if s < step for h in hs]
+        deferred[:] = [(s, hs) for s, hs in deferred if s >= step]
     with tracer.span("send_wait", "comm", step):
         for h in handles:
-            h.wait()  # drain sends at the end of the step
+            h.wait()  # drain sends: this step's, or with TCSS the previous step's
     return results, local
 
 

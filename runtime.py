@@ -122,6 +122,7 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
 
         assistant = Assistant(ctx, make_generator(reward_set()), store, len(topo.trainer_ranks),
                               topo.trainer_ranks.index(rank))
+    deferred: list = []  # TCSS: (step, sends) still in flight
     versions = None
     if receiver is not None:
         versions = VersionSync(receiver, store, topo.trainer_ranks[0], start, 1 if cfg.topology.tcss else 0,
@@ -143,7 +144,8 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
             gen_out = []
             if is_gen:
                 std = _reward_std(cfg, store, running, step, start)
-                gen_out, local = generator_step(ctx, generator, versions, plan, std, slow, replica, store)
+                gen_out, local = generator_step(ctx, generator, versions, plan, std, slow, replica, store,
+                                                deferred if cfg.topology.tcss else None)
             if scorer_rewards is not None:
                 scorer_step(ctx, scorer_rewards, plan, lambda f: topo.replica_ranks(f.replica)[-1])
             train_stats = None
@@ -182,6 +184,9 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
                 _evaluate(cfg, adapter, sampling, topo, rank, done, logger, tracer, groups.trainers)
         if versions is not None:
             versions.drain(cfg.rl.steps, cfg.rl.steps)  # the trainers publish after every step
+        for _, handles in deferred:  # after the drain: the trainers need the publications to get there
+            for h in handles:
+                h.wait()
     finally:
         if progress is not None:
             progress.close()
