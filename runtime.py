@@ -131,6 +131,7 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
     images = logger if rank == log_rank else _ImageLogger(out_dir, is_gen)
     slow = _slow_factor(cfg, rank)
     progress = _progress(cfg, start) if rank == log_rank else None
+    previous_end = None  # the logging rank's end of the previous step: perf/step_s is the loop's period
     try:
         if cfg.output.eval_every and start == 0:
             _evaluate(cfg, adapter, sampling, topo, rank, 0, logger, tracer, groups.trainers)  # the base model
@@ -172,7 +173,8 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
                 store.put(f"std/{step}", running.std)
                 if step >= 3 and store.ready(f"std/{step - 3}"):
                     store.delete(f"std/{step - 3}")
-                scalars = _step_scalars(everyone, all_rewards, plan.num_samples)
+                scalars = _step_scalars(everyone, all_rewards, plan.num_samples, previous_end)
+                previous_end = max(rec["end_s"] for rec in everyone)
                 logger.log(step, scalars)
                 if progress is not None:
                     progress.update(1)
@@ -292,7 +294,7 @@ def _merge_rewards_records(records) -> dict[str, list[float]]:
     return out
 
 
-def _step_scalars(records, rewards, num_samples) -> dict[str, float]:
+def _step_scalars(records, rewards, num_samples, previous_end: float | None) -> dict[str, float]:
     scalars: dict[str, float] = {}
     comb = torch.tensor(rewards.get("combined", [float("nan")]), dtype=torch.float64)
     scalars["reward/mean"] = comb.mean().item()
@@ -313,7 +315,8 @@ def _step_scalars(records, rewards, num_samples) -> dict[str, float]:
         if predicted is not None:
             scalars["tag/predicted_step_s"] = predicted
     scalars.update(train)
-    summary = summarize_step([{k: rec[k] for k in ("role", "busy_s", "start_s", "end_s")} for rec in records])
+    summary = summarize_step([{k: rec[k] for k in ("role", "busy_s", "start_s", "end_s")} for rec in records],
+                             previous_end)
     scalars["perf/step_s"] = summary["step_s"]
     scalars["perf/samples_per_s"] = num_samples / summary["step_s"]
     scalars["perf/bubble_fraction"] = summary["bubble_fraction"]

@@ -189,16 +189,19 @@ def bubble_fraction(busy_seconds_per_rank: list[float], step_seconds: float) -> 
     return min(1.0, max(0.0, 1.0 - ideal / step_seconds))
 
 
-def summarize_step(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+def summarize_step(per_rank: list[dict[str, Any]], previous_end_s: float | None = None) -> dict[str, float]:
     """Step metrics from every rank's {"role", "busy_s", "start_s", "end_s"} (`step_record`).
 
-    Returns {"step_s": last end - first start over all ranks, "bubble_fraction": ...,
-    "busy_fraction/<role>": that role's busy seconds / (its number of ranks * step_s)}. Ranks
-    with no spans in the step (start_s None) count as idle."""
+    Returns {"step_s", "bubble_fraction": ..., "busy_fraction/<role>": that role's busy seconds /
+    (its number of ranks * step_s)}. step_s is the last end minus the previous step's last end
+    when `previous_end_s` is given (the period of the step loop: with TCSS, steps overlap and a
+    step's own window would count the overlap twice), else last end - first start. Ranks with no
+    spans in the step (start_s None) count as idle."""
     windows = [(r["start_s"], r["end_s"]) for r in per_rank if r.get("start_s") is not None]
     if not windows:
         raise ValueError("summarize_step: no rank recorded a span for this step")
-    step_s = max(end for _, end in windows) - min(start for start, _ in windows)
+    end = max(e for _, e in windows)
+    step_s = end - (previous_end_s if previous_end_s is not None else min(start for start, _ in windows))
     if step_s <= 0:
         raise ValueError(f"summarize_step: empty step window ({step_s} s)")
     out = {"step_s": step_s, "bubble_fraction": bubble_fraction([r["busy_s"] for r in per_rank], step_s)}

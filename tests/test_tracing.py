@@ -101,3 +101,13 @@ def test_summarize_step():
     assert s["bubble_fraction"] == pytest.approx(1 - (18.0 / 4) / 10.0)
     assert s["busy_fraction/generator"] == pytest.approx(0.7)
     assert s["busy_fraction/trainer"] == pytest.approx(0.2)
+
+
+def test_summarize_step_period_counts_overlapping_steps_once():
+    """With TCSS a generator starts step k+1 before the trainer ends step k: the step's duration is
+    the period between consecutive ends, not its own (overlapping) window."""
+    per_rank = [{"role": "generator", "busy_s": 1.0, "start_s": 9.0, "end_s": 11.0},
+                {"role": "trainer", "busy_s": 2.0, "start_s": 10.0, "end_s": 12.0}]
+    assert summarize_step(per_rank)["step_s"] == 3.0
+    s = summarize_step(per_rank, previous_end_s=10.0)
+    assert s["step_s"] == 2.0 and s["bubble_fraction"] == 1 - 1.5 / 2.0
