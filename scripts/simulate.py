@@ -23,6 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from parallel import cluster  # noqa: E402
 from parallel import costs as cm  # noqa: E402
 from parallel.simulator import simulate_run  # noqa: E402
 
@@ -82,23 +83,22 @@ def print_run_report(out: dict, skip: int) -> None:
           f"chunks_per_fragment {c.chunks_per_fragment}")
     m, p, e = out["measured"], out["predicted"], out["error"]
     print(f"{'':34s}{'measured':>10s}{'predicted':>11s}{'error':>12s}")
-    for name, key in (("step time, s (perf/step_s window)", "step_s"), ("step period, s (end to end)", "period_s")):
+    for name, key in (("step time, s (perf/step_s)", "step_s"), ("step period, s (end to end)", "period_s")):
         print(f"{name:34s}{_fmt(m[key]):>10s}{_fmt(p[key]):>11s}{_pct(e[key]):>12s}")
     diff = out["bubble_difference"]
     print(f"{'bubble fraction':34s}{_fmt(m['bubble_fraction']):>10s}{_fmt(p['bubble_fraction']):>11s}"
           f"{'-' if diff is None else f'{diff:+.3f}':>12s}  (absolute)")
-    print("  step time: a step's window as the runtime logs it, from the first rank entering the step (a "
-          "generator that finished its previous step early) to the last leaving it; period: end of a "
-          "step's last trainer span minus the previous step's (the simulator's step time)")
+    print("  step time: as the runtime logs it, the last end of a step over all ranks minus the previous "
+          "step's; period: end of a step's last trainer span minus the previous step's")
 
 
 # ---------------------------------------------------------------------------------------------
 # --cluster
 # ---------------------------------------------------------------------------------------------
 
-def print_cluster_report(model_name: str, gpu_name: str, num_gpus: int, wl: cm.Workload,
-                         predictions: list[cm.Prediction], skipped: list[str]) -> cm.Prediction:
-    model, gpu = cm.MODELS[model_name], cm.GPUS[gpu_name]
+def print_cluster_report(model_name: str, gpu_name: str, num_gpus: int, wl: cluster.Workload,
+                         predictions: list[cluster.Prediction], skipped: list[str]) -> cluster.Prediction:
+    model, gpu = cluster.MODELS[model_name], cluster.GPUS[gpu_name]
     print(f"PREDICTIONS of a cost model (not measurements): {model.name} on {num_gpus} x {gpu.name}")
     print(f"  workload: {wl.prompts_per_step} prompts x {wl.group_size} samples per step, K={wl.steps_of(model)} "
           f"({wl.trained_steps(model)} trained), {model.setting}")
@@ -106,16 +106,16 @@ def print_cluster_report(model_name: str, gpu_name: str, num_gpus: int, wl: cm.W
           f"MFU {wl.mfu:.2f}, micro-batch {model.micro_batch}, fragment = {wl.fragment_groups} group(s), "
           f"KL {'on' if wl.kl else 'off'}")
     frag = wl.fragment_groups * wl.group_size
-    print(f"  one GPU, one fragment ({frag} samples): generation {cm.generation_s(model, gpu, wl, frag):.1f} s, "
-          f"training {cm.training_s(model, gpu, wl, frag, 1):.1f} GPU-s (compute only); publication "
-          f"{cm.published_bytes(model, wl) / 1e9:.2f} GB")
+    print(f"  one GPU, one fragment ({frag} samples): generation {cluster.generation_s(model, gpu, wl, frag):.1f} s, "
+          f"training {cluster.training_s(model, gpu, wl, frag, 1):.1f} GPU-s (compute only); publication "
+          f"{cluster.published_bytes(model, wl) / 1e9:.2f} GB")
     colocated = [p for p in predictions if p.candidate.mode == "colocated"]
     base = min(p.step_s for p in colocated) if colocated else None
     for p in colocated:
         ratio = f"{base / p.step_s:.2f}x" if base else "-"
         print(f"  {p.candidate.label:30s} step {p.step_s:8.1f} s  bubble {p.bubble_fraction:.2f}  {ratio}"
               + (f"  ({p.candidate.note})" if p.candidate.note else ""))
-    rows: dict[tuple[int, int, int], dict[str, cm.Prediction]] = {}
+    rows: dict[tuple[int, int, int], dict[str, cluster.Prediction]] = {}
     for p in predictions:
         c = p.candidate
         if c.mode != "colocated":
@@ -130,7 +130,7 @@ def print_cluster_report(model_name: str, gpu_name: str, num_gpus: int, wl: cm.W
         ratio = f"{base / best.step_s:.2f}x" if base else "-"
         name = dict((m, n) for n, m in CLUSTER_MODES)[best.candidate.mode]
         print(f"  {f'G={g} T={t}' + (f' S={s}' if s > 1 else ''):16s}{cells}   {ratio} ({name})")
-    best = cm.recommend(predictions)
+    best = cluster.recommend(predictions)
     ratio = f", {base / best.step_s:.2f}x the colocated throughput" if base else ""
     print(f"recommended: {best.candidate.label}: predicted {best.step_s:.1f} s per step, "
           f"{best.samples_per_s:.2f} samples/s{ratio}")
@@ -141,13 +141,13 @@ def print_cluster_report(model_name: str, gpu_name: str, num_gpus: int, wl: cm.W
     if skipped:
         print(f"left out: {'; '.join(skipped)}")
     print("assumptions:")
-    for a in cm.CLUSTER_ASSUMPTIONS:
+    for a in cluster.CLUSTER_ASSUMPTIONS:
         print(f"  - {a}")
     return best
 
 
-def workload_from_args(args) -> cm.Workload:
-    return cm.Workload(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+def workload_from_args(args) -> cluster.Workload:
+    return cluster.Workload(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                        sample_steps=args.sample_steps, mfu=args.mfu, finetune=args.finetune, lora_rank=args.lora_rank,
                        kl=args.kl, score_overhead=args.score_overhead, fragment_groups=args.fragment_groups,
                        state_fraction=args.state_fraction)
@@ -158,12 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--run", help="a training run folder (config.json, trace/rank*.json, metrics.jsonl)")
-    what.add_argument("--cluster", choices=sorted(cm.MODELS), help="predict topologies for this model")
+    what.add_argument("--cluster", choices=sorted(cluster.MODELS), help="predict topologies for this model")
     p.add_argument("--skip-steps", type=int, default=1, help="--run: leading (warm-up) steps left out")
     p.add_argument("--trace-out", help="--run: write the simulated Chrome trace here")
     p.add_argument("--gpus", type=int, default=16, help="--cluster: number of GPUs N")
-    p.add_argument("--gpu", choices=sorted(cm.GPUS), default="h100", help="--cluster: GPU type")
-    d = cm.Workload()
+    p.add_argument("--gpu", choices=sorted(cluster.GPUS), default="h100", help="--cluster: GPU type")
+    d = cluster.Workload()
     p.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step, help="B")
     p.add_argument("--group-size", type=int, default=d.group_size, help="G, samples per prompt")
     p.add_argument("--sample-steps", type=int, default=None, help="K (default: the model's)")
@@ -189,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
     wl = workload_from_args(args)
-    model, gpu = cm.MODELS[args.cluster], cm.GPUS[args.gpu]
-    candidates, skipped = cm.cluster_candidates(model, gpu, args.gpus, wl)
-    print_cluster_report(args.cluster, args.gpu, args.gpus, wl, cm.predict(candidates, wl), skipped)
+    model, gpu = cluster.MODELS[args.cluster], cluster.GPUS[args.gpu]
+    candidates, skipped = cluster.cluster_candidates(model, gpu, args.gpus, wl)
+    print_cluster_report(args.cluster, args.gpu, args.gpus, wl, cluster.predict(candidates, wl), skipped)
     return 0
 
 

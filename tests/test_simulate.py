@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from config import RunConfig
+from parallel import cluster
 from parallel import costs as cm
 from tracing import Tracer
 
@@ -140,45 +141,45 @@ def test_mode_mapping(world, topology, expected):
 # Cluster model
 # ---------------------------------------------------------------------------------------------
 
-FLUX, H100 = cm.MODELS["flux-12b"], cm.GPUS["h100"]
-WL = cm.Workload()
+FLUX, H100 = cluster.MODELS["flux-12b"], cluster.GPUS["h100"]
+WL = cluster.Workload()
 
 
 def test_forward_flops_formula():
     m = dataclasses.replace(FLUX, params=10.0, hidden=3, num_layers=2, tokens=5, forwards_per_step=2)
-    assert cm.forward_flops(m, 4) == 4 * 2 * (2 * 10.0 * 5 + 4 * 2 * 3 * 25)
+    assert cluster.forward_flops(m, 4) == 4 * 2 * (2 * 10.0 * 5 + 4 * 2 * 3 * 25)
 
 
 def test_costs_shrink_with_more_gpus_on_the_same_interconnect():
     samples = WL.prompts_per_step * WL.group_size
     # Across nodes (both over InfiniBand): per-rank work halves, a gather grows by (n-1)/n only.
-    assert cm.generation_s(FLUX, H100, WL, samples / 32, fsdp_group=32) < \
-        cm.generation_s(FLUX, H100, WL, samples / 16, fsdp_group=16)
+    assert cluster.generation_s(FLUX, H100, WL, samples / 32, fsdp_group=32) < \
+        cluster.generation_s(FLUX, H100, WL, samples / 16, fsdp_group=16)
     for lo, hi in ((2, 4), (4, 8), (9, 16), (16, 32)):
-        assert cm.training_s(FLUX, H100, WL, 24, hi) < cm.training_s(FLUX, H100, WL, 24, lo)
-    assert cm.generation_s(FLUX, H100, WL, 24, stages=2) < cm.generation_s(FLUX, H100, WL, 24)
+        assert cluster.training_s(FLUX, H100, WL, 24, hi) < cluster.training_s(FLUX, H100, WL, 24, lo)
+    assert cluster.generation_s(FLUX, H100, WL, 24, stages=2) < cluster.generation_s(FLUX, H100, WL, 24)
 
 
 def _colocated_step(num_gpus: int) -> float:
-    candidates, _ = cm.cluster_candidates(FLUX, H100, num_gpus, WL)
-    return min(p.step_s for p in cm.predict([c for c in candidates if c.mode == "colocated"], WL))
+    candidates, _ = cluster.cluster_candidates(FLUX, H100, num_gpus, WL)
+    return min(p.step_s for p in cluster.predict([c for c in candidates if c.mode == "colocated"], WL))
 
 
 def test_more_gpus_shorter_predicted_step():
     assert _colocated_step(32) < _colocated_step(16)
     # Doubling generators and trainers (24 fragments split evenly both times) shortens every mode.
     def step(mode, g, t):
-        candidates, _ = cm.cluster_candidates(FLUX, H100, g + t, WL)
+        candidates, _ = cluster.cluster_candidates(FLUX, H100, g + t, WL)
         (c,) = [c for c in candidates if c.mode == mode and (c.generators, c.trainers) == (g, t)]
-        return cm.predict([c], WL)[0].step_s
+        return cluster.predict([c], WL)[0].step_s
 
     for mode in ("disagg", "gap", "tcss"):
         assert step(mode, 8, 24) < step(mode, 4, 12)
 
 
 def test_candidates_add_up_and_fit():
-    candidates, skipped = cm.cluster_candidates(FLUX, H100, 16, WL)
-    t_min = cm.min_trainers(FLUX, H100, WL)
+    candidates, skipped = cluster.cluster_candidates(FLUX, H100, 16, WL)
+    t_min = cluster.min_trainers(FLUX, H100, WL)
     assert t_min == 4  # 16 bytes x 11.9e9 params / (0.6 x 80 GB) = 3.97
     disagg = [c for c in candidates if c.mode != "colocated"]
     assert {c.mode for c in disagg} == {"disagg", "gap", "tag", "tcss"}
@@ -187,26 +188,26 @@ def test_candidates_add_up_and_fit():
         assert c.costs.num_replicas == c.generators // c.stages
     assert any("fewer than 4 trainers" in s for s in skipped)
     lora = dataclasses.replace(WL, finetune="lora")
-    assert cm.published_bytes(FLUX, lora) < cm.published_bytes(FLUX, WL) / 100
+    assert cluster.published_bytes(FLUX, lora) < cluster.published_bytes(FLUX, WL) / 100
 
 
 def test_gap_never_slower_than_naive_with_the_same_costs():
     """By construction: streaming the same fragments only lets trainers start earlier."""
-    candidates, _ = cm.cluster_candidates(FLUX, H100, 16, WL)
+    candidates, _ = cluster.cluster_candidates(FLUX, H100, 16, WL)
     by = {(c.mode, c.generators): c for c in candidates}
     for g in (2, 4, 8):
-        naive, gap = cm.predict([by[("disagg", g)], by[("gap", g)]], WL)
+        naive, gap = cluster.predict([by[("disagg", g)], by[("gap", g)]], WL)
         assert gap.step_s <= naive.step_s + 1e-9
 
 
 def test_recommendation_is_the_minimum():
-    candidates, _ = cm.cluster_candidates(FLUX, H100, 16, WL)
-    preds = cm.predict([c for c in candidates if c.mode != "tag"], WL)
-    best = cm.recommend(preds)
+    candidates, _ = cluster.cluster_candidates(FLUX, H100, 16, WL)
+    preds = cluster.predict([c for c in candidates if c.mode != "tag"], WL)
+    best = cluster.recommend(preds)
     assert best.step_s == min(p.step_s for p in preds)
     assert best.samples_per_s == pytest.approx(24 * 24 / best.step_s)
     with pytest.raises(ValueError):
-        cm.recommend([])
+        cluster.recommend([])
 
 
 def test_cluster_cli_prints_table_and_assumptions(capsys):
