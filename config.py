@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import os
-import typing
 from dataclasses import dataclass, field
 
 
@@ -128,12 +127,10 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
         kwargs = {}
         for name, value in d.items():
             sub = _SECTIONS.get(name)
             kwargs[name] = sub(**value) if sub else value
-        del sections
         return cls(**kwargs)
 
 
@@ -177,5 +174,3 @@ def parse_config(argv: list[str] | None, description: str = "DigenRL") -> RunCon
         setattr(getattr(cfg, section), name, value)
     return cfg
 
-
-assert typing  # annotations are strings (from __future__); _arg_type reads them

@@ -159,7 +159,7 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
             record = {"rank": rank, "role": topo.role(rank), "start_s": step_start, "end_s": step_end,
                       "busy_s": tracer.busy_seconds(step) if cfg.output.trace else step_end - step_start,
                       "train": train_stats,
-                      "rewards": _merge_rewards(gen_out), "zero_std": sum((r.zero_std for r in gen_out), [])}
+                      "rewards": _merge_rewards([r.rewards for r in gen_out]), "zero_std": sum((r.zero_std for r in gen_out), [])}
             if gen_out and cfg.output.log_images_every and step % cfg.output.log_images_every == 0 \
                     and gen_out[0].chunks[0].fragment == 0:
                 images.log_images(step, "samples", gen_out[0].images[:16], gen_out[0].prompts[:16])
@@ -168,7 +168,7 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
                 everyone = [store.get(f"rec/{step}/{r}") for r in range(topo.world_size)]
                 for r in range(topo.world_size):
                     store.delete(f"rec/{step}/{r}")
-                all_rewards = _merge_rewards_records(everyone)
+                all_rewards = _merge_rewards([rec["rewards"] for rec in everyone])
                 running.update(all_rewards.get("combined", []))
                 store.put(f"std/{step}", running.std)
                 if step >= 3 and store.ready(f"std/{step - 3}"):
@@ -278,18 +278,11 @@ def _check_same_weights(adapter, names: list[str], trainer) -> None:
         raise RuntimeError(f"ranks start from different weights: checksums by rank {everyone}")
 
 
-def _merge_rewards(results) -> dict[str, list[float]]:
+def _merge_rewards(parts: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Concatenate per-reward score lists (of fragments, or of ranks)."""
     out: dict[str, list[float]] = {}
-    for r in results:
-        for k, v in r.rewards.items():
-            out.setdefault(k, []).extend(v)
-    return out
-
-
-def _merge_rewards_records(records) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {}
-    for rec in records:
-        for k, v in rec["rewards"].items():
+    for rewards in parts:
+        for k, v in rewards.items():
             out.setdefault(k, []).extend(v)
     return out
 

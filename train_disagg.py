@@ -85,10 +85,6 @@ def validate(cfg: RunConfig, topo: Topology) -> None:
         raise ValueError(f"--lora-rank must be >= 0, got {cfg.optim.lora_rank}")
 
 
-def sharding(cfg: RunConfig, topo: Topology) -> str:
-    return cfg.topology.colocated_sharding if topo.mode == "colocated" else cfg.topology.train_sharding
-
-
 def check_fsdp_balance(plan, topo: Topology, trainer, shard: str) -> int:
     """FSDP ranks run collectives inside every forward, so they must run equally many: returns
     the forward count every trainer pads to. Colocated FSDP generation needs equal chunk counts."""

@@ -221,15 +221,15 @@ class Trainer:
     @torch.no_grad()
     def _reference_velocity(self, x_t, sigma_vec, cond, neg) -> Tensor:
         """The reference policy's guided velocity: LoRA disabled, or the frozen copy."""
-        ctx = self.adapter.transformer.disable_adapters if self.reference is None else None
-        ref = self.reference or self.adapter
-        if ctx is not None:
+        lora = self.reference is None
+        if lora:
             self.adapter.transformer.disable_adapters()
         try:
             with autocast(self.device, self.cfg.model.dtype):
-                return sampler.guided_velocity(ref, x_t, sigma_vec, cond, neg, self.sampling)
+                return sampler.guided_velocity(self.reference or self.adapter, x_t, sigma_vec, cond, neg,
+                                               self.sampling)
         finally:
-            if ctx is not None:
+            if lora:
                 self.adapter.transformer.enable_adapters()
 
     @torch.no_grad()

@@ -58,4 +58,4 @@ def test_staleness_is_at_most_one_and_zero_without_tcss(tmp_path, tcss):
     if tcss:
         assert any(r["train/staleness_frac_1"] > 0 for r in rows[1:])
         stale_rows = [r for r in rows if r["train/staleness_frac_1"] > 0]
-        assert all(r["train/approx_kl"] >= 0 for r in stale_rows)
+        assert all(r["train/approx_kl"] > 0 for r in stale_rows)  # pi_old is the older version
