@@ -6,6 +6,10 @@ claims (one now by this trainer, the others first come, first served at the trai
 windows); claim one fragment now iff the best n beats no claim. The next idle window searches
 again from the state it then sees, so the claims stop as soon as one more stops paying.
 
+An FSDP2 trainer group cannot generate one trainer at a time (every forward is a collective of
+the group): its trainers share their idle windows and generate together, up to one fragment each
+(`claims_per_window`), so BTS predicts with all of them busy for the round.
+
 The prediction is the simulator's (`simulator.predict_makespan`), run from the step's current
 state with the costs that `CostTracker` learns from the run's own measurements.
 """
@@ -34,6 +38,9 @@ class Decision:
     """predicted end of the step if no trainer claims again"""
     planned_claims: int = 0
     """the claim count behind predicted_with_s (0 when nothing was left to claim)"""
+    claims_now: int = 0
+    """fragments to claim at this window: 1 for a trainer on its own, up to `claims_per_window`
+    for a trainer group that generates together (0: no claim)"""
 
     @property
     def predicted_s(self) -> float:
@@ -41,23 +48,34 @@ class Decision:
         return self.predicted_with_s if self.claim else self.predicted_without_s
 
 
-def decide(state: StepState, costs: Costs, num_trainers: int, margin: float = DEFAULT_MARGIN) -> Decision:
-    """Claim one fragment now iff some number n >= 1 of claims (one now by this trainer, the others
-    by the trainers at their next idle windows) is predicted to end the step sooner than no claim
+def decide(state: StepState, costs: Costs, num_trainers: int, margin: float = DEFAULT_MARGIN,
+           claims_per_window: int = 1) -> Decision:
+    """Claim now iff some number n >= 1 of claims (min(n, claims_per_window) now, the others by
+    the trainers at their next idle windows) is predicted to end the step sooner than no claim
     at all, by at least `margin` of the time left without a claim. Searching n, not only n = 1, matters: with replicas of different
     speeds, the step's end is set by which replica generates the last fragment, so one claim often
     moves nothing while several move the end (a plateau that a one-claim test never crosses).
-    The claim is taken one fragment at a time: the next idle window decides again, with the state
-    it then sees."""
+    The claims are taken a window at a time: the next idle window decides again, with the state
+    it then sees.
+
+    `claims_per_window` 1: a trainer on its own claims one fragment (replicated trainers). M > 1:
+    the M trainers are one FSDP group whose idle windows are shared and which generates up to M
+    fragments at once, one per trainer, all of them busy for the round (`predict_makespan`'s
+    lockstep), so `claims_now` may be up to M."""
+    if claims_per_window < 1:
+        raise ValueError(f"claims_per_window must be >= 1, got {claims_per_window}")
     without = predict_makespan(state, costs, num_trainers, 0)
     if not state.unclaimed:
         return Decision(False, without, without, 0)
+    lockstep = claims_per_window > 1
     best, best_n = None, 0
     for n in _claim_counts(len(state.unclaimed)):
-        predicted = predict_makespan(state, costs, num_trainers, 1, later_claims=n - 1)
+        now = min(n, claims_per_window)
+        predicted = predict_makespan(state, costs, num_trainers, now, later_claims=n - now, lockstep=lockstep)
         if best is None or predicted < best - 1e-12:
             best, best_n = predicted, n
-    return Decision(best < without - margin * (without - state.now_s), best, without, best_n)
+    claim = best < without - margin * (without - state.now_s)
+    return Decision(claim, best, without, best_n, min(best_n, claims_per_window) if claim else 0)
 
 
 def _claim_counts(num_unclaimed: int) -> list[int]:

@@ -203,13 +203,19 @@ def simulate_run(mode: str, num_steps: int, num_fragments: int, costs: Costs, nu
 
 
 def predict_makespan(state: StepState, costs: Costs, num_trainers: int, trainer_claims_now: int,
-                     later_claims: int = 0) -> float:
+                     later_claims: int = 0, lockstep: bool = False) -> float:
     """When the step of `state` ends (its publication), if `trainer_claims_now` trainers claim a
     fragment right now (the deciding trainer first, then the other idle trainers in order), then
     `later_claims` more claims happen in all, each by the first trainer to open an idle window
     (first come, first served, while fragments are left), and no other. Replicas go on claiming
     dynamically. Runs the simulator itself from the state, so with exact costs and no later claims
-    it is the simulated end of the step."""
+    it is the simulated end of the step.
+
+    `lockstep`: the trainers are one FSDP group that generates together (tag.GroupAssistant). The
+    claims now go to the trainers in order whatever each is doing (each generates after its current
+    work, which in the runtime comes after: the same total), and every trainer without a claim is
+    held `trainer_fragment_s` as well, the time of the throw-away forwards that keep its collectives
+    in step. Later claims are still modelled one trainer at a time."""
     if len(state.replica_free_s) != costs.num_replicas or not (
             len(state.trainer_free_s) == len(state.trainer_backlog_s) == num_trainers):
         raise ValueError(f"state has {len(state.replica_free_s)} replica(s) and {len(state.trainer_free_s)}/"
@@ -235,12 +241,18 @@ def predict_makespan(state: StepState, costs: Costs, num_trainers: int, trainer_
     engine.trn_free = [max(f, now) + b if b > 0 else f for f, b in zip(state.trainer_free_s, state.trainer_backlog_s)]
     for f, ready in state.arrivals_s.items():
         engine.push_shares(0, f, ready)
-    idle = [j for j in range(num_trainers) if j != state.trainer and engine.trn_free[j] <= now
-            and not engine.ready_entries(j, now)]
-    for j in ([state.trainer] + idle)[:trainer_claims_now]:
+    others = [j for j in range(num_trainers) if j != state.trainer and (lockstep or (
+        engine.trn_free[j] <= now and not engine.ready_entries(j, now)))]
+    claimers = [state.trainer] + others
+    claimed = 0
+    for j in claimers[:trainer_claims_now]:
         if not engine.unclaimed[0]:
             break
         engine.start_generation(0, max(now, engine.trn_free[j]), ("trainer", j))
+        claimed += 1
+    if lockstep and claimed:
+        for j in claimers[claimed:]:
+            engine.trn_free[j] = max(now, engine.trn_free[j]) + costs.trainer_fragment_s
     engine.run(now)
     return engine.step_end[0]
 

@@ -281,6 +281,35 @@ def test_bts_margin_blocks_negligible_gains():
     assert not bts.decide(state, c, 1, margin=0.5).claim  # a 1 s gain, of 3.7 s left without the claim
 
 
+def test_lockstep_group_claims_for_every_trainer_and_pays_for_the_round():
+    """An FSDP trainer group (claims_per_window = M) claims up to one fragment per trainer at a
+    shared idle window; a trainer without a claim is held for the round too (its throw-away
+    forwards), which the model of trainers on their own does not charge."""
+    # a replica of 2 s per fragment and two idle trainers (1 s per fragment) at the step's start
+    c = _costs(gen=(2.0,), train=0.5, trainer_gen=1.0)
+    state = StepState(0.0, [0, 1, 2], [0.0], {}, [0.0, 0.0], [0.0, 0.0], 0)
+    # no claim: the replica makes 0, 1, 2 (until 6), the last shares end at 6.5
+    assert predict_makespan(state, c, 2, 0, lockstep=True) == pytest.approx(6.5)
+    # both trainers make 0 and 1 (0 -> 1) while the replica makes 2 (0 -> 2): trained by 2.5
+    assert predict_makespan(state, c, 2, 2, lockstep=True) == pytest.approx(2.5)
+    # one claim now and one later: on its own, trainer 1 claims at once (2.5); in lockstep it is
+    # held until 1, both train 0 (1 -> 1.5), then trainer 0 makes 2 (1.5 -> 2.5) and trains last
+    assert predict_makespan(state, c, 2, 1, later_claims=1) == pytest.approx(2.5)
+    assert predict_makespan(state, c, 2, 1, later_claims=1, lockstep=True) == pytest.approx(3.5)
+    alone, group = bts.decide(state, c, 2), bts.decide(state, c, 2, claims_per_window=2)
+    assert alone.claim and alone.claims_now == 1
+    assert group.claim and group.claims_now == 2 and group.predicted_s == pytest.approx(2.5)
+    assert group.predicted_without_s == pytest.approx(6.5)
+    # trainers that are the bottleneck claim nothing, together or on their own
+    slow = _costs(gen=(1.0,), train=3.0, trainer_gen=4.0)
+    busy = StepState(0.0, [1, 2, 3], [1.0], {0: 1.0}, [0.0, 0.0], [0.0, 0.0], 0)
+    for per_window in (1, 2):
+        d = bts.decide(busy, slow, 2, claims_per_window=per_window)
+        assert not d.claim and d.claims_now == 0
+    with pytest.raises(ValueError, match="claims_per_window"):
+        bts.decide(state, c, 2, claims_per_window=0)
+
+
 # ----- the cost tracker --------------------------------------------------------------------------
 def test_cost_tracker_learns_and_round_trips_through_json():
     tracker = bts.CostTracker(2, alpha=0.5, trainer_ratio=2.0)
