@@ -89,7 +89,8 @@ class TopologyConfig:
     tsp: bool = _f(False, "TSP: pack transitions across samples and timesteps and spread every fragment over all "
                           "trainer ranks")
     train_micro_batch: int | None = _f(None, "TSP: transitions per training forward (default: --micro-batch)")
-    tag: bool = _f(False, "TAG: idle trainers generate unstarted fragments when BTS predicts a shorter step")
+    tag: bool = _f(False, "TAG: idle trainers generate unstarted fragments when BTS predicts a shorter step "
+                          "(FSDP trainers generate together, as trainer 0 decides)")
     tcss: bool = _f(False, "TCSS: generators may start step k+1 with version k (staleness at most 1)")
     dist_timeout_s: int = _f(600, "timeout of every collective and point-to-point wait, in seconds")
 

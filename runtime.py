@@ -118,10 +118,11 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
     log_rank = topo.trainer_ranks[0]
     store = StepStore(cfg.topology.dist_timeout_s)
     if is_train and cfg.topology.tag:
-        from tag import Assistant
+        from tag import Assistant, GroupAssistant
 
-        assistant = Assistant(ctx, make_generator(reward_set()), store, len(topo.trainer_ranks),
-                              topo.trainer_ranks.index(rank))
+        helper = GroupAssistant if shard == "fsdp" else Assistant  # FSDP trainers generate together
+        assistant = helper(ctx, make_generator(reward_set()), store, len(topo.trainer_ranks),
+                           topo.trainer_ranks.index(rank))
     deferred: list = []  # TCSS: (step, sends) still in flight
     versions = None
     if receiver is not None:

@@ -8,16 +8,23 @@ from its owner. A trainer claims only at an idle window (the next fragment it ne
 landed) and only when BTS (parallel/bts.py) predicts a shorter step. Trainer weights during a
 step are exactly the step's version, generation runs without grad, and accumulated gradients are
 never touched, so a fragment is the same whoever generates it.
+
+Replicated trainers each decide on their own (`Assistant`). FSDP2 trainers cannot: every forward
+all-gathers over the whole group, so they generate together, and one of them decides for all
+(`GroupAssistant`).
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 
+import sampler
 from parallel import p2p
 from parallel.bts import CostTracker, decide
 from parallel.simulator import StepState
+from rollout import encode_batch
 
 POLL_S = 0.003
 
@@ -70,28 +77,30 @@ class Assistant:
         self.interval = decision_interval_s
         self.board = None
 
-    def begin_step(self, plan, reward_std: float | None) -> None:
-        self.plan, self.reward_std = plan, reward_std
+    def begin_step(self, plan, reward_std: float | None, trainer, local: dict) -> None:
+        """`local`: this trainer's intake buffer, where fragments it generates leave its own share."""
+        self.plan, self.reward_std, self.trainer, self.local = plan, reward_std, trainer, local
         self.board = FragmentBoard(self.store, plan.step, len(plan.fragments))
         self.step_start = time.time()
         self.generated, self.predicted_s, self.sends, self.results = 0, None, [], []
+        self.window_s = 0.0  # seconds of windows run inside training (GroupAssistant)
         for r in range(self.ctx.topo.num_replicas):
             if self.store.ready(f"cost/replica/{r}"):
                 self.tracker.replica_fragment_s[r] = self.store.get(f"cost/replica/{r}")
 
-    def source_of(self, f: int, local: dict, untrained_landed: int = 0) -> int:
+    def source_of(self, f: int) -> int:
         """The rank that generated fragment f, once it has landed. Until then this trainer is idle:
         at every idle window BTS decides whether it generates an unclaimed fragment itself."""
         last = 0.0
         while not self.board.landed(f):
             if time.monotonic() - last >= self.interval:
                 last = time.monotonic()
-                if self._idle_window(local, untrained_landed):
+                if self._idle_window():
                     continue
             time.sleep(POLL_S)
         return self.board.owner(f)["rank"]
 
-    def _state(self, costs, untrained_landed: int) -> StepState:
+    def _state(self, costs) -> StepState:
         board, start = self.board, self.step_start
         now = time.time() - start
         claimed = board.num_claimed()
@@ -113,40 +122,51 @@ class Assistant:
             took = (costs.replica_fragment_s[owner["replica"]] if owner["replica"] is not None
                     else costs.trainer_fragment_s)
             arrivals[f] = max(now, owner["start"] - start + took) + costs.transfer_s
-        backlog = untrained_landed * costs.train_fragment_s
         return StepState(now_s=now, unclaimed=list(range(claimed, board.n)), replica_free_s=free,
                          arrivals_s=arrivals, trainer_free_s=[now] * self.num_trainers,
-                         trainer_backlog_s=[backlog] * self.num_trainers, trainer=self.me)
+                         trainer_backlog_s=[0.0] * self.num_trainers, trainer=self.me)
 
-    def _idle_window(self, local: dict, untrained_landed: int) -> bool:
+    def _decide(self, claims_per_window: int = 1):
+        """BTS at an idle window (None until the costs are known or when nothing is left to claim)."""
         if not self.tracker.ready or self.board.num_claimed() >= self.board.n:
-            return False
+            return None
         costs = self.tracker.costs()
-        decision = decide(self._state(costs, untrained_landed), costs, self.num_trainers)
+        decision = decide(self._state(costs), costs, self.num_trainers, claims_per_window=claims_per_window)
         if self.predicted_s is None:
             self.predicted_s = decision.predicted_s
-        if not decision.claim:
+        return decision
+
+    def _idle_window(self) -> bool:
+        decision = self._decide()
+        if decision is None or not decision.claim:
             return False
         f = self.board.claim(self.ctx.rank)
         if f is None:
             return False
-        self._generate(f, local)
+        with self.ctx.tracer.span("tag_generate", "generate", self.plan.step, f):
+            t0 = time.perf_counter()
+            result = self._generate(f)
+            self.tracker.observe_trainer_fragment(time.perf_counter() - t0)
+        self._deliver(f, result)
         return True
 
-    def _generate(self, f: int, local: dict) -> None:
+    def _generate(self, f: int):
+        plan = self.plan
+        with torch.no_grad():
+            return self.gen.generate_fragment(plan, plan.fragments[f], version=plan.step, reward_std=self.reward_std)
+
+    def _deliver(self, f: int, result) -> None:
+        """Into the same intake as a generator's fragment: this trainer's share into `local`, the
+        others' sent; then the fragment is marked landed."""
         from intake import TrainChunk, TransitionBatch, route_chunks
 
         ctx, plan = self.ctx, self.plan
-        with ctx.tracer.span("tag_generate", "generate", plan.step, f), torch.no_grad():
-            t0 = time.perf_counter()
-            result = self.gen.generate_fragment(plan, plan.fragments[f], version=plan.step, reward_std=self.reward_std)
-            self.tracker.observe_trainer_fragment(time.perf_counter() - t0)
         for dst, tensors, meta in route_chunks(ctx, plan, result.chunks):
             if dst == ctx.rank:  # this trainer's own share stays here
                 if meta["kind"] == "chunk":
-                    local[meta["chunk"]] = TrainChunk.from_payload(tensors, meta)
+                    self.local[meta["chunk"]] = TrainChunk.from_payload(tensors, meta)
                 else:
-                    local[("tsp", f)] = TransitionBatch.from_payload(tensors, meta)
+                    self.local[("tsp", f)] = TransitionBatch.from_payload(tensors, meta)
             else:
                 self.sends.append(p2p.isend_payload(tensors, meta, dst=dst))
         self.board.land(f)
@@ -158,3 +178,130 @@ class Assistant:
             h.wait()  # drain this step's sends
         self.sends = []
         return {"tag_fragments": self.generated, "tag_predicted_s": self.predicted_s}
+
+
+def group_windows(forward_fragments: list[list[int]]) -> list[tuple[int, tuple[int, ...]]]:
+    """Where an FSDP trainer group may wait: (slot, fragments) for every slot at which some trainer
+    first needs fragments no earlier slot needed. Slot i is the i-th forward of every trainer: the
+    group runs them together, since their all-gathers pair up. `forward_fragments[r]` lists the
+    fragment of each forward of trainer r (`Trainer.forward_fragments`)."""
+    seen: set[int] = set()
+    out = []
+    for slot in range(max(map(len, forward_fragments), default=0)):
+        new = sorted({fs[slot] for fs in forward_fragments if slot < len(fs)} - seen)
+        if new:
+            seen.update(new)
+            out.append((slot, tuple(new)))
+    return out
+
+
+class GroupAssistant(Assistant):
+    """TAG for an FSDP2 trainer group. Every forward, training or generation, all-gathers over the
+    whole group, so the trainers must run the same forwards in the same order: they generate
+    together, and only where every one of them stands between the same two forwards.
+
+    Those places are the windows of `group_windows`, known to every trainer from the plan: before
+    slot i, where the group first needs some fragments. Trainer 0, the leader, alone looks at the
+    board there and writes a sequence of decisions `tagdec/{step}/{slot}/{n}`: either "generate"
+    the fragments it just claimed (at most one per trainer, as BTS with `claims_per_window` = the
+    group size says), which the group generates in one round, or "proceed" once the window's
+    fragments have landed. The others read that sequence from the store and never look at the
+    board, so no race can split the group. A trainer whose fragment in a round has fewer chunks
+    than another's, or that has none, denoises throw-away chunks: every chunk runs the same
+    transformer forwards, so the all-gathers pair up. Between windows every fragment a slot needs
+    has landed, so no trainer waits inside a collective for data."""
+
+    def __init__(self, ctx, generator, store, num_trainers: int, me: int, decision_interval_s: float = 0.02):
+        super().__init__(ctx, generator, store, num_trainers, me, decision_interval_s)
+        self.leader = me == 0
+        self.written: list[str] = []  # the leader's decision keys of the previous step
+        self.blank = None  # the conditioning of throw-away chunks
+
+    def begin_step(self, plan, reward_std: float | None, trainer, local: dict) -> None:
+        super().begin_step(plan, reward_std, trainer, local)
+        if self.leader:  # every trainer read them before the previous step's update (a sync point)
+            for key in self.written:
+                self.store.delete(key)
+            self.written = []
+        self.windows = group_windows(trainer.forward_fragments(plan, self.num_trainers))
+        self.next_window = 0
+        trainer.before_forward = self.before_forward
+
+    def before_forward(self, slot: int) -> None:
+        """Run the windows up to `slot`: the trainer is about to start that forward."""
+        while self.next_window < len(self.windows) and self.windows[self.next_window][0] <= slot:
+            t0 = time.perf_counter()
+            self._window(*self.windows[self.next_window])
+            self.next_window += 1
+            self.window_s += time.perf_counter() - t0
+
+    def source_of(self, f: int) -> int:
+        """Called before this trainer receives its first piece of fragment f, which its next
+        forward trains: the windows up to that forward have made sure f landed."""
+        self.before_forward(self.trainer.num_forwards)
+        assert self.board.landed(f), (self.plan.step, f, self.trainer.num_forwards)
+        return self.board.owner(f)["rank"]
+
+    def _window(self, slot: int, fragments: tuple[int, ...]) -> None:
+        for n in itertools.count():
+            key = f"tagdec/{self.plan.step}/{slot}/{n}"
+            if self.leader:
+                decision = self._lead(fragments)
+                self.store.put(key, decision)
+                self.written.append(key)
+            else:
+                decision = self.store.get(key)  # rank wait: the leader's decision
+            if decision["generate"] is None:
+                return
+            self._round(decision["generate"])
+
+    def _lead(self, fragments: tuple[int, ...]) -> dict:
+        """The leader's next decision at a window: poll until the window's fragments have landed
+        ("generate": None, proceed) or BTS has the group generate the fragments it claims."""
+        last = 0.0
+        while not all(self.board.landed(f) for f in fragments):
+            if time.monotonic() - last >= self.interval:
+                last = time.monotonic()
+                decision = self._decide(claims_per_window=self.num_trainers)
+                if decision is not None and decision.claim:
+                    claims = []
+                    for j in range(decision.claims_now):
+                        f = self.board.claim(self.ctx.topo.trainer_ranks[j])  # trainer j generates f
+                        if f is None:
+                            break
+                        claims.append(f)
+                    if claims:
+                        return {"generate": claims + [None] * (self.num_trainers - len(claims))}
+            time.sleep(POLL_S)
+        return {"generate": None}
+
+    def _round(self, fragments: list[int | None]) -> None:
+        """Every trainer generates its fragment of `fragments` (None: none), all with the same
+        number of chunks: the most chunks of any, the missing ones thrown away."""
+        plan, trainer = self.plan, self.trainer
+        mine = fragments[self.me]
+        num_chunks = max(len(plan.fragments[f].chunks) for f in fragments if f is not None)
+        gathers = trainer.num_allgathers
+        with self.ctx.tracer.span("tag_generate" if mine is not None else "tag_pad", "generate", plan.step, mine):
+            t0 = time.perf_counter()
+            result = self._generate(mine) if mine is not None else None
+            for _ in range(num_chunks - (len(plan.fragments[mine].chunks) if mine is not None else 0)):
+                self._throwaway_chunk()
+            self.tracker.observe_trainer_fragment(time.perf_counter() - t0)
+        trainer.num_allgathers = gathers  # generation's all-gathers are not the training's
+        if result is not None:
+            self._deliver(mine, result)
+
+    def _throwaway_chunk(self) -> None:
+        """Denoise one sample of an empty prompt and keep nothing: the transformer forwards of a chunk."""
+        gen = self.gen
+        if self.blank is None:
+            self.blank = encode_batch(gen.adapter, [""], gen.negative_prompt, gen.sampling)
+        cond, neg = self.blank
+        with gen.autocast():
+            sampler.denoise(gen.adapter, cond, neg, [0], self.plan.step, gen.sampling, sigmas=gen.sigmas)
+
+    def end_step(self) -> dict:
+        assert self.next_window == len(self.windows), (self.next_window, len(self.windows))
+        self.trainer.before_forward = None
+        return super().end_step()

@@ -62,9 +62,9 @@ def validate(cfg: RunConfig, topo: Topology) -> None:
         if value not in SHARDINGS:
             raise ValueError(f"unknown {name} {value!r}; choose one of {SHARDINGS}")
     if t.tag:
-        why = [w for w, bad in (("--mode disagg", topo.mode != "disagg"), ("--gap-stages 1", topo.gap_stages != 1),
-                                ("--scorers 0", bool(topo.scorer_ranks)),
-                                ("--train-sharding replicate", t.train_sharding != "replicate")) if bad]
+        why = [w for w, bad in ((f"--mode disagg (got {topo.mode})", topo.mode != "disagg"),
+                                (f"--gap-stages 1 (got {topo.gap_stages})", topo.gap_stages != 1),
+                                (f"--scorers 0 (got {len(topo.scorer_ranks)})", bool(topo.scorer_ranks))) if bad]
         if why:
             raise ValueError(f"--tag needs {', '.join(why)}: a trainer generates with its own full weights and "
                              f"scores on its own rank")

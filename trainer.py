@@ -89,6 +89,9 @@ class Trainer:
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
         self.num_updates = 0
         self.current_step: int | None = None  # the step being trained (its update makes version step+1)
+        # Called with the forward's slot (this step's forward count) before every training forward,
+        # real or padding: with TAG under FSDP the group's generation windows fall between forwards.
+        self.before_forward = None
         self.reset_stats()
 
     # ----- set-up ---------------------------------------------------------------------------
@@ -154,14 +157,28 @@ class Trainer:
             ts.update(self.trained_timesteps(step, i))
         return sorted(ts)
 
+    def forward_fragments(self, plan, num_trainers: int) -> list[list[int]]:
+        """Per trainer, the fragment of each of its forward passes this step, in the order it runs
+        them (FSDP counts every micro-batch and timestep, even one with no kept transition): a pure
+        function of the plan, so every trainer knows every other's."""
+        out: list[list[int]] = [[] for _ in range(num_trainers)]
+        if self.cfg.topology.tsp:
+            for m in tsp_packing(self.cfg, self.sampling, plan, num_trainers).micro_batches:
+                out[m.trainer].append(m.fragment)  # fragment by fragment: the intake's order
+            return out
+        for c in plan.chunks:
+            out[c.trainer] += [c.fragment] * len(self.forwards_for(plan.step, c.sample_ids))
+        return out
+
     def planned_forwards(self, plan, num_trainers: int) -> list[int]:
         """Forward passes per trainer this step, from the plan alone (FSDP ranks pad to the max)."""
-        if self.cfg.topology.tsp:
-            return tsp_packing(self.cfg, self.sampling, plan, num_trainers).num_forwards()
-        counts = [0] * num_trainers
-        for c in plan.chunks:
-            counts[c.trainer] += len(self.forwards_for(plan.step, c.sample_ids))
-        return counts
+        return [len(f) for f in self.forward_fragments(plan, num_trainers)]
+
+    def _start_forward(self) -> None:
+        """Count a training forward, real or padding, after letting `before_forward` run."""
+        if self.before_forward is not None:
+            self.before_forward(self.num_forwards)
+        self.num_forwards += 1
 
     def train_chunk(self, chunk: TrainChunk) -> None:
         """Forward + backward of every trained transition of a chunk, one timestep per forward."""
@@ -171,7 +188,7 @@ class Trainer:
         neg = chunk.neg_cond.to(dev) if chunk.neg_cond is not None else None
         for t in self.forwards_for(chunk.step, tuple(ids)):
             rows = [j for j, i in enumerate(ids) if t in self.trained_timesteps(chunk.step, i) and chunk.keep[j]]
-            self.num_forwards += 1
+            self._start_forward()
             if not rows:
                 self._dummy_forward(chunk, t, cond, neg)
                 continue
@@ -251,10 +268,10 @@ class Trainer:
             rows = [j for j in range(lo, hi) if batch.keep[j]]
             if not rows:
                 if self.sharding == "fsdp":  # the other FSDP ranks run this forward's collectives
-                    self.num_forwards += 1
+                    self._start_forward()
                     self._packed_forward(batch, [lo], cond, neg, weight=0.0)
                 continue
-            self.num_forwards += 1
+            self._start_forward()
             self._packed_forward(batch, rows, cond, neg)
             self._count(len(rows), batch.version)
 
@@ -319,7 +336,7 @@ class Trainer:
         """FSDP only: run dummy forwards until this rank has done `count` forwards this step."""
         while self.num_forwards < count:
             assert template is not None, "a trainer with no chunk cannot pad FSDP forwards"
-            self.num_forwards += 1
+            self._start_forward()
             cond = template.cond.to(self.device)
             neg = template.neg_cond.to(self.device) if template.neg_cond is not None else None
             if isinstance(template, TransitionBatch):
@@ -423,7 +440,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     """One step of a trainer rank: train its chunks (or, with --tsp, its packed transitions of
     every fragment) in plan order as they arrive (or, colocated, from `local`), one optimizer
     update, then publish version k+1 to every generator. With TAG, the `assistant` may generate
-    fragments while this rank waits for one."""
+    fragments while this rank waits for one (under FSDP: the whole group, between forwards)."""
     import time
 
     from parallel import publish
@@ -436,8 +453,12 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     trainer.current_step = step
     source_of = None
     if assistant is not None:
-        assistant.begin_step(plan, reward_std)
-        source_of = lambda f: assistant.source_of(f, local)  # noqa: E731
+        assistant.begin_step(plan, reward_std, trainer, local)
+        source_of = assistant.source_of
+
+    def helper_s() -> float:  # seconds of TAG windows run inside training (FSDP: between forwards)
+        return assistant.window_s if assistant is not None else 0.0
+
     if ctx.cfg.topology.tsp:
         work, train = transition_intake(ctx, plan, local, me, source_of), trainer.train_transitions
     else:
@@ -445,9 +466,10 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     template, seconds = None, {}
     for item, span_args in work:
         with tracer.span("train", "train", step, item.fragment, **span_args):
-            t0 = time.perf_counter()
+            t0, helped = time.perf_counter(), helper_s()
             train(item)
-            seconds[item.fragment] = seconds.get(item.fragment, 0.0) + time.perf_counter() - t0
+            took = time.perf_counter() - t0 - (helper_s() - helped)
+            seconds[item.fragment] = seconds.get(item.fragment, 0.0) + took
         template = item
     if pad_to:
         with tracer.span("pad", "train", step):

@@ -1,4 +1,5 @@
-"""Run train_disagg.py under torchrun in a subprocess (tiny settings, a timeout, offline)."""
+"""Run train_disagg.py, or a torchrun script of tests/, under torchrun in a subprocess (tiny settings, a timeout,
+offline)."""
 import os
 import subprocess
 import sys
@@ -11,8 +12,14 @@ TINY = ["--preset", "tiny", "--prompts-per-step", "2", "--group-size", "2", "--m
 
 def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: int = 300,
              check: bool = True) -> subprocess.CompletedProcess:
+    return torchrun_script(nproc, os.path.join(ROOT, "train_disagg.py"), args, env, timeout, check)
+
+
+def torchrun_script(nproc: int, script: str, args: list[str] = (), env: dict | None = None, timeout: int = 300,
+                    check: bool = True) -> subprocess.CompletedProcess:
+    """`script`: a path, or a file name in tests/."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           os.path.join(ROOT, "train_disagg.py"), *args]
+           os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -137,6 +137,7 @@ def test_corrupted_publication_is_detected(tmp_path):
     (2, ["--mode", "colocated", "--generators", "1"], "--mode colocated gives every rank both roles"),
     (2, ["--mode", "sideways"], "unknown mode 'sideways'"),
     (2, ["--reward", "nonexistent"], "nonexistent"),
+    (2, ["--mode", "colocated", "--tag"], "--tag needs --mode disagg (got colocated)"),
 ])
 def test_bad_topology_fails_fast_with_a_clear_message(tmp_path, nproc, args, message):
     proc = torchrun(nproc, [*TINY, "--steps", "1", "--output-dir", str(tmp_path / "run"), *args], check=False,

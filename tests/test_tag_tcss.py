@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from launch import TINY, torchrun, trained_weights
+from launch import TINY, torchrun, torchrun_script, trained_weights
 from metrics import read_metrics
 
 ARGS = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]
@@ -17,30 +17,68 @@ def _same(a, b, what):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=f"{what}: {k}")
 
 
-def test_tag_trains_the_colocated_data(tmp_path):
-    """A slowed generator makes idle trainers claim fragments; the weights stay the colocated ones
-    and every fragment of every step is trained exactly once."""
-    torchrun(3, [*ARGS, "--steps", "3", "--generators", "1", "--trainers", "2", "--tag", "--debug-slow-rank", "0:5",
-                 "--output-dir", str(tmp_path / "tag")])
-    torchrun(2, [*ARGS, "--steps", "3", "--mode", "colocated", "--output-dir", str(tmp_path / "col")])
-    _same(trained_weights(str(tmp_path / "col"), 3), trained_weights(str(tmp_path / "tag"), 3), "tag")
-    rows = [r for r in read_metrics(str(tmp_path / "tag" / "metrics.jsonl")) if "train/loss" in r]
-    col = [r for r in read_metrics(str(tmp_path / "col" / "metrics.jsonl")) if "train/loss" in r]
-    assert sum(r["tag/fragments"] for r in rows) > 0  # the trainers did generate
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    """The reference: the colocated run of ARGS, with the weights of every step saved."""
+    out = tmp_path_factory.mktemp("colocated")
+    torchrun(2, [*ARGS, "--steps", "3", "--mode", "colocated", "--save-every", "1", "--output-dir", str(out)])
+    return out
+
+
+def _spans(run, ranks, names):
+    """(step, fragment) of every span named in `names`, per rank of `ranks`."""
+    out = {}
+    for r in ranks:
+        events = json.loads((run / "trace" / f"rank{r}.json").read_text())["traceEvents"]
+        out[r] = [(e["args"]["step"], e["args"]["fragment"]) for e in events if e.get("name") in names]
+    return out
+
+
+def _check_tag_run(run, reference, steps, generators, trainers):
+    """A TAG run trained exactly the colocated data: the same weights after `steps` steps, the same
+    transitions and rewards every step, trainers did generate, and every fragment of every step
+    was generated exactly once (by a replica or by one trainer) and trained."""
+    _same(trained_weights(str(reference), steps), trained_weights(str(run), steps), run.name)
+    rows = [r for r in read_metrics(str(run / "metrics.jsonl")) if "train/loss" in r]
+    col = [r for r in read_metrics(str(reference / "metrics.jsonl")) if "train/loss" in r][:steps]
+    assert len(rows) == steps
     for r, c in zip(rows, col):
         assert r["train/num_transitions"] == c["train/num_transitions"]  # nothing lost, nothing twice
         assert r["reward/mean"] == pytest.approx(c["reward/mean"], rel=1e-6)
-    trainer_trace = json.loads((tmp_path / "tag" / "trace" / "rank1.json").read_text())["traceEvents"]
-    tag_spans = [e for e in trainer_trace if e.get("name") == "tag_generate"]
-    generated = [(e["args"]["step"], e["args"]["fragment"]) for e in tag_spans]
-    assert len(generated) == len(set(generated))
-    gen_trace = json.loads((tmp_path / "tag" / "trace" / "rank0.json").read_text())["traceEvents"]
-    by_generator = {(e["args"]["step"], e["args"]["fragment"]) for e in gen_trace if e.get("name") == "generate"}
-    other = json.loads((tmp_path / "tag" / "trace" / "rank2.json").read_text())["traceEvents"]
-    by_other = {(e["args"]["step"], e["args"]["fragment"]) for e in other if e.get("name") == "tag_generate"}
-    everything = sorted(by_generator | set(generated) | by_other)
-    assert everything == [(s, f) for s in range(3) for f in range(4)]
-    assert len(by_generator) + len(generated) + len(by_other) == 12  # no fragment generated twice
+    by_trainers = [x for spans in _spans(run, trainers, {"tag_generate"}).values() for x in spans]
+    assert len(by_trainers) == sum(r["tag/fragments"] for r in rows) > 0  # the trainers did generate
+    assert len(by_trainers) == len(set(by_trainers))  # none twice, by one trainer or by two
+    # a replica's fragments: its "generate" spans, or with GAP stages the micro-batch actions "F"
+    by_replicas = {x for spans in _spans(run, generators, {"generate", "F"}).values() for x in spans}
+    assert not by_replicas & set(by_trainers)
+    everything = [(s, f) for s in range(steps) for f in range(4)]
+    assert sorted(by_replicas | set(by_trainers)) == everything
+    trained = {x for spans in _spans(run, trainers, {"train"}).values() for x in spans}
+    assert sorted(trained) == everything
+
+
+def test_tag_trains_the_colocated_data(tmp_path, colocated):
+    """A slowed generator makes idle trainers claim fragments; the weights stay the colocated ones
+    and every fragment of every step is trained exactly once."""
+    run = tmp_path / "tag"
+    torchrun(3, [*ARGS, "--steps", "3", "--generators", "1", "--trainers", "2", "--tag", "--debug-slow-rank", "0:5",
+                 "--output-dir", str(run)])
+    _check_tag_run(run, colocated, 3, [0], [1, 2])
+
+
+def test_tag_with_fsdp_trainers_trains_the_colocated_data(tmp_path, colocated):
+    """FSDP2 trainers generate together, between training forwards, what their leader claims."""
+    run = tmp_path / "tag-fsdp"
+    torchrun(3, [*ARGS, "--steps", "2", "--generators", "1", "--trainers", "2", "--tag", "--train-sharding", "fsdp",
+                 "--debug-slow-rank", "0:5", "--output-dir", str(run)])
+    _check_tag_run(run, colocated, 2, [0], [1, 2])
+    rows = [r for r in read_metrics(str(run / "metrics.jsonl")) if "train/loss" in r]
+    assert len({r["train/num_allgathers"] for r in rows}) == 1  # generation's gathers are not counted as training's
+
+
+def test_fsdp_helper_generation_leaves_gradients_alone():
+    proc = torchrun_script(2, "fsdp_helper_generation.py", timeout=120)
+    assert proc.stdout.count("helper generation left") == 2, proc.stdout[-2000:]
 
 
 @pytest.mark.parametrize("tcss", [False, True])
