@@ -133,9 +133,11 @@ class PipelinedReplica:
         p = a.producer(self.layout.num_stages)
         return None if p is None else self.layout.ranks[p.stage]
 
-    def run_step(self, plan, fragments, version: int, reward_std: float | None, emit, tracer=None) -> list:
+    def run_step(self, plan, fragments, version: int, reward_std: float | None, emit, tracer=None,
+                 slow: float = 1.0) -> list:
         """Generate `fragments` (this replica's, in plan order). On the last stage every fragment
-        is decoded, scored and handed to `emit` as soon as its last micro-batch finishes."""
+        is decoded, scored and handed to `emit` as soon as its last micro-batch finishes. `slow`
+        (--debug-slow-rank): this stage sleeps after each action to run that many times slower."""
         chunks = [(f, c) for f in fragments for c in f.chunks]
         actions = self.schedule(len(chunks))
         st = _StepState(plan, chunks, version, reward_std, emit)
@@ -157,7 +159,10 @@ class PipelinedReplica:
             span = (tracer.span("F", "generate", plan.step, chunks[a.mb][0].index, mb=a.mb, t=a.t)
                     if tracer is not None else contextlib.nullcontext())
             with span:
+                t0 = time.perf_counter()
                 self._act(st, a, msg)
+                if slow > 1:  # emulate a slower GPU
+                    time.sleep((time.perf_counter() - t0) * (slow - 1))
             st.sends = [h for h in st.sends if not h.is_completed()]
         for h in st.sends:
             h.wait()  # drain sends at the end

@@ -204,56 +204,58 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
                    ) -> tuple[list[FragmentResult], dict]:
     """One step of a generator rank: generate, decode and score this replica's fragments
     depth-first, streaming every chunk to its trainer as soon as its fragment is scored; new
-    versions are installed only between fragments. Colocated ranks keep their chunks (returned)."""
+    versions are installed only between fragments. Colocated ranks keep their chunks (returned).
+    With TAG the replica's fragments are the ones it claims as it gets to them (a GAP replica: a
+    round at a time, tag.claimed_rounds)."""
     from parallel import p2p
     from intake import route_chunks
 
     tracer, topo, step = ctx.tracer, ctx.topo, plan.step
     version = versions.at_step_start(step) if versions is not None else step
-    mine = [f for f in plan.fragments if f.replica == topo.replica_of(ctx.rank)]
+    me = topo.replica_of(ctx.rank)
     results, local, handles = [], {}, []
-    if replica is not None:  # a GAP replica of several stages; the last one emits the fragments
-        def send(result):
-            for dst, tensors, meta in route_chunks(ctx, plan, result.chunks):
-                handles.append(p2p.isend_payload(tensors, meta, dst=dst))
+    board = None
+    if ctx.cfg.topology.tag:  # TAG: fragments are claimed at run time, by replicas and idle trainers
+        from tag import FragmentBoard, claimed_rounds, publish_replica_cost
 
-        results = replica.run_step(plan, mine, version=version, reward_std=reward_std, emit=send, tracer=tracer)
-        mine = []
+        board = FragmentBoard(store, step, len(plan.fragments))
+    cost, last_emit = None, time.time()
+
     def emit(result):
+        nonlocal cost, last_emit
         results.append(result)
         if ctx.disagg:
             for dst, tensors, meta in route_chunks(ctx, plan, result.chunks):
                 handles.append(p2p.isend_payload(tensors, meta, dst=dst))
         else:
             local.update({chunk.chunk: chunk for chunk in result.chunks})
+        if board is not None:  # TAG: mark the fragment landed, share this replica's time per fragment
+            board.land(result.chunks[0].fragment)
+            now = time.time()
+            cost = now - last_emit if cost is None else 0.7 * cost + 0.3 * (now - last_emit)
+            last_emit = now
+            publish_replica_cost(store, me, cost)
 
-    board = None
-    if ctx.cfg.topology.tag:  # TAG: fragments are claimed at run time, by replicas and idle trainers
-        from tag import FragmentBoard, publish_replica_cost
-
-        board = FragmentBoard(store, step, len(plan.fragments))
-        me, cost = topo.replica_of(ctx.rank), None
-
+    planned = [f for f in plan.fragments if f.replica == me]
+    if replica is not None:  # a GAP replica of several stages; the last one emits the fragments
+        rounds = [planned] if board is None else claimed_rounds(board, store, plan, replica.layout, me)
+        for fragments in rounds:
+            replica.run_step(plan, fragments, version=version, reward_std=reward_std, emit=emit, tracer=tracer,
+                             slow=slow)
+        mine = []
+    elif board is not None:
         def claimed():
             while (f := board.claim(ctx.rank, me)) is not None:
                 yield plan.fragments[f]
         mine = claimed()
-        plain_emit = emit
-
-        def emit(result):  # noqa: F811 - with TAG, mark the fragment landed and share its cost
-            nonlocal cost
-            plain_emit(result)
-            board.land(result.chunks[0].fragment)
-            took = time.time() - t_start
-            cost = took if cost is None else 0.7 * cost + 0.3 * took
-            publish_replica_cost(store, me, cost)
+    else:
+        mine = planned
 
     # With scorer ranks, fragment i's scores are collected after fragment i+1 is denoised, so the
     # scorer works while this rank generates; local scoring completes a fragment at once.
     lag = getattr(generator.rewards, "scorer_ranks", None) is not None
     pending = None
     for fragment in mine:
-        t_start = time.time()
         if versions is not None:
             version = versions.at_fragment_boundary(step)
         with tracer.span("generate", "generate", step, fragment.index, version=version):

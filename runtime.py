@@ -149,7 +149,7 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
                 gen_out, local = generator_step(ctx, generator, versions, plan, std, slow, replica, store,
                                                 deferred if cfg.topology.tcss else None)
             if scorer_rewards is not None:
-                scorer_step(ctx, scorer_rewards, plan, lambda f: topo.replica_ranks(f.replica)[-1])
+                scorer_step(ctx, scorer_rewards, plan, _image_source(ctx, store, plan))
             train_stats = None
             if is_train:
                 train_stats = trainer_step(ctx, trainer, plan, local, publish_names, assistant, store,
@@ -197,6 +197,24 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
         images.close()
         if cfg.output.trace:
             tracer.save(os.path.join(out_dir, "trace", f"rank{rank}.json"))
+
+
+def _image_source(ctx: RankContext, store: StepStore, plan):
+    """Where a scorer rank receives fragment f's images from: the last stage of the replica that
+    generates it, planned or, with TAG, the one that claimed it. None: a trainer claimed it (TAG),
+    and scores it on its own rank."""
+    topo = ctx.topo
+    if not ctx.cfg.topology.tag:
+        return lambda f: topo.replica_ranks(f.replica)[-1]
+    from tag import FragmentBoard
+
+    board = FragmentBoard(store, plan.step, len(plan.fragments))
+
+    def source(f):
+        owner = board.wait_owner(f.index)
+        return None if owner["replica"] is None else topo.replica_ranks(owner["replica"])[-1]
+
+    return source
 
 
 def _params(adapter, names: list[str]) -> dict[str, torch.Tensor]:

@@ -62,7 +62,8 @@ class RemoteScorer:
 
 def scorer_step(ctx, rewards, plan, source_of) -> dict[str, list[float]]:
     """One step of a scorer rank: score the fragments assigned to it (fragment % R == its index),
-    in plan order, each received from the rank `source_of(fragment)` that generated it."""
+    in plan order, each received from the rank `source_of(fragment)` that generated it (None: a
+    TAG trainer generated it and scored it itself)."""
     me = ctx.topo.scorer_ranks.index(ctx.rank)
     num = len(ctx.topo.scorer_ranks)
     sends, busy = [], {}
@@ -70,6 +71,8 @@ def scorer_step(ctx, rewards, plan, source_of) -> dict[str, list[float]]:
         if fragment.index % num != me:
             continue
         src = source_of(fragment)
+        if src is None:
+            continue
         with ctx.tracer.span("recv_images", "comm", plan.step, fragment.index):
             tensors, meta = p2p.post_recv(src, device=ctx.device).wait()  # rank wait: the generator
         assert (meta["step"], meta["fragment"]) == (plan.step, fragment.index), (meta, fragment.index)

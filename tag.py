@@ -11,7 +11,8 @@ never touched, so a fragment is the same whoever generates it.
 
 Replicated trainers each decide on their own (`Assistant`). FSDP2 trainers cannot: every forward
 all-gathers over the whole group, so they generate together, and one of them decides for all
-(`GroupAssistant`).
+(`GroupAssistant`). A GAP replica claims a round of fragments at a time (`claimed_rounds`). A
+trainer scores the fragments it generates itself; scorer ranks score the replicas' fragments.
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ class FragmentBoard:
         key = f"owner/{self.step}/{f}"
         return self.store.get(key) if self.store.ready(key) else None
 
+    def wait_owner(self, f: int) -> dict:
+        return self.store.get(f"owner/{self.step}/{f}")  # rank wait: until someone claims f
+
     def land(self, f: int) -> None:
         self.store.put(f"landed/{self.step}/{f}", time.time())
 
@@ -65,6 +69,27 @@ class FragmentBoard:
 
 def publish_replica_cost(store, replica: int, seconds: float) -> None:
     store.put(f"cost/replica/{replica}", seconds)
+
+
+def claimed_rounds(board: FragmentBoard, store, plan, layout, replica: int):
+    """The fragments of a GAP replica of S stages (pipeline.StageLayout) under TAG: stage 0 claims
+    them a round at a time, enough for S micro-batches in flight (at least S chunks, or what is
+    left), and announces each round to the other stages on the store; an empty round ends the
+    step. Each round runs as one pipelined schedule. The claims name the last stage as the
+    owner: the trainers and the scorers receive the fragment from it."""
+    for n in itertools.count():
+        key = f"round/{plan.step}/{replica}/{n}"
+        if layout.first:
+            got, num_chunks = [], 0
+            while num_chunks < layout.num_stages and (f := board.claim(layout.ranks[-1], replica)) is not None:
+                got.append(f)
+                num_chunks += len(plan.fragments[f].chunks)
+            store.put(key, got)
+        else:
+            got = store.get(key)  # rank wait: stage 0's claims
+        if not got:
+            return
+        yield [plan.fragments[f] for f in got]
 
 
 class Assistant:

@@ -61,13 +61,8 @@ def validate(cfg: RunConfig, topo: Topology) -> None:
     for name, value in (("--colocated-sharding", t.colocated_sharding), ("--train-sharding", t.train_sharding)):
         if value not in SHARDINGS:
             raise ValueError(f"unknown {name} {value!r}; choose one of {SHARDINGS}")
-    if t.tag:
-        why = [w for w, bad in ((f"--mode disagg (got {topo.mode})", topo.mode != "disagg"),
-                                (f"--gap-stages 1 (got {topo.gap_stages})", topo.gap_stages != 1),
-                                (f"--scorers 0 (got {len(topo.scorer_ranks)})", bool(topo.scorer_ranks))) if bad]
-        if why:
-            raise ValueError(f"--tag needs {', '.join(why)}: a trainer generates with its own full weights and "
-                             f"scores on its own rank")
+    if t.tag and topo.mode != "disagg":
+        raise ValueError(f"--tag needs --mode disagg (got {topo.mode}): colocated ranks all generate already")
     if t.tcss and topo.mode != "disagg":
         raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
     if cfg.sampling.sde_window and rl.algorithm != "window":

@@ -76,6 +76,22 @@ def test_tag_with_fsdp_trainers_trains_the_colocated_data(tmp_path, colocated):
     assert len({r["train/num_allgathers"] for r in rows}) == 1  # generation's gathers are not counted as training's
 
 
+@pytest.mark.parametrize("placement,generators,trainers,scorers", [
+    (["--generators", "2", "--trainers", "1", "--gap-stages", "2"], [0, 1], [2], []),
+    (["--generators", "1", "--trainers", "1", "--scorers", "1"], [0], [1], [2]),
+], ids=["gap-stages", "scorers"])
+def test_tag_with_gap_stages_or_scorers_trains_the_colocated_data(tmp_path, colocated, placement, generators,
+                                                                    trainers, scorers):
+    """A 2-stage GAP replica claims its fragments a round at a time; with a scorer rank, the scorer
+    scores what replicas generate and the trainers score their own fragments."""
+    run = tmp_path / "tag"
+    torchrun(3, [*ARGS, "--steps", "2", *placement, "--tag", "--debug-slow-rank", "0:5", "--output-dir", str(run)])
+    _check_tag_run(run, colocated, 2, generators, trainers)
+    if scorers:
+        scored = {x for spans in _spans(run, scorers, {"score"}).values() for x in spans}
+        assert scored == {x for spans in _spans(run, generators, {"generate"}).values() for x in spans}
+
+
 def test_fsdp_helper_generation_leaves_gradients_alone():
     proc = torchrun_script(2, "fsdp_helper_generation.py", timeout=120)
     assert proc.stdout.count("helper generation left") == 2, proc.stdout[-2000:]
