@@ -155,7 +155,8 @@ class Assistant:
         """BTS at an idle window (None until the costs are known or when nothing is left to claim)."""
         if not self.tracker.ready or self.board.num_claimed() >= self.board.n:
             return None
-        costs = self.tracker.costs()
+        chunks = None if self.ctx.cfg.topology.tsp else len(self.plan.fragments[0].chunks)
+        costs = self.tracker.costs(chunks_per_fragment=chunks)
         decision = decide(self._state(costs), costs, self.num_trainers, claims_per_window=claims_per_window)
         if self.predicted_s is None:
             self.predicted_s = decision.predicted_s
@@ -197,6 +198,17 @@ class Assistant:
         self.board.land(f)
         self.generated += 1
         self.results.append(result)  # its rewards belong to the step's metrics
+
+    def observe_training(self, seconds: dict[int, float]) -> None:
+        """This trainer's seconds of training on each fragment it had a share of, in the unit of
+        `Costs.train_fragment_s` (the trainer group's wall time per fragment, as if every trainer
+        took an equal share). Without TSP a trainer trains whole chunks, round-robin: its seconds
+        per chunk times the fragment's chunks over the trainer count."""
+        for f, s in seconds.items():
+            if not self.ctx.cfg.topology.tsp:
+                chunks = self.plan.fragments[f].chunks
+                s = s / sum(c.trainer == self.me for c in chunks) * len(chunks) / self.num_trainers
+            self.tracker.observe_train_fragment(s)
 
     def end_step(self) -> dict:
         for h in self.sends:

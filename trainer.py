@@ -488,8 +488,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
                 for g in topo.generator_ranks:  # each generator (stage) gets only the weights it holds
                     publish.publish_weights({n: weights[n] for n in publish_names[g]}, step + 1, dst=g)
     if assistant is not None:
-        for s in seconds.values():
-            assistant.tracker.observe_train_fragment(s)
+        assistant.observe_training(seconds)
         assistant.tracker.observe_update(update_s)
         assistant.tracker.observe_publish(time.perf_counter() - t0)
         stats.update(assistant.end_step())

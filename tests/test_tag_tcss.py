@@ -1,11 +1,15 @@
-"""TAG with BTS and TCSS through torchrun: placement invariance, fragment accounting, staleness."""
+"""TAG with BTS and TCSS through torchrun: placement invariance, fragment accounting, staleness; and
+the pure pieces of TAG."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from launch import TINY, torchrun, torchrun_script, trained_weights
 from metrics import read_metrics
+from parallel.plan import plan_step
+from tag import Assistant, group_windows
 
 ARGS = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]
 ARGS += ["--lora-rank", "4", "--fragment-groups", "1"]  # 4 fragments of one group each
@@ -15,6 +19,29 @@ def _same(a, b, what):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=f"{what}: {k}")
+
+
+def test_group_windows_are_the_slots_where_fragments_are_first_needed():
+    """An FSDP group waits (and may generate) only before a slot where some trainer first needs a
+    fragment; trainers of different forward counts still share every window."""
+    assert group_windows([[0, 0, 2, 2], [1, 1, 3, 3]]) == [(0, (0, 1)), (2, (2, 3))]
+    assert group_windows([[0, 2, 2], [0, 1, 1, 3]]) == [(0, (0,)), (1, (1, 2)), (3, (3,))]
+    assert group_windows([[], [0]]) == [(0, (0,))]
+
+
+def test_training_seconds_are_observed_in_the_simulators_unit():
+    """BTS's cost model counts a fragment's training as the group's wall time with every trainer
+    taking an equal share (Costs.train_fragment_s). Without TSP a trainer trains whole chunks."""
+    # one fragment of 3 chunks of 2 samples: trainer 0 trains chunks 0 and 2, trainer 1 chunk 1
+    plan = plan_step(0, seed=0, num_prompts=8, prompts_per_step=3, group_size=2, micro_batch=2, num_replicas=1,
+                     num_trainers=2, fragment_groups=3)
+    assert [c.trainer for c in plan.fragments[0].chunks] == [0, 1, 0]
+    for tsp, expected in ((False, 1.2 / 2 * 3 / 2), (True, 1.2)):
+        ctx = SimpleNamespace(cfg=SimpleNamespace(topology=SimpleNamespace(tsp=tsp)), topo=SimpleNamespace(num_replicas=1))
+        helper = Assistant(ctx, None, None, 2, 0)
+        helper.plan = plan
+        helper.observe_training({0: 1.2})  # trainer 0's seconds on its share of fragment 0
+        assert helper.tracker.values["train_fragment_s"] == pytest.approx(expected)
 
 
 @pytest.fixture(scope="module")
