@@ -64,6 +64,12 @@ MODES: dict[str, Mode] = {
                          "--debug-slow-rank", "0:3"], "GAP with the generator slowed 3x (an older GPU), TAG off"),
     "slow-gen+tag": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1",
                              "--debug-slow-rank", "0:3", "--tag"], "the same with TAG: the trainer generates too"),
+    "slow-gen-fsdp": Mode(3, ["--generators", "1", "--trainers", "2", "--fragment-groups", "1",
+                              "--train-sharding", "fsdp", "--debug-slow-rank", "0:3"],
+                          "slow-gen with 2 FSDP2 trainers, TAG off (3 ranks on 2 cores: contention)"),
+    "slow-gen-fsdp+tag": Mode(3, ["--generators", "1", "--trainers", "2", "--fragment-groups", "1",
+                                  "--train-sharding", "fsdp", "--debug-slow-rank", "0:3", "--tag"],
+                              "the same with TAG: the FSDP trainers generate together"),
 }
 
 BASELINES = ("colocated-replicate", "colocated-fsdp")
