@@ -1,0 +1,43 @@
+"""scripts/rl_probe.py: the policy gradient it probes is keyed by the batch's noise alone, and an
+update of size 0 leaves the evaluation unchanged."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import rl_probe  # noqa: E402
+
+import sampler  # noqa: E402
+from models import load_model  # noqa: E402
+from models.lora import apply_lora  # noqa: E402
+from prompts import load_prompts  # noqa: E402
+from rewards import RewardSet  # noqa: E402
+
+
+def test_gradient_depends_on_the_noise_key_only():
+    adapter = load_model("flux", os.path.join(rl_probe.ROOT, "assets", "shapes-flux"), preset="auto", seed=0, device=torch.device("cpu"))
+    apply_lora(adapter.transformer, 4, None, "attn", 0)
+    params = [p for p in adapter.transformer.parameters() if p.requires_grad]
+    sampling = sampler.SamplingConfig.for_adapter(adapter, sde_window=(0, 2))
+    records = load_prompts(os.path.join(rl_probe.ROOT, "data", "shapes_train.txt"))[:2]
+    rewards = RewardSet(["shapes"])
+
+    def grad(step):
+        return rl_probe.policy_gradient(adapter, params, sampling, records, rewards, group_size=4, step=step,
+                                        same_group_noise=True, timesteps=range(2))
+
+    g0, g0_again, g1 = grad(0), grad(0), grad(1)
+    assert g0.norm() > 0
+    cos = rl_probe.gradient_cosines([g0, g0_again, g1])  # pairs (0, 0'), (0, 1), (0', 1)
+    assert abs(cos[0] - 1.0) < 1e-6
+    assert abs(cos[1]) < 0.9 and cos[1] == cos[2]
+
+
+def test_a_step_of_size_zero_changes_nothing(capsys):
+    assert rl_probe.main(["step", "--prompts-per-batch", "2", "--group-size", "2", "--batches", "1",
+                          "--lora-rank", "4", "--sde-window", "0:1", "--eval-num-prompts", "4",
+                          "--etas", "0,0.01"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "paired change +0.0000 +- 0.0000" in lines[1]
+    assert lines[2].startswith("eta 0.01 (norm ")
