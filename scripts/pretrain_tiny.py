@@ -54,7 +54,7 @@ class Args:
     """captions for training; scenes are drawn for these prompts only"""
     eval_prompts: str = "data/shapes_eval.txt"
     """held-out prompts for the progress evaluation"""
-    threads: int = 1
+    threads: int = 2
     """torch threads (1 leaves a core to others on a shared machine)"""
     vae_steps: int = 400
     """autoencoder training steps (phase 1)"""
@@ -62,7 +62,7 @@ class Args:
     vae_lr: float = 2e-3
     kl_weight: float = 1e-4
     """weight of the KL term (per latent element) against the per-pixel MSE"""
-    steps: int = 2000
+    steps: int = 4000
     """flow-matching steps (phase 2)"""
     batch_size: int = 32
     lr: float = 1e-3
@@ -78,7 +78,7 @@ class Args:
     text_width: int = 64
     """T5 d_model (= the transformer's joint_attention_dim)"""
     num_text_layers: int = 2
-    eval_every: int = 400
+    eval_every: int = 1000
     num_eval: int = 100
     """held-out prompts scored at each evaluation (the first N of eval_prompts)"""
     eval_steps: int = 10
@@ -300,7 +300,7 @@ was trained on); the project's adapter reads the length from the tokenizer and n
 {summary['command']}
 ```
 
-On CPU with one thread: {summary['wall_minutes']:.1f} minutes wall ({summary['vae_minutes']:.1f} for the autoencoder) and
+On CPU with {summary['args']['threads']} torch thread(s): {summary['wall_minutes']:.1f} minutes wall ({summary['vae_minutes']:.1f} for the autoencoder) and
 {summary['cpu_minutes']:.1f} minutes of CPU time, on a 2-core machine shared with other jobs. Phase 1 trains the autoencoder (reconstruction MSE
 {summary['vae_mse']:.4f} on [-1, 1] pixels; the evaluator scores its round trips {summary['vae_roundtrip_score']:.3f}, the
 ceiling for the model). Phase 2 trains the transformer and both text encoders jointly by flow
