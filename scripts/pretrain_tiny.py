@@ -301,7 +301,7 @@ was trained on); the project's adapter reads the length from the tokenizer and n
 ```
 
 On CPU with {summary['args']['threads']} torch thread(s): {summary['wall_minutes']:.1f} minutes wall ({summary['vae_minutes']:.1f} for the autoencoder) and
-{summary['cpu_minutes']:.1f} minutes of CPU time, on a 2-core machine shared with other jobs. Phase 1 trains the autoencoder (reconstruction MSE
+{summary['cpu_minutes']:.1f} minutes of CPU time, on a 2-core machine. Phase 1 trains the autoencoder (reconstruction MSE
 {summary['vae_mse']:.4f} on [-1, 1] pixels; the evaluator scores its round trips {summary['vae_roundtrip_score']:.3f}, the
 ceiling for the model). Phase 2 trains the transformer and both text encoders jointly by flow
 matching for {summary['flow_steps']} steps; the saved weights are the EMA. Final training loss (running mean of the
