@@ -104,6 +104,7 @@ class OutputConfig:
     eval_every: int = _f(10, "evaluate on held-out prompts with the ODE sampler every N steps (0 = never)")
     eval_prompts: str | None = _f(None, "held-out prompt file for evaluation (default: data/shapes_eval.txt)")
     eval_num_prompts: int = _f(64, "held-out prompts evaluated each time")
+    eval_samples_per_prompt: int = _f(1, "images per held-out prompt, each with its own fixed seed (GenEval: 4)")
     trace: bool = _f(True, "write a Chrome trace per rank to DIR/trace/rank{R}.json")
     debug_slow_rank: str | None = _f(None, "R:FACTOR: test-only, rank R sleeps to run FACTOR x slower")
 

@@ -416,10 +416,11 @@ def _evaluate(cfg: RunConfig, adapter, sampling, topo: Topology, rank: int, done
     """Trainer ranks hold the newest version (k+1 right after update k) and the whole model, so they
     evaluate: the held-out prompts are split evenly over them (equal counts, so FSDP ranks run
     equally many forwards); results are gathered on rank 0."""
-    from evaluation import evaluate, summarize
+    from evaluation import eval_records, evaluate, summarize
     from rewards import RewardSet, reward_model_paths
 
-    records = load_prompts(cfg.output.eval_prompts)[: cfg.output.eval_num_prompts]
+    out = cfg.output
+    records = eval_records(out.eval_prompts, out.eval_num_prompts, out.eval_samples_per_prompt)
     evaluators = list(topo.trainer_ranks)
     per = -(-len(records) // len(evaluators))
     result = None

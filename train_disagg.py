@@ -47,7 +47,9 @@ def validate(cfg: RunConfig, topo: Topology) -> None:
 
     rl, t = cfg.rl, cfg.topology
     for name, value in (("--steps", rl.steps), ("--prompts-per-step", rl.prompts_per_step),
-                        ("--group-size", rl.group_size), ("--micro-batch", rl.micro_batch)):
+                        ("--group-size", rl.group_size), ("--micro-batch", rl.micro_batch),
+                        ("--eval-num-prompts", cfg.output.eval_num_prompts),
+                        ("--eval-samples-per-prompt", cfg.output.eval_samples_per_prompt)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if rl.group_size < 2:
@@ -69,6 +71,11 @@ def validate(cfg: RunConfig, topo: Topology) -> None:
         raise ValueError(f"--sde-window {cfg.sampling.sde_window} samples ODE steps outside the window, which have no "
                          f"log-probability to train: use --algorithm window (got {rl.algorithm!r})")
     parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))
+    o = cfg.output
+    if o.eval_every:
+        from evaluation import eval_records
+
+        eval_records(o.eval_prompts, o.eval_num_prompts, o.eval_samples_per_prompt)  # a missing file raises here
     if cfg.output.resume:
         from checkpoint import latest_checkpoint
 

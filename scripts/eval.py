@@ -17,10 +17,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sampler  # noqa: E402
-from evaluation import evaluate, summarize  # noqa: E402
+from evaluation import eval_records, evaluate, summarize  # noqa: E402
 from metrics import image_grid  # noqa: E402
 from models import load_model, model_names, resolve_device  # noqa: E402
-from prompts import load_prompts  # noqa: E402
 from rewards import RewardSet, reward_model_paths  # noqa: E402
 
 
@@ -31,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None, help="a checkpoints/step-N folder of a training run")
     p.add_argument("--prompts", required=True, help="prompt file (.txt or .jsonl)")
     p.add_argument("--num-prompts", type=int, default=None, help="evaluate only the first N prompts")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="images per prompt, each with its own fixed seed (GenEval: 4)")
     p.add_argument("--reward", action="append", default=None, help="NAME[:WEIGHT], repeatable (default shapes)")
     p.add_argument("--reward-model", action="append", default=[], help="NAME=DIR for model-based rewards")
     p.add_argument("--height", type=int, default=None)
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output folder for metrics.json and grid.png")
     args = p.parse_args(argv)
 
-    records = load_prompts(args.prompts)[: args.num_prompts]
+    records = eval_records(args.prompts, args.num_prompts, args.samples_per_prompt)
     rewards = RewardSet(args.reward or ["shapes:1.0"], model_paths=reward_model_paths(args.reward_model))
     adapter = load_model(args.model, args.model_path, device=resolve_device(args.device))
     if args.checkpoint:
@@ -59,9 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     summary = summarize(scores)
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
+        per_image = [{"prompt": r.prompt, **{k: v[i] for k, v in scores.items()}} for i, r in enumerate(records)]
         json.dump({"summary": summary, "model_path": args.model_path, "checkpoint": args.checkpoint,
-                   "num_prompts": len(records), "per_prompt": [{"prompt": r.prompt, **{k: v[i] for k, v in
-                                                                  scores.items()}} for i, r in enumerate(records)]},
+                   "num_prompts": len(records) // args.samples_per_prompt,
+                   "samples_per_prompt": args.samples_per_prompt, "per_prompt": per_image},
                   f, indent=1)
     image_grid(images[:64], nrow=8).save(os.path.join(args.out, "grid.png"))
     print(json.dumps(summary))

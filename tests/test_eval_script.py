@@ -36,3 +36,25 @@ def test_eval_base_and_checkpoint(tmp_path):
                  lora_config=adapter.transformer.peft_config["default"])
     trained = _eval(tmp_path / "trained", "--checkpoint", str(tmp_path / "ckpt"))
     assert trained["per_prompt"] != base["per_prompt"]
+
+
+def test_samples_per_prompt_repeat_each_prompt_with_its_own_seeds(tmp_path):
+    base = _eval(tmp_path / "base")
+    four = _eval(tmp_path / "x2", "--samples-per-prompt", "2")
+    rows, first = four["per_prompt"], base["per_prompt"]
+    assert four["num_prompts"] == 4 and four["samples_per_prompt"] == 2 and len(rows) == 8
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in first for _ in range(2)]
+    assert rows[0] == first[0]  # sample id 0 either way: the same seed, the same image
+    assert rows[0]["jpeg_compressibility"] != rows[1]["jpeg_compressibility"]  # same prompt, another seed
+
+
+def test_eval_records_reject_bad_counts(tmp_path):
+    import pytest
+
+    from evaluation import eval_records
+
+    path = tmp_path / "p.txt"
+    path.write_text("a red circle\ntwo blue squares\n")
+    assert [r.prompt for r in eval_records(str(path), None, 2)] == ["a red circle"] * 2 + ["two blue squares"] * 2
+    with pytest.raises(ValueError, match="0 samples"):
+        eval_records(str(path), 2, 0)

@@ -138,6 +138,7 @@ def test_corrupted_publication_is_detected(tmp_path):
     (2, ["--mode", "sideways"], "unknown mode 'sideways'"),
     (2, ["--reward", "nonexistent"], "nonexistent"),
     (2, ["--mode", "colocated", "--tag"], "--tag needs --mode disagg (got colocated)"),
+    (2, ["--eval-every", "1", "--eval-samples-per-prompt", "0"], "--eval-samples-per-prompt must be >= 1, got 0"),
 ])
 def test_bad_topology_fails_fast_with_a_clear_message(tmp_path, nproc, args, message):
     proc = torchrun(nproc, [*TINY, "--steps", "1", "--output-dir", str(tmp_path / "run"), *args], check=False,
