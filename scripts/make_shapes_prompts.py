@@ -1,4 +1,5 @@
-"""Write the shapes-world prompt sets: data/shapes_train.txt and the held-out data/shapes_eval.txt.
+"""Write the shapes-world prompt sets: data/shapes_train.txt, the held-out data/shapes_eval.txt, and
+data/shapes_objects.txt (the 18 single-object prompts without a position, for quick probes).
 
 The grammar (shapes_world.py) has exactly 1800 distinct prompts. One sixth of every template kind
 (one object, two, three, a pair of different objects), drawn with a fixed seed, is held out for
@@ -43,7 +44,9 @@ def main() -> None:
     train, held_out = split_prompts(args.seed)
     assert not set(train) & set(held_out)
     os.makedirs(args.out_dir, exist_ok=True)
-    for name, prompts in (("shapes_train.txt", train), ("shapes_eval.txt", held_out)):
+    objects = [shapes_world.spec_to_prompt(s) for s in shapes_world.all_specs()
+               if s.kind == "one" and s.position is None]
+    for name, prompts in (("shapes_train.txt", train), ("shapes_eval.txt", held_out), ("shapes_objects.txt", objects)):
         path = os.path.join(args.out_dir, name)
         with open(path, "w") as f:
             f.write("\n".join(prompts) + "\n")

@@ -2,6 +2,7 @@
 
     python scripts/rl_probe.py snr  [--batches 4] [--sde-window 0:3] [--same-group-noise] ...
     python scripts/rl_probe.py step [--batches 8] [--etas 1e-4,1e-3] [--direction sign|grad|random] ...
+    python scripts/rl_probe.py train [--loss grpo|sft] [--steps 30] [--lr 3e-4] [--fixed N] ...
 
 `snr`: the cosine between the Flow-GRPO policy gradients (sum of A * grad log p over the trained
 transitions, LoRA parameters) of independent batches of the same prompts. With per-batch
@@ -11,6 +12,13 @@ about sqrt(that) to the true gradient: near 0 means the updates are mostly noise
 `step`: one update of the LoRA weights built from the gradient of `--batches` batches, along its
 sign (Adam's first step), its raw direction, or a random direction of the same norm, and the paired
 change (same prompts, same seeds) of the held-out ODE evaluation reward at each step size.
+
+`train`: a single-process training loop, one AdamW update per batch, with the held-out ODE reward
+every `--eval-every` updates. `--loss grpo` is the Flow-GRPO on-policy update (mean over the trained
+transitions of -A * ratio); `--loss sft` is its supervised upper bound: flow matching on latents of
+correctly rendered scenes for the same prompts (perfect data, at every sigma of the schedule).
+`--fixed N` trains on the first N prompts only and evaluates on those same N prompts, each with
+`--eval-repeats` fixed seeds: how fast updates sharpen the prompts they see, not generalization.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import itertools
 import os
 import sys
 
+import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +36,7 @@ sys.path.insert(0, ROOT)
 
 import algorithm  # noqa: E402
 import sampler  # noqa: E402
+import shapes_world  # noqa: E402
 from evaluation import evaluate  # noqa: E402
 from models import load_model  # noqa: E402
 from models.lora import apply_lora  # noqa: E402
@@ -64,7 +74,7 @@ def gradient_cosines(grads: list[torch.Tensor]) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("probe", choices=("snr", "step"))
+    p.add_argument("probe", choices=("snr", "step", "train"))
     p.add_argument("--model-path", default=os.path.join(ROOT, "assets", "shapes-flux"))
     p.add_argument("--prompts", default=os.path.join(ROOT, "data", "shapes_train.txt"), help="training prompts")
     p.add_argument("--eval-prompts", default=os.path.join(ROOT, "data", "shapes_eval.txt"),
@@ -80,8 +90,80 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--same-group-noise", action="store_true")
     p.add_argument("--etas", default="1e-4,3e-4,1e-3", help="`step`: per-parameter step sizes (sign units)")
     p.add_argument("--direction", choices=("sign", "grad", "random"), default="sign")
+    p.add_argument("--loss", choices=("grpo", "sft"), default="grpo", help="`train`: the update")
+    p.add_argument("--steps", type=int, default=30, help="`train`: updates")
+    p.add_argument("--lr", type=float, default=3e-4, help="`train`: AdamW learning rate")
+    p.add_argument("--eval-every", type=int, default=10, help="`train`: updates between evaluations")
+    p.add_argument("--fixed", type=int, default=0, help="`train`: train and evaluate on the first N prompts only")
+    p.add_argument("--eval-repeats", type=int, default=8, help="`train --fixed`: seeds per evaluated prompt")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def rendered_latents(adapter, prompts: list[str], seed: int) -> torch.Tensor:
+    """Latents of a correct random scene for each prompt: the shapes world's ground truth."""
+    rng = np.random.default_rng(seed)
+    pixels = np.stack([shapes_world.render(shapes_world.sample_scene(rng, shapes_world.parse_prompt(p)))
+                       for p in prompts])
+    x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1
+    vae = adapter.pipe.vae
+    with torch.no_grad():
+        return (vae.encode(x).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor
+
+
+def train(args, adapter, params, sampling, rewards, records, timesteps) -> list[float]:
+    """The `train` probe; returns the evaluation curve (before the first update, then every
+    --eval-every updates)."""
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=1e-4)
+    if args.fixed:
+        records = records[:args.fixed]
+        held_out = records * args.eval_repeats
+    else:
+        held_out = load_prompts(args.eval_prompts)[:args.eval_num_prompts]
+
+    def eval_now(k: int) -> float:
+        r = sum(evaluate(adapter, sampling, held_out, rewards, batch_size=64)[0]["combined"]) / len(held_out)
+        print(f"step {k} eval {r:.4f} ({len(held_out)} samples)", flush=True)
+        return r
+
+    curve, B, G = [eval_now(0)], args.prompts_per_batch, args.group_size
+    for k in range(args.steps):
+        batch = [records[(k * B + j) % len(records)] for j in range(B)]
+        prompts = [r.prompt for r in batch for _ in range(G)]
+        ids = list(range(len(prompts)))
+        cond = adapter.encode_prompts(prompts)
+        traj = sampler.denoise(adapter, cond, None, ids, k, sampling,
+                               init_ids=[-1 - i // G for i in ids] if args.same_group_noise else ids)
+        with torch.no_grad():
+            scores = rewards.combine(rewards.score(adapter.decode(traj.latents[:, -1]), prompts,
+                                                   [r.metadata for r in batch for _ in range(G)]))
+        adv = algorithm.group_advantages(scores, torch.tensor(ids) // G, adv_clip=5.0)
+        opt.zero_grad()
+        if args.loss == "grpo":
+            for t in timesteps:
+                v = sampler.guided_velocity(adapter, traj.latents[:, t], traj.sigmas[t].expand(len(ids)), cond, None,
+                                            sampling)
+                out = sampler.sde_step(traj.latents[:, t], v, traj.sigmas[t].item(), traj.sigmas[t + 1].item(),
+                                       sde_type=sampling.sde_type, noise_level=sampling.noise_level_at(t),
+                                       x_next=traj.latents[:, t + 1])
+                ratio = torch.exp(out.log_prob - out.log_prob.detach())
+                (-(adv * ratio).mean() / len(timesteps)).backward()
+        else:
+            x0, K = rendered_latents(adapter, prompts, k), sampling.num_steps
+            gen = torch.Generator().manual_seed(1000 + k)  # the flow-matching noise of update k
+            for t in range(K):
+                eps = torch.randn(x0.shape, generator=gen)
+                sigma = traj.sigmas[t].expand(len(ids))
+                s = sigma.view(-1, *[1] * (x0.dim() - 1))
+                v = sampler.guided_velocity(adapter, (1 - s) * x0 + s * eps, sigma, cond, None, sampling)
+                ((v - (eps - x0)).pow(2).flatten(1).mean(1).mean() / K).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        print(f"step {k + 1} train reward {scores.mean():.4f} grad norm {grad_norm:.3e}", flush=True)
+        if (k + 1) % args.eval_every == 0:
+            curve.append(eval_now(k + 1))
+    print("eval curve", " ".join(f"{c:.4f}" for c in curve))
+    return curve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         return policy_gradient(adapter, params, sampling, batch_records, rewards, group_size=args.group_size,
                                step=step, same_group_noise=args.same_group_noise, timesteps=timesteps)
 
+    if args.probe == "train":
+        train(args, adapter, params, sampling, rewards, records, timesteps)
+        return 0
     if args.probe == "snr":  # the same prompts, independent noise
         grads = [grad(k, first) for k in range(args.batches)]
         cos = gradient_cosines(grads)

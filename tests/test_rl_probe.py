@@ -41,3 +41,27 @@ def test_a_step_of_size_zero_changes_nothing(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "paired change +0.0000 +- 0.0000" in lines[1]
     assert lines[2].startswith("eta 0.01 (norm ")
+
+
+def test_rendered_latents_are_the_prompts_ground_truth():
+    """The `train --loss sft` data: decoded, the latents of rendered scenes score ~1 for their prompts."""
+    adapter = load_model("flux", os.path.join(rl_probe.ROOT, "assets", "shapes-flux"), preset="auto", seed=0, device=torch.device("cpu"))
+    prompts = [r.prompt for r in load_prompts(os.path.join(rl_probe.ROOT, "data", "shapes_train.txt"))[:8]]
+    scores = RewardSet(["shapes"]).score(adapter.decode(rl_probe.rendered_latents(adapter, prompts, 0)), prompts,
+                                         [{}] * len(prompts))["shapes"]
+    assert scores.mean() > 0.9, scores
+
+
+def _train_curve(capsys, *args) -> list[float]:
+    assert rl_probe.main(["train", "--steps", "1", "--eval-every", "1", "--fixed", "2", "--eval-repeats", "2",
+                          "--prompts-per-batch", "2", "--group-size", "2", "--lora-rank", "4", *args]) == 0
+    out = capsys.readouterr().out
+    assert "(4 samples)" in out  # 2 prompts x 2 seeds
+    return [float(x) for x in out.splitlines()[-1].split()[2:]]
+
+
+def test_train_probe_updates_only_with_a_learning_rate(capsys):
+    before, after = _train_curve(capsys, "--loss", "grpo", "--lr", "0")
+    assert before == after
+    before, after = _train_curve(capsys, "--loss", "sft", "--lr", "0.05")
+    assert before != after
