@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import os
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,10 +45,16 @@ from prompts import load_prompts  # noqa: E402
 from rewards import RewardSet  # noqa: E402
 
 
-def policy_gradient(adapter, params, sampling, records, rewards, *, group_size: int, step: int,
-                    same_group_noise: bool, timesteps) -> torch.Tensor:
-    """Flat gradient of -sum(A * log p) over `timesteps` of one batch (one group per record);
-    noise keyed by `step` as in the runtime."""
+class Batch(NamedTuple):
+    prompts: list[str]
+    cond: object
+    traj: sampler.Trajectory
+    scores: torch.Tensor  # (n,) combined reward
+    adv: torch.Tensor     # (n,) group advantages
+
+
+def sample_batch(adapter, sampling, records, rewards, *, group_size: int, step: int, same_group_noise: bool) -> Batch:
+    """One group per record, noise keyed by `step` as in the runtime, scored and normalized."""
     prompts = [r.prompt for r in records for _ in range(group_size)]
     ids = list(range(len(prompts)))
     init = [-1 - i // group_size for i in ids] if same_group_noise else ids
@@ -57,14 +64,29 @@ def policy_gradient(adapter, params, sampling, records, rewards, *, group_size: 
         images = adapter.decode(traj.latents[:, -1])
     scores = rewards.combine(rewards.score(images, prompts, [r.metadata for r in records for _ in range(group_size)]))
     adv = algorithm.group_advantages(scores, torch.tensor(ids) // group_size, adv_clip=5.0)
+    return Batch(prompts, cond, traj, scores, adv)
+
+
+def transition_log_prob(adapter, sampling, batch: Batch, t: int) -> torch.Tensor:
+    """(n,) log p(x_{t+1} | x_t) of the batch's stored transitions under the current weights."""
+    traj = batch.traj
+    v = sampler.guided_velocity(adapter, traj.latents[:, t], traj.sigmas[t].expand(len(batch.prompts)), batch.cond,
+                                None, sampling)
+    return sampler.sde_step(traj.latents[:, t], v, traj.sigmas[t].item(), traj.sigmas[t + 1].item(),
+                            sde_type=sampling.sde_type, noise_level=sampling.noise_level_at(t),
+                            x_next=traj.latents[:, t + 1]).log_prob
+
+
+def policy_gradient(adapter, params, sampling, records, rewards, *, group_size: int, step: int,
+                    same_group_noise: bool, timesteps) -> torch.Tensor:
+    """Flat gradient of -sum(A * log p) over `timesteps` of one batch (one group per record);
+    noise keyed by `step` as in the runtime."""
+    batch = sample_batch(adapter, sampling, records, rewards, group_size=group_size, step=step,
+                         same_group_noise=same_group_noise)
     for p in params:
         p.grad = None
     for t in timesteps:
-        v = sampler.guided_velocity(adapter, traj.latents[:, t], traj.sigmas[t].expand(len(ids)), cond, None, sampling)
-        out = sampler.sde_step(traj.latents[:, t], v, traj.sigmas[t].item(), traj.sigmas[t + 1].item(),
-                               sde_type=sampling.sde_type, noise_level=sampling.noise_level_at(t),
-                               x_next=traj.latents[:, t + 1])
-        (-(adv * out.log_prob).sum()).backward()
+        (-(batch.adv * transition_log_prob(adapter, sampling, batch, t)).sum()).backward()
     return torch.cat([p.grad.reshape(-1) for p in params])
 
 
@@ -128,38 +150,26 @@ def train(args, adapter, params, sampling, rewards, records, timesteps) -> list[
 
     curve, B, G = [eval_now(0)], args.prompts_per_batch, args.group_size
     for k in range(args.steps):
-        batch = [records[(k * B + j) % len(records)] for j in range(B)]
-        prompts = [r.prompt for r in batch for _ in range(G)]
-        ids = list(range(len(prompts)))
-        cond = adapter.encode_prompts(prompts)
-        traj = sampler.denoise(adapter, cond, None, ids, k, sampling,
-                               init_ids=[-1 - i // G for i in ids] if args.same_group_noise else ids)
-        with torch.no_grad():
-            scores = rewards.combine(rewards.score(adapter.decode(traj.latents[:, -1]), prompts,
-                                                   [r.metadata for r in batch for _ in range(G)]))
-        adv = algorithm.group_advantages(scores, torch.tensor(ids) // G, adv_clip=5.0)
+        batch = sample_batch(adapter, sampling, [records[(k * B + j) % len(records)] for j in range(B)], rewards,
+                             group_size=G, step=k, same_group_noise=args.same_group_noise)
         opt.zero_grad()
         if args.loss == "grpo":
             for t in timesteps:
-                v = sampler.guided_velocity(adapter, traj.latents[:, t], traj.sigmas[t].expand(len(ids)), cond, None,
-                                            sampling)
-                out = sampler.sde_step(traj.latents[:, t], v, traj.sigmas[t].item(), traj.sigmas[t + 1].item(),
-                                       sde_type=sampling.sde_type, noise_level=sampling.noise_level_at(t),
-                                       x_next=traj.latents[:, t + 1])
-                ratio = torch.exp(out.log_prob - out.log_prob.detach())
-                (-(adv * ratio).mean() / len(timesteps)).backward()
+                log_prob = transition_log_prob(adapter, sampling, batch, t)
+                ratio = torch.exp(log_prob - log_prob.detach())
+                (-(batch.adv * ratio).mean() / len(timesteps)).backward()
         else:
-            x0, K = rendered_latents(adapter, prompts, k), sampling.num_steps
+            x0, K = rendered_latents(adapter, batch.prompts, k), sampling.num_steps
             gen = torch.Generator().manual_seed(1000 + k)  # the flow-matching noise of update k
             for t in range(K):
                 eps = torch.randn(x0.shape, generator=gen)
-                sigma = traj.sigmas[t].expand(len(ids))
+                sigma = batch.traj.sigmas[t].expand(len(x0))
                 s = sigma.view(-1, *[1] * (x0.dim() - 1))
-                v = sampler.guided_velocity(adapter, (1 - s) * x0 + s * eps, sigma, cond, None, sampling)
+                v = sampler.guided_velocity(adapter, (1 - s) * x0 + s * eps, sigma, batch.cond, None, sampling)
                 ((v - (eps - x0)).pow(2).flatten(1).mean(1).mean() / K).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        print(f"step {k + 1} train reward {scores.mean():.4f} grad norm {grad_norm:.3e}", flush=True)
+        print(f"step {k + 1} train reward {batch.scores.mean():.4f} grad norm {grad_norm:.3e}", flush=True)
         if (k + 1) % args.eval_every == 0:
             curve.append(eval_now(k + 1))
     print("eval curve", " ".join(f"{c:.4f}" for c in curve))
