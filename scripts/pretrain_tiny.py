@@ -102,6 +102,11 @@ def parse_args() -> Args:
 
 # ----- data -----------------------------------------------------------------------------------
 
+def scene_pixels(images: list[np.ndarray]) -> torch.Tensor:
+    """uint8 (H, W, 3) renders -> (B, 3, H, W) float in [-1, 1], the autoencoder's input."""
+    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
+
+
 class SceneStream:
     """Endless (image, caption) batches: a template kind uniformly, a train prompt of that kind,
     then a random scene for it."""
@@ -121,8 +126,7 @@ class SceneStream:
             spec = pool[self.rng.integers(len(pool))]
             images.append(shapes_world.render(shapes_world.sample_scene(self.rng, spec)))
             prompts.append(shapes_world.spec_to_prompt(spec))
-        pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1  # (B, 3, 32, 32)
-        return pixels, prompts
+        return scene_pixels(images), prompts
 
 
 # ----- the pipeline -------------------------------------------------------------------------

@@ -34,8 +34,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import algorithm  # noqa: E402
+import pretrain_tiny  # noqa: E402
 import sampler  # noqa: E402
 import shapes_world  # noqa: E402
 from evaluation import evaluate  # noqa: E402
@@ -123,14 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def rendered_latents(adapter, prompts: list[str], seed: int) -> torch.Tensor:
-    """Latents of a correct random scene for each prompt: the shapes world's ground truth."""
+    """Latents of a correct random scene for each prompt (the shapes world's ground truth), encoded
+    as pretraining encodes them."""
     rng = np.random.default_rng(seed)
-    pixels = np.stack([shapes_world.render(shapes_world.sample_scene(rng, shapes_world.parse_prompt(p)))
-                       for p in prompts])
-    x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1
-    vae = adapter.pipe.vae
-    with torch.no_grad():
-        return (vae.encode(x).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor
+    scenes = [shapes_world.render(shapes_world.sample_scene(rng, shapes_world.parse_prompt(p))) for p in prompts]
+    return pretrain_tiny.encode_latents(adapter.pipe.vae, pretrain_tiny.scene_pixels(scenes))
 
 
 def train(args, adapter, params, sampling, rewards, records, timesteps) -> list[float]:
