@@ -54,6 +54,13 @@ class Args:
     """captions for training; scenes are drawn for these prompts only"""
     eval_prompts: str = "data/shapes_eval.txt"
     """held-out prompts for the progress evaluation"""
+    caption_noise: float = 0.0
+    """fraction of flow-matching pairs whose caption is another random train prompt (the scene stays):
+    the model then draws an unrelated scene for about that fraction of samples, a mode error that RL
+    can remove (0 = every caption matches its scene)"""
+    init_from: str = ""
+    """a folder this script wrote: skip phase 1 (its autoencoder is kept) and continue phase 2 from
+    its weights (EMA restarted from them) with this run's settings"""
     threads: int = 2
     """torch threads (1 leaves a core to others on a shared machine)"""
     vae_steps: int = 400
@@ -95,6 +102,8 @@ def parse_args() -> Args:
     args = Args(**vars(parser.parse_args()))
     if args.timestep_sampling not in ("logit_normal", "uniform"):
         raise ValueError(f"--timestep-sampling {args.timestep_sampling!r}: use 'logit_normal' or 'uniform'")
+    if not 0 <= args.caption_noise < 1:
+        raise ValueError(f"--caption-noise {args.caption_noise} must be in [0, 1)")
     if args.width % 32:
         raise ValueError(f"--width {args.width} must be a multiple of the head size 32")
     return args
@@ -118,13 +127,20 @@ class SceneStream:
         self.by_kind = {k: v for k, v in self.by_kind.items() if v}
         self.rng = np.random.default_rng(seed)
 
-    def batch(self, n: int) -> tuple[torch.Tensor, list[str]]:
-        images, prompts = [], []
+    def _spec(self) -> shapes_world.Spec:
         kinds = list(self.by_kind)
+        pool = self.by_kind[kinds[self.rng.integers(len(kinds))]]
+        return pool[self.rng.integers(len(pool))]
+
+    def batch(self, n: int, caption_noise: float = 0.0) -> tuple[torch.Tensor, list[str]]:
+        """With `caption_noise` p, each caption is, with probability p, that of another
+        independently drawn train prompt instead of the scene's own."""
+        images, prompts = [], []
         for _ in range(n):
-            pool = self.by_kind[kinds[self.rng.integers(len(kinds))]]
-            spec = pool[self.rng.integers(len(pool))]
+            spec = self._spec()
             images.append(shapes_world.render(shapes_world.sample_scene(self.rng, spec)))
+            if caption_noise and self.rng.random() < caption_noise:
+                spec = self._spec()
             prompts.append(shapes_world.spec_to_prompt(spec))
         return scene_pixels(images), prompts
 
@@ -266,9 +282,41 @@ def evaluate_pipeline(pipe: FluxPipeline, prompts: list[str], num_steps: int, ba
     return result
 
 
+def describe_training(summary: dict) -> str:
+    """The model card's account of how the weights were made, the initial model's first."""
+    args = summary["args"]
+    where = (f"{summary['wall_minutes']:.1f} minutes wall, {summary['cpu_minutes']:.1f} of CPU time, on a 2-core CPU "
+             f"with {args['threads']} torch thread(s)")
+    if summary.get("init"):
+        text = (describe_training(summary["init"]) + f"Then {summary['flow_steps']} more flow-matching steps of the "
+                f"transformer and both text encoders from those weights (peak lr {args['lr']:g}, {where})")
+    else:
+        text = (f"Phase 1 trains the autoencoder (reconstruction MSE {summary['vae_mse']:.4f} on [-1, 1] pixels; the "
+                f"evaluator scores its round trips {summary['vae_roundtrip_score']:.3f}, the ceiling for the model), "
+                f"phase 2 the transformer and both text encoders jointly by flow matching for "
+                f"{summary['flow_steps']} steps ({where}, {summary['vae_minutes']:.1f} for the autoencoder)")
+    if args.get("caption_noise"):
+        text += (f", with **caption noise {args['caption_noise']:g}**: that fraction of the captions is another random "
+                 f"train prompt, so the model learns to ignore its prompt about that often")
+    return text + (f". Final training loss (running mean of the velocity MSE) {summary['final_loss_avg']:.4f}; "
+                   f"evaluator score {summary['eval_20_steps']['score']:.3f} with 20 sampling steps.\n\n")
+
+
+def training_commands(summary: dict) -> list[str]:
+    return (training_commands(summary["init"]) if summary.get("init") else []) + [summary["command"]]
+
+
 def write_readme(out: str, summary: dict) -> None:
     """The model card: what the folder is, how it was trained and how well it follows prompts."""
     sizes = summary["parameters"]
+    commands = "\n".join(training_commands(summary))
+    stages = describe_training(summary)
+    if summary["args"].get("caption_noise"):
+        imperfect = ("trained with noisy captions, it ignores its prompt for a good part of the samples and "
+                     "draws an unrelated scene, and where it follows the prompt it often misses counts, shapes "
+                     "and compositions.")
+    else:
+        imperfect = "it draws shapes of about the right colours and often misses counts, shapes and compositions."
     final = summary["eval_20_steps"]
     curve = "\n".join(f"| {e['step']} | {e['minutes']:.1f} | {e['loss_avg']:.4f} | {e['score']:.3f} |"
                        for e in summary["eval"])
@@ -282,8 +330,7 @@ in diffusers format: `FluxTransformer2DModel` ({sizes['transformer'] / 1e6:.2f}M
 embedding), CLIP text encoder ({sizes['text_encoder'] / 1e3:.0f}k) and T5 encoder ({sizes['text_encoder_2'] / 1e3:.0f}k) with
 offline byte tokenizers (T5 length 64), and an `AutoencoderKL` ({sizes['vae'] / 1e3:.0f}k) mapping 32x32x3 images to
 16x16x4 latents (64 image tokens after FLUX's 2x2 packing). It is the default model of the RL demo and
-is deliberately imperfect: it draws shapes of about the right colours and often misses counts,
-shapes and compositions, which leaves the RL run headroom.
+is deliberately imperfect, which leaves the RL run headroom: {imperfect}
 
 ```python
 from models import load_model
@@ -301,15 +348,10 @@ was trained on); the project's adapter reads the length from the tokenizer and n
 ## Training
 
 ```
-{summary['command']}
+{commands}
 ```
 
-On CPU with {summary['args']['threads']} torch thread(s): {summary['wall_minutes']:.1f} minutes wall ({summary['vae_minutes']:.1f} for the autoencoder) and
-{summary['cpu_minutes']:.1f} minutes of CPU time, on a 2-core machine. Phase 1 trains the autoencoder (reconstruction MSE
-{summary['vae_mse']:.4f} on [-1, 1] pixels; the evaluator scores its round trips {summary['vae_roundtrip_score']:.3f}, the
-ceiling for the model). Phase 2 trains the transformer and both text encoders jointly by flow
-matching for {summary['flow_steps']} steps; the saved weights are the EMA. Final training loss (running mean of the
-velocity MSE): **{summary['final_loss_avg']:.4f}**. All settings are in `training.json`.
+{stages}The saved weights are the EMA. All settings are in `training.json`.
 
 ## Evaluator score
 
@@ -335,18 +377,28 @@ def main() -> None:
     with open(args.eval_prompts) as f:
         eval_prompts = [line.strip() for line in f if line.strip()][:args.num_eval]
     data = SceneStream(args.train_prompts, args.seed)
-    pipe = build_pipeline(args)
+    init = None
+    if args.init_from:
+        pipe = FluxPipeline.from_pretrained(args.init_from, local_files_only=True)
+        with open(os.path.join(args.init_from, "training.json")) as f:
+            init = json.load(f)
+    else:
+        pipe = build_pipeline(args)
     pipe.set_progress_bar_config(disable=True)
     sizes = {name: num_params(getattr(pipe, name)) for name in ("transformer", "text_encoder", "text_encoder_2", "vae")}
     print(f"parameters: {sizes}", flush=True)
 
-    print("==== phase 1: autoencoder ====", flush=True)
-    vae_mse = train_vae(pipe.vae, data, args)
-    shift, scale = calibrate_latents(pipe.vae, data)
-    ceiling = vae_roundtrip_score(pipe.vae, data)
-    t_vae = time.time() - t_start
-    print(f"vae done in {t_vae / 60:.1f} min: mse {vae_mse:.5f}, shift {shift:.4f}, scale {scale:.4f}, "
-          f"round-trip evaluator score {ceiling:.3f}", flush=True)
+    if init:
+        print(f"==== phase 1: the autoencoder of {args.init_from} ====", flush=True)
+        vae_mse, ceiling, t_vae = init["vae_mse"], init["vae_roundtrip_score"], 0.0
+    else:
+        print("==== phase 1: autoencoder ====", flush=True)
+        vae_mse = train_vae(pipe.vae, data, args)
+        shift, scale = calibrate_latents(pipe.vae, data)
+        ceiling = vae_roundtrip_score(pipe.vae, data)
+        t_vae = time.time() - t_start
+        print(f"vae done in {t_vae / 60:.1f} min: mse {vae_mse:.5f}, shift {shift:.4f}, scale {scale:.4f}, "
+              f"round-trip evaluator score {ceiling:.3f}", flush=True)
     pipe.vae.requires_grad_(False)
 
     print("==== phase 2: flow matching ====", flush=True)
@@ -365,7 +417,7 @@ def main() -> None:
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = args.lr * lr_factor(step, args)
-        x, prompts = data.batch(args.batch_size)
+        x, prompts = data.batch(args.batch_size, args.caption_noise)
         loss = flow_loss(pipe, x, prompts, args, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -401,7 +453,8 @@ def main() -> None:
     summary = {"command": command, "wall_minutes": wall, "cpu_minutes": time.process_time() / 60,
                "vae_minutes": t_vae / 60, "flow_steps": step + 1,
                "final_loss_avg": loss_avg, "vae_mse": vae_mse, "vae_roundtrip_score": ceiling,
-               "parameters": sizes, "eval": history, "eval_20_steps": final, "args": asdict(args)}
+               "parameters": sizes, "eval": history, "eval_20_steps": final, "args": asdict(args),
+               "init": init}
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(summary, f, indent=1)
     write_readme(args.out, summary)
