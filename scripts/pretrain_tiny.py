@@ -56,11 +56,12 @@ class Args:
     """held-out prompts for the progress evaluation"""
     caption_noise: float = 0.0
     """fraction of flow-matching pairs whose caption is another random train prompt (the scene stays):
-    the model then draws an unrelated scene for about that fraction of samples, a mode error that RL
-    can remove (0 = every caption matches its scene)"""
+    the model then draws an unrelated scene for about that fraction of samples, so the right scene is
+    one of its modes rather than beyond its reach (0 = every caption matches its scene)"""
     init_from: str = ""
     """a folder this script wrote: skip phase 1 (its autoencoder is kept) and continue phase 2 from
-    its weights (EMA restarted from them) with this run's settings"""
+    its weights (EMA restarted from them) with this run's settings; the folder's architecture is
+    kept, so --width and the other architecture flags do not apply"""
     threads: int = 2
     """torch threads (1 leaves a core to others on a shared machine)"""
     vae_steps: int = 400
