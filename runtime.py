@@ -145,9 +145,9 @@ def run(cfg: RunConfig, topo: Topology, rank: int) -> None:
             local: dict = {}
             gen_out = []
             if is_gen:
-                std = _reward_std(cfg, store, running, step, start)
-                gen_out, local = generator_step(ctx, generator, versions, plan, std, slow, replica, store,
-                                                deferred if cfg.topology.tcss else None)
+                gen_out, local = generator_step(ctx, generator, versions, plan,
+                                                lambda: _reward_std(cfg, store, running, step, start), slow,
+                                                replica, store, deferred if cfg.topology.tcss else None)
             if scorer_rewards is not None:
                 scorer_step(ctx, scorer_rewards, plan, _image_source(ctx, store, plan))
             train_stats = None

@@ -125,6 +125,20 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert _changed(trained_weights(str(tmp_path / "first"), 1), resumed) > 0
 
 
+def test_running_std_matches_colocated(tmp_path):
+    """--std-mode running: a disaggregated generator takes the std of the previous batches from the
+    logging trainer, which publishes it only after the new weights, so it must install those first
+    (it used to wait for the std first and deadlock); colocated and disaggregated runs agree."""
+    args = [*TINY, "--lora-rank", "4", "--steps", "3", "--dist-timeout-s", "60"]
+    runs = {"colocated": ["--mode", "colocated", "--std-mode", "running"], "disagg": ["--std-mode", "running"],
+            "group": []}
+    for name, extra in runs.items():
+        torchrun(2, [*args, *extra, "--output-dir", str(tmp_path / name)])
+    weights = {name: trained_weights(str(tmp_path / name), 3) for name in runs}
+    _assert_same_weights(weights["colocated"], weights["disagg"], "running std")
+    assert _changed(weights["group"], weights["disagg"]) > 0  # the running std changed the advantages
+
+
 def test_corrupted_publication_is_detected(tmp_path):
     proc = torchrun(2, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(tmp_path / "run")],
                     env={"DIGENRL_DEBUG_CORRUPT_PUBLISH": "1"}, check=False)
