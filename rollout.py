@@ -201,20 +201,20 @@ class VersionSync:
 
 
 def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan,
-                   reward_std: Callable[[], float | None], slow: float = 1.0, replica=None, store=None,
+                   get_reward_std: Callable[[], float | None], slow: float = 1.0, replica=None, store=None,
                    deferred: list | None = None) -> tuple[list[FragmentResult], dict]:
     """One step of a generator rank: generate, decode and score this replica's fragments
     depth-first, streaming every chunk to its trainer as soon as its fragment is scored; new
     versions are installed only between fragments. Colocated ranks keep their chunks (returned).
     With TAG the replica's fragments are the ones it claims as it gets to them (a GAP replica: a
-    round at a time, tag.claimed_rounds). `reward_std` gives the advantage std; it is called once
+    round at a time, tag.claimed_rounds). `get_reward_std` gives the advantage std; it is called once
     this step's weights are installed, since the trainer publishes the std after those weights."""
     from parallel import p2p
     from intake import route_chunks
 
     tracer, topo, step = ctx.tracer, ctx.topo, plan.step
     version = versions.at_step_start(step) if versions is not None else step
-    reward_std = reward_std()
+    reward_std = get_reward_std()
     me = topo.replica_of(ctx.rank)
     results, local, handles = [], {}, []
     board = None
