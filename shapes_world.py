@@ -238,6 +238,14 @@ def render(scene: Scene) -> np.ndarray:
     return image
 
 
+def fade(image: np.ndarray, weight: float) -> np.ndarray:
+    """The image blended toward the background: every pixel keeps `weight` of its difference from
+    BACKGROUND. Below weight 0.5 an object's pixels lie nearer the background than their palette colour,
+    so the evaluator reads a faded object as background."""
+    background = np.array(BACKGROUND, dtype=np.float32)
+    return np.round(background + weight * (image.astype(np.float32) - background)).astype(np.uint8)
+
+
 # ----- the evaluator -------------------------------------------------------------------------
 
 @dataclass(frozen=True)

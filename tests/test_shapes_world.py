@@ -75,6 +75,17 @@ def test_extra_objects_and_noise_score_low():
     assert max(noise) < 0.3, noise
 
 
+def test_faded_objects_read_as_background_below_half_weight():
+    rng = np.random.default_rng(2)
+    for _ in range(100):
+        scene = sw.sample_scene(rng)
+        image, prompt = sw.render(scene), sw.scene_to_prompt(scene)
+        assert np.array_equal(sw.fade(image, 1.0), image)
+        assert sw.evaluate(sw.fade(image, 0.7), prompt)[0] == 1.0, prompt  # fainter, still its colours
+        score, breakdown = sw.evaluate(sw.fade(image, 0.45), prompt)
+        assert score == 0.0 and breakdown["extra"] == 0, (prompt, breakdown)  # nothing seen at all
+
+
 @pytest.mark.parametrize("prompt", ["a purple circle", "two red circle", "a red circles", "a red hexagon",
                                     "a red circle on the middle", "four red circles", "", "a red circle and"])
 def test_parse_prompt_rejects_non_grammar_prompts(prompt):
