@@ -2,6 +2,7 @@
 FluxPipeline itself, and generates 32x32 images."""
 import os
 
+import numpy as np
 import pytest
 import torch
 from diffusers import FluxPipeline
@@ -49,20 +50,33 @@ def test_loads_through_the_project_loader():
     assert v.shape == latents.shape and images.shape == (2, 3, 32, 32)
 
 
+def _hue(image: np.ndarray) -> str | None:
+    """The palette colour whose direction from the background best matches the mean of the pixels that
+    differ from it, whatever their strength (None for a blank image)."""
+    diff = image.astype(np.float32) - np.array(shapes_world.BACKGROUND, dtype=np.float32)
+    drawn = np.linalg.norm(diff, axis=-1) > 30
+    if not drawn.any():
+        return None
+    palette = np.array(list(shapes_world.PALETTE.values()), dtype=np.float32) - np.array(shapes_world.BACKGROUND)
+    palette /= np.linalg.norm(palette, axis=1, keepdims=True)
+    return shapes_world.COLORS[int((diff[drawn].mean(0) @ palette.T).argmax())]
+
+
 def test_flux_pipeline_generates_images_the_evaluator_reads():
     pipe = FluxPipeline.from_pretrained(MODEL, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    prompts = ["a red circle", "a blue square", "a green triangle", "a yellow circle"]
+    prompts = [f"a {color} {shape}" for color in shapes_world.COLORS for shape in ("circle", "square")]
     out = pipe(prompts, height=32, width=32, num_inference_steps=10, max_sequence_length=64,
                generator=torch.Generator().manual_seed(0), output_type="pt")
     images = out.images  # (B, 3, 32, 32) in [0, 1]
-    assert images.shape == (4, 3, 32, 32)
+    assert images.shape == (12, 3, 32, 32)
     scores = ShapesReward()(images, prompts, None)
-    assert scores.shape == (4,) and torch.all((scores >= 0) & (scores <= 1))
-    # The base model draws something of the asked colour for a single-object prompt most of the time.
-    colors = [shapes_world.evaluate((img.permute(1, 2, 0).numpy() * 255).round().astype("uint8"), p)[1]["color"]
-              for img, p in zip(images, prompts)]
-    assert sum(colors) >= 2, colors
+    assert scores.shape == (12,) and torch.all((scores >= 0) & (scores <= 1))
+    # The base model draws the asked colour for a single-object prompt, faint (its fade stage) or not
+    # (measured: 11 of 12, one image blank; the evaluator reads 8 of them as that colour).
+    pixels = (images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+    hues = [_hue(img) for img in pixels]
+    assert sum(h == p.split()[1] for h, p in zip(hues, prompts)) >= 9, hues
 
 
 @pytest.mark.parametrize("name", ["tokenizer", "tokenizer_2"])
