@@ -65,8 +65,8 @@ class Args:
     one of its modes rather than beyond its reach (0 = every caption matches its scene)"""
     fade: float = 0.0
     """fraction of training images whose objects are faded toward the background (`shapes_world.fade`,
-    colour weight uniform in 0.30-0.45): the model then draws faint objects, which the evaluator reads
-    as background, for about that fraction of samples (0 = every image in full colour)"""
+    colour weight uniform in 0.30-0.45): the model then often draws faint objects, which the evaluator
+    reads as background (0 = every image in full colour)"""
     init_from: str = ""
     """a folder this script wrote: skip phase 1 (its autoencoder is kept) and continue phase 2 from
     its weights (EMA restarted from them) with this run's settings; the folder's architecture is
@@ -317,7 +317,7 @@ def describe_training(summary: dict) -> str:
     if args.get("fade"):
         text += (f", with **fade {args['fade']:g}**: that fraction of the images has its objects faded toward the "
                  f"background (colour weight {FADE_WEIGHTS[0]:.2f}-{FADE_WEIGHTS[1]:.2f}), so the model learns to draw "
-                 f"faint objects about that often")
+                 f"faint objects often")
     return text + (f". Final training loss (running mean of the velocity MSE) {summary['final_loss_avg']:.4f}; "
                    f"evaluator score {summary['eval_20_steps']['score']:.3f} with 20 sampling steps.\n\n")
 
@@ -338,9 +338,10 @@ def write_readme(out: str, summary: dict) -> None:
     else:
         imperfect = "it draws shapes of about the right colours and often misses counts, shapes and compositions."
     if summary["args"].get("fade"):
-        imperfect += (" Its last stage faded most training images toward the gray background, so it draws faint "
-                      "objects for most samples; the evaluator reads a faint object as background (absent). Drawing "
-                      "every object it is asked for in full colour is the headroom the RL demo has in 10 CPU minutes.")
+        imperfect += (f" Its last stage faded {summary['args']['fade']:.0%} of the training images toward the gray "
+                      "background, so it often draws faint objects; the evaluator reads a faint object as "
+                      "background (absent). Drawing in full colour every object it is asked for is the headroom "
+                      "the RL demo takes in 10 CPU minutes.")
     final = summary["eval_20_steps"]
     curve = "\n".join(f"| {e['step']} | {e['minutes']:.1f} | {e['loss_avg']:.4f} | {e['score']:.3f} |"
                        for e in summary["eval"])
