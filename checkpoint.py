@@ -16,9 +16,11 @@ import re
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.tensor import distribute_tensor
 
-from models import DiTAdapter
-
+# Adapters (models.DiTAdapter) are passed in: this module imports no model family.
 LORA_FILE = "pytorch_lora_weights.safetensors"
 ADAPTER = ".default"  # peft's adapter name inside parameter names
 
@@ -49,7 +51,7 @@ def from_diffusers_lora(flat: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def save_weights(path: str, adapter: DiTAdapter, weights: dict[str, Tensor], lora: bool, lora_config=None) -> None:
+def save_weights(path: str, adapter: "DiTAdapter", weights: dict[str, Tensor], lora: bool, lora_config=None) -> None:
     os.makedirs(path, exist_ok=True)
     weights = {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in weights.items()}
     if lora:
@@ -65,7 +67,7 @@ def save_weights(path: str, adapter: DiTAdapter, weights: dict[str, Tensor], lor
         save_file(weights, os.path.join(sub, "diffusion_pytorch_model.safetensors"))
 
 
-def save_checkpoint(path: str, adapter: DiTAdapter, weights: dict[str, Tensor], *, lora: bool, step: int,
+def save_checkpoint(path: str, adapter: "DiTAdapter", weights: dict[str, Tensor], *, lora: bool, step: int,
                     trainer_state: dict, ema: dict[str, Tensor] | None = None, lora_config=None) -> None:
     save_weights(path, adapter, weights, lora, lora_config)
     if ema is not None:
@@ -86,8 +88,8 @@ def read_trained_weights(path: str) -> tuple[dict[str, Tensor], bool]:
     raise ValueError(f"checkpoint {path!r} holds neither {LORA_FILE} nor transformer/ weights")
 
 
-def load_trained_weights(adapter: DiTAdapter, path: str) -> None:
-    """Sampling from a checkpoint (rollout.py --checkpoint): LoRA through diffusers' own loader."""
+def load_trained_weights(adapter: "DiTAdapter", path: str) -> None:
+    """Sampling from a checkpoint (scripts/sample.py --checkpoint): LoRA through diffusers' own loader."""
     if os.path.isfile(os.path.join(path, LORA_FILE)):
         adapter.pipe.load_lora_weights(path)
         return
@@ -105,8 +107,53 @@ def install_weights(module: torch.nn.Module, weights: dict[str, Tensor]) -> None
         for n, t in weights.items():
             p = params[n]
             if hasattr(p, "distribute_tensor") or hasattr(p, "device_mesh"):
-                from torch.distributed.tensor import distribute_tensor
-
                 p.copy_(distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements))
             else:
                 p.copy_(t.to(device=p.device, dtype=p.dtype))
+
+
+# ----- the run state of --resume ------------------------------------------------------------------
+def save_run_state(out_dir: str, done: int, trainer, adapter, running, lora_config, write: bool) -> None:
+    """After `done` updates: every trainer rank gathers the full state (collectives under FSDP);
+    the one with `write` writes checkpoints/step-`done`."""
+    weights = trainer.full_weights()
+    ema = trainer.ema_weights()
+    if trainer.sharding == "fsdp":
+        optim = get_optimizer_state_dict(trainer.adapter.transformer, trainer.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        optim = trainer.optimizer.state_dict()
+    if not write:
+        return
+    state = {"optimizer": optim, "num_updates": trainer.num_updates, "running_std": running.state_dict(),
+             "torch_rng": torch.get_rng_state(), "step": done}
+    save_checkpoint(checkpoint_dir(out_dir, done), adapter, weights, lora=trainer.lora, step=done,
+                    trainer_state=state, ema=ema, lora_config=lora_config)
+
+
+def restore_run_state(run_dir: str, adapter, trainer, running) -> int:
+    """Every rank installs the newest checkpoint's weights; trainers also restore the optimizer and
+    the EMA. Returns the checkpoint's step."""
+    path = latest_checkpoint(run_dir)
+    with open(os.path.join(path, "state.json")) as f:
+        step = json.load(f)["step"]
+    weights, _ = read_trained_weights(path)
+    install_weights(adapter.transformer, weights)
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    running.load_state_dict(state["running_std"])
+    if trainer is not None:
+        trainer.num_updates = state["num_updates"]
+        if trainer.sharding == "fsdp":
+            set_optimizer_state_dict(trainer.adapter.transformer, trainer.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            trainer.optimizer.load_state_dict(state["optimizer"])
+        ema_path = os.path.join(path, "ema.safetensors")
+        if trainer.ema is not None and os.path.isfile(ema_path):
+            ema = load_file(ema_path)
+            with torch.no_grad():
+                for e, n in zip(trainer.ema, trainer.names):
+                    if not hasattr(e, "device_mesh"):
+                        e.copy_(ema[n].to(e.device, e.dtype))
+    torch.set_rng_state(state["torch_rng"])
+    return step

@@ -8,8 +8,24 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import algorithm
+import checkpoint
+import sampler
+from parallel.plan import StepPlan, plan_step
+from parallel.topology import SHARDINGS, Topology
+from prompts import eval_records, load_prompts
+from rewards import parse_reward_specs, reward_model_paths
+
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SHIPPED_MODEL = os.path.join(ROOT, "assets", "shapes-flux")
+DATA_DIR = os.path.join(ROOT, "data")
+PRESETS = ("auto", "tiny", "mid")
+
 
 def _f(default, help: str, **kw):
+    """A config field: `help` is its --help text, `parse` (optional) turns the flag's string into
+    the field's typed value, `action="append"` makes it repeatable."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -38,7 +54,8 @@ class SamplingArgs:
     guidance: float | None = _f(None, "guidance-embedding scale (FLUX: 3.5)")
     cfg_scale: float | None = _f(None, "classifier-free guidance scale, also used at training time; 1 = off")
     negative_prompt: str = _f("", "negative prompt for CFG")
-    sde_window: str | None = _f(None, "START:END: SDE steps only in this window, ODE elsewhere (Flow-GRPO-Fast)")
+    sde_window: tuple | None = _f(None, "START:END: SDE steps only for t in [START, END), ODE elsewhere "
+                                        "(Flow-GRPO-Fast)", parse=lambda s: _parse_pair(s, ":", int, "--sde-window"))
     same_group_noise: bool = _f(False, "all samples of a group share their initial noise")
 
 
@@ -69,7 +86,8 @@ class OptimConfig:
     lora_alpha: float | None = _f(None, "LoRA alpha (default 2 x rank)")
     lora_targets: str = _f("attn", "LoRA targets: attn (to_q/k/v/out) or attn+ff (also the feed-forward)")
     weight_decay: float = _f(1e-4, "AdamW weight decay")
-    adam_betas: str = _f("0.9,0.999", "AdamW betas")
+    adam_betas: tuple = _f((0.9, 0.999), "AdamW betas B1,B2",
+                           parse=lambda s: _parse_pair(s, ",", float, "--adam-betas"))
     grad_clip: float = _f(1.0, "gradient-norm clip")
     ema_decay: float = _f(0.0, "EMA of trained weights for export (0 = off; e.g. 0.95)")
     grad_checkpointing: bool = _f(False, "activation checkpointing of every DiT block during training")
@@ -106,7 +124,8 @@ class OutputConfig:
     eval_num_prompts: int = _f(64, "held-out prompts evaluated each time")
     eval_samples_per_prompt: int = _f(1, "images per held-out prompt, each with its own fixed seed (GenEval: 4)")
     trace: bool = _f(True, "write a Chrome trace per rank to DIR/trace/rank{R}.json")
-    debug_slow_rank: str | None = _f(None, "R:FACTOR: test-only, rank R sleeps to run FACTOR x slower")
+    debug_slow_rank: tuple | None = _f(None, "R:FACTOR: test-only, rank R sleeps to run FACTOR x slower",
+                                       parse=lambda s: _parse_pair(s, ":", (int, float), "--debug-slow-rank"))
 
 
 @dataclass
@@ -129,50 +148,225 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
+        """The inverse of to_dict (config.json): typed fields are parsed again (JSON has no tuples)."""
         kwargs = {}
         for name, value in d.items():
             sub = _SECTIONS.get(name)
-            kwargs[name] = sub(**value) if sub else value
+            if sub is None:
+                kwargs[name] = value
+                continue
+            fields = {f.name: f for f in dataclasses.fields(sub)}
+            unknown = sorted(set(value) - set(fields))
+            if unknown:
+                raise ValueError(f"config section {name!r} has no field(s) {unknown}")
+            kwargs[name] = sub(**{k: (fields[k].metadata["parse"](v) if v is not None and "parse" in fields[k].metadata
+                                      else v) for k, v in value.items()})
         return cls(**kwargs)
+
+    def resolve_defaults(self) -> None:
+        """Fill the embedded defaults: the shipped shapes model (flux, --preset auto), the shapes
+        prompt sets and the shapes reward."""
+        m = self.model
+        if m.preset not in PRESETS:
+            raise ValueError(f"unknown --preset {m.preset!r}; choose one of {PRESETS}")
+        if m.model_path is None and m.preset == "auto":
+            if m.model == "flux" and os.path.isdir(SHIPPED_MODEL):
+                m.model_path = SHIPPED_MODEL
+            else:
+                m.preset = "tiny"
+        if self.rl.prompts is None:
+            self.rl.prompts = os.path.join(DATA_DIR, "shapes_train.txt")
+        if self.output.eval_prompts is None:
+            self.output.eval_prompts = os.path.join(DATA_DIR, "shapes_eval.txt")
+        if not self.rl.reward:
+            self.rl.reward = ["shapes:1.0"]
+
+    def validate(self, world_size: int) -> "RunFacts":
+        """Every user error that needs no process group, raised alike on every rank before any
+        rank waits on another. Returns the facts the roles read (`RunFacts`)."""
+        return validate(self, world_size)
+
+
+def _parse_pair(text, sep: str, types, flag: str) -> tuple:
+    """'A<sep>B' -> (types[0](A), types[1](B)); a tuple or list (from config.json) passes through
+    the same conversion."""
+    types = types if isinstance(types, tuple) else (types, types)
+    parts = text.split(sep) if isinstance(text, str) else list(text)
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return tuple(t(p) for t, p in zip(types, parts))
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag} {text!r}: expected two values as A{sep}B") from None
 
 
 _SECTIONS = {"model": ModelConfig, "sampling": SamplingArgs, "rl": RLConfig, "optim": OptimConfig,
              "topology": TopologyConfig, "output": OutputConfig}
 
 
-def _arg_type(annotation: str):
-    base = annotation.replace(" | None", "")
+def _arg_type(f: dataclasses.Field):
+    """argparse's `type` of a field: its `parse` (user errors become argparse's clear message), or
+    int / float / str from the annotation."""
+    parse = f.metadata.get("parse")
+    if parse is not None:
+        def typed(text: str):
+            try:
+                return parse(text)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        typed.__name__ = f.name
+        return typed
+    base = f.type.replace(" | None", "")
     return {"int": int, "float": float, "str": str}.get(base, str)
 
 
-def build_parser(description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless its help already says what the default is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, [], False):
+            return text
+        return super()._get_help_string(action)
+
+
+def build_parser(description: str, sections: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+    """One flag per field (`--prompts-per-step`); `sections` limits the parser to some sections
+    (scripts that share the model and sampling flags)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
     parser.add_argument("--seed", type=int, default=0, help=dataclasses.fields(RunConfig)[0].metadata["help"])
     for section, cls in _SECTIONS.items():
+        if sections is not None and section not in sections:
+            continue
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             meta = f.metadata
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            common = dict(dest=f"{section}.{f.name}", help=meta["help"])
             if meta.get("action") == "append":
-                group.add_argument(flag, dest=f"{section}.{f.name}", action="append", default=None, help=meta["help"])
+                group.add_argument(flag, action="append", default=None, metavar=f.name.upper(), **common)
             elif f.type == "bool":
-                group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
-                                   default=default, help=meta["help"])
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **common)
             else:
-                group.add_argument(flag, dest=f"{section}.{f.name}", type=_arg_type(f.type), default=default,
-                                   help=meta["help"])
+                group.add_argument(flag, type=_arg_type(f), default=default, metavar=f.name.upper(), **common)
     return parser
 
 
-def parse_config(argv: list[str] | None, description: str = "DigenRL") -> RunConfig:
-    ns = vars(build_parser(description).parse_args(argv))
-    cfg = RunConfig(seed=ns.pop("seed"))
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig of parsed flags (`section.field` destinations; other attributes are ignored)."""
+    ns = vars(args)
+    cfg = RunConfig(seed=ns["seed"])
     for key, value in ns.items():
+        if "." not in key:
+            continue
         section, name = key.split(".")
         if value is None and isinstance(getattr(getattr(cfg, section), name), list):
             continue
         setattr(getattr(cfg, section), name, value)
     return cfg
 
+
+def parse_config(argv: list[str] | None, description: str = "DigenRL") -> RunConfig:
+    return config_from_args(build_parser(description).parse_args(argv))
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a validated config and the world size imply, computed once and read by every role:
+    no module decides again whether TSP or TAG is on, or counts the trainers."""
+
+    topology: Topology
+    disagg: bool
+    tsp: bool
+    tag: bool
+    tcss: bool
+    num_trainers: int
+    train_sharding: str
+    """sharding of the ranks that train: --colocated-sharding in colocated mode, else --train-sharding"""
+    train_micro_batch: int
+    """transitions per packed training forward (TSP); without TSP a forward trains one timestep of a chunk"""
+    lora: bool
+    num_prompts: int
+    log_rank: int
+    """the rank that logs: the first trainer, since trainers finish every step (generators may run ahead)"""
+
+    def plan(self, cfg: RunConfig, step: int) -> StepPlan:
+        """Step k's fragment plan: a pure function of (seed, k, config), the same on every rank."""
+        rl = cfg.rl
+        return plan_step(step, seed=cfg.seed, num_prompts=self.num_prompts, prompts_per_step=rl.prompts_per_step,
+                         group_size=rl.group_size, micro_batch=rl.micro_batch,
+                         num_replicas=self.topology.num_replicas, num_trainers=self.num_trainers,
+                         fragment_groups=cfg.topology.fragment_groups or None, colocated=not self.disagg)
+
+
+def _choice(flag: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {flag} {value!r}; choose one of {tuple(choices)}")
+
+
+def validate(cfg: RunConfig, world_size: int) -> RunFacts:
+    """Every user error that needs no process group, each naming the bad value (see RunConfig.validate)."""
+    rl, t, o, s = cfg.rl, cfg.topology, cfg.output, cfg.sampling
+    topo = Topology.build(world_size, t.mode, t.generators, t.trainers, t.scorers, t.gap_stages)
+    for name, value in (("--steps", rl.steps), ("--prompts-per-step", rl.prompts_per_step),
+                        ("--group-size", rl.group_size), ("--micro-batch", rl.micro_batch),
+                        ("--eval-num-prompts", o.eval_num_prompts),
+                        ("--eval-samples-per-prompt", o.eval_samples_per_prompt),
+                        ("--train-micro-batch", 1 if t.train_micro_batch is None else t.train_micro_batch),
+                        ("--dist-timeout-s", t.dist_timeout_s)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    for name, value in (("--save-every", o.save_every), ("--log-images-every", o.log_images_every),
+                        ("--eval-every", o.eval_every), ("--lora-rank", cfg.optim.lora_rank),
+                        ("--fragment-groups", t.fragment_groups or 0)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if rl.group_size < 2:
+        raise ValueError(f"--group-size must be >= 2 for group-relative advantages, got {rl.group_size}")
+    if t.fragment_groups and t.fragment_groups > rl.prompts_per_step:
+        raise ValueError(f"--fragment-groups {t.fragment_groups} must be between 1 and --prompts-per-step "
+                         f"{rl.prompts_per_step}")
+    _choice("--algorithm", rl.algorithm, algorithm.ALGORITHMS)
+    _choice("--std-mode", rl.std_mode, ("group", "running"))
+    _choice("--sde-type", s.sde_type, sampler.SDE_TYPES)
+    _choice("--colocated-sharding", t.colocated_sharding, SHARDINGS)
+    _choice("--train-sharding", t.train_sharding, SHARDINGS)
+    _choice("--lora-targets", cfg.optim.lora_targets, ("attn", "attn+ff"))
+    if not 0 < rl.timestep_fraction <= 1:
+        raise ValueError(f"--timestep-fraction must be in (0, 1], got {rl.timestep_fraction}")
+    if s.noise_level is not None and not s.noise_level >= 0:
+        raise ValueError(f"--noise-level must be >= 0, got {s.noise_level}")
+    if s.sample_steps is not None and s.sample_steps < 1:
+        raise ValueError(f"--sample-steps must be >= 1, got {s.sample_steps}")
+    if s.sde_window is not None:
+        start, end = s.sde_window
+        top = s.sample_steps if s.sample_steps is not None else end
+        if not 0 <= start < end <= top:
+            raise ValueError(f"--sde-window {start}:{end} must satisfy 0 <= START < END <= --sample-steps ({top})")
+        if rl.algorithm != "window":
+            raise ValueError(f"--sde-window {start}:{end} samples ODE steps outside the window, which have no "
+                             f"log-probability to train: use --algorithm window (got {rl.algorithm!r})")
+    if rl.algorithm == "window" and s.sde_window is None:
+        raise ValueError("--algorithm window needs --sde-window START:END")
+    if o.debug_slow_rank is not None:
+        rank, factor = o.debug_slow_rank
+        if not 0 <= rank < world_size or not factor >= 1:
+            raise ValueError(f"--debug-slow-rank {rank}:{factor}: the rank must be in [0, {world_size}) and the "
+                             f"factor >= 1")
+    if t.tag and topo.mode != "disagg":
+        raise ValueError(f"--tag needs --mode disagg (got {topo.mode}): colocated ranks all generate already")
+    if t.tcss and topo.mode != "disagg":
+        raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
+    parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))
+    num_prompts = len(load_prompts(rl.prompts))  # a missing or empty prompt file raises here
+    if o.eval_every:
+        eval_records(o.eval_prompts, o.eval_num_prompts, o.eval_samples_per_prompt)
+    if o.resume and checkpoint.latest_checkpoint(o.resume) is None:
+        raise ValueError(f"--resume {o.resume!r} holds no complete checkpoint (checkpoints/step-N/state.json)")
+    disagg = topo.mode == "disagg"
+    return RunFacts(topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
+                    num_trainers=len(topo.trainer_ranks),
+                    train_sharding=t.train_sharding if disagg else t.colocated_sharding,
+                    train_micro_batch=t.train_micro_batch or rl.micro_batch, lora=cfg.optim.lora_rank > 0,
+                    num_prompts=num_prompts, log_rank=topo.trainer_ranks[0])

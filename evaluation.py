@@ -7,19 +7,9 @@ import dataclasses
 import torch
 
 import sampler
-from prompts import load_prompts
 from rollout import sample_images
 
 EVAL_STEP = -1  # the noise key of evaluation samples: never a training step
-
-
-def eval_records(path: str, num_prompts: int | None, samples_per_prompt: int = 1):
-    """The first `num_prompts` prompts of `path` (None: all), each repeated `samples_per_prompt` times
-    in a row. Every copy is its own sample id, hence its own fixed seed."""
-    if (num_prompts is not None and num_prompts < 1) or samples_per_prompt < 1:
-        raise ValueError(f"evaluation needs >= 1 prompt and >= 1 sample per prompt, got {num_prompts} prompts x "
-                         f"{samples_per_prompt} samples")
-    return [r for r in load_prompts(path)[:num_prompts] for _ in range(samples_per_prompt)]
 
 
 def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, batch_size: int = 8,
@@ -29,10 +19,8 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
     prompts = [r.prompt for r in records]
     _, images = sample_images(adapter, prompts, ode, step=EVAL_STEP, first_sample_id=first_sample_id,
                               batch_size=batch_size, negative_prompt=negative_prompt)
-    scores = rewards.score(images, prompts, [r.metadata for r in records])
-    out = {k: v.float().cpu().tolist() for k, v in scores.items()}
-    out["combined"] = rewards.combine(scores).float().cpu().tolist()
-    return out, images
+    scores = rewards.score_combined(images, prompts, [r.metadata for r in records])
+    return {k: v.tolist() for k, v in scores.items()}, images
 
 
 def summarize(scores: dict[str, list[float]]) -> dict[str, float]:

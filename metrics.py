@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
+from torch.utils.tensorboard import SummaryWriter
 
 
 def image_grid(images: Tensor, nrow: int = 8, padding: int = 2) -> Image.Image:
@@ -62,8 +63,6 @@ class MetricsLogger:
         if enabled:
             os.makedirs(self.output_dir, exist_ok=True)
             self._jsonl = open(os.path.join(self.output_dir, "metrics.jsonl"), "a")
-            from torch.utils.tensorboard import SummaryWriter  # imported only where it is used
-
             self._writer = SummaryWriter(log_dir=os.path.join(self.output_dir, "tb"))
 
     def log(self, step: int, scalars: dict[str, Any]) -> None:

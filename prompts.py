@@ -33,3 +33,12 @@ def load_prompts(path: str) -> list[PromptRecord]:
     if not records:
         raise ValueError(f"prompt file {path!r} holds no prompts")
     return records
+
+
+def eval_records(path: str, num_prompts: int | None, samples_per_prompt: int = 1) -> list[PromptRecord]:
+    """The first `num_prompts` prompts of `path` (None: all), each repeated `samples_per_prompt` times
+    in a row. Every copy is its own sample id, hence its own fixed seed."""
+    if (num_prompts is not None and num_prompts < 1) or samples_per_prompt < 1:
+        raise ValueError(f"evaluation needs >= 1 prompt and >= 1 sample per prompt, got {num_prompts} prompts x "
+                         f"{samples_per_prompt} samples")
+    return [r for r in load_prompts(path)[:num_prompts] for _ in range(samples_per_prompt)]

@@ -1,40 +1,39 @@
-"""Rollout: sample trajectories with the flow-matching SDE sampler.
+"""The generator role (docs/DESIGN.md): sample trajectories of whole fragments with the
+flow-matching SDE sampler, decode and score them, and emit them to the trainers.
 
-As a command it samples and saves images (and optionally the trajectories) for evaluation and
-inspection:
-
-    python rollout.py --model flux --model-path DIR --prompt "a red circle" --steps 20 --out-dir out/
-
-As a module it is the generator role's core: `generate_fragment` samples, decodes and returns
-everything training needs for a set of samples.
+One API serves every way a fragment is generated: `Generator.denoise` samples it, and a
+`FragmentStream` decodes, scores and emits it. A replica's step (`generator_step`), a TAG trainer
+(parallel/tag.py) and the last stage of a GAP replica (parallel/gap.py) all push their denoised
+fragments into a stream.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 import algorithm
 import sampler
-from models import Conditioning, DiTAdapter, load_model, model_names, resolve_device, resolve_dtype, set_attention
-from models import ATTENTION_BACKENDS
-from prompts import load_prompts
+from parallel import p2p
+from parallel.intake import TrainChunk
+from parallel.plan import Chunk, Fragment, StepPlan
+from parallel.scoring import LocalScorer, Ticket
+from parallel.tag import FragmentBoard, claimed_rounds, publish_replica_cost
+from tensors import Conditioning
 
 
-def encode_batch(adapter: DiTAdapter, prompts: list[str], negative_prompt: str | None,
+def encode_batch(adapter, prompts: list[str], negative_prompt: str | None,
                  cfg: sampler.SamplingConfig) -> tuple[Conditioning, Conditioning | None]:
     cond = adapter.encode_prompts(prompts)
     neg = adapter.encode_prompts([negative_prompt or ""] * len(prompts)) if cfg.cfg_scale != 1.0 else None
     return cond, neg
 
 
-def sample_images(adapter: DiTAdapter, prompts: list[str], cfg: sampler.SamplingConfig, *, step: int = 0,
+def sample_images(adapter, prompts: list[str], cfg: sampler.SamplingConfig, *, step: int = 0,
                   first_sample_id: int = 0, batch_size: int = 8, negative_prompt: str | None = None):
     """Sample one image per prompt in micro-batches. Sample j gets the global id first_sample_id + j,
     so the result does not depend on batch_size. Returns (trajectory, images [B,3,H,W] in [0,1])."""
@@ -52,10 +51,30 @@ def sample_images(adapter: DiTAdapter, prompts: list[str], cfg: sampler.Sampling
 
 
 @dataclass
+class Denoised:
+    """A fragment's trajectories, chunk by chunk in plan order, before decoding and scoring."""
+
+    fragment: Fragment
+    trajectories: list[sampler.Trajectory]
+    conds: list[Conditioning]
+    negs: list[Conditioning | None]
+
+
+@dataclass
+class Scoring:
+    """A decoded fragment handed to the scorer; `ticket` collects its scores."""
+
+    denoised: Denoised
+    version: int
+    images: Tensor  # (n, 3, H, W) in [0, 1], on CPU
+    ticket: Ticket
+
+
+@dataclass
 class FragmentResult:
     """A generated, decoded and scored fragment: its training chunks and what the logs need."""
 
-    chunks: list  # list[intake.TrainChunk], in plan order
+    chunks: list[TrainChunk]  # in plan order
     sample_ids: list[int]
     rewards: dict[str, list[float]]  # per reward name, and "combined"
     zero_std: list[bool]
@@ -64,90 +83,134 @@ class FragmentResult:
 
 
 class Generator:
-    """The generator role's work for one replica of one stage (GAP stages come with the GAP issue):
-    sample, decode and score whole fragments with the current policy version."""
+    """The generator role's work: sample, decode and score whole fragments with the current policy
+    version. A GAP stage uses its encoding and noise keys and streams what its last stage denoised."""
 
-    def __init__(self, adapter: DiTAdapter, sampling: sampler.SamplingConfig, rewards, records, *, seed: int,
+    def __init__(self, adapter, sampling: sampler.SamplingConfig, scorer, records, *, seed: int,
                  negative_prompt: str = "", same_group_noise: bool = False, adv_clip: float = 5.0,
                  drop_zero_std: bool = False, autocast_ctx=None):
-        from scoring import LocalScorer
-
-        if not hasattr(rewards, "submit"):  # a RewardSet: score on this rank
-            rewards = LocalScorer(rewards)
-        self.adapter, self.sampling, self.rewards, self.records = adapter, sampling, rewards, records
+        """`scorer`: a parallel.scoring.LocalScorer or RemoteScorer (a RewardSet is scored locally)."""
+        self.adapter, self.sampling, self.records = adapter, sampling, records
+        self.scorer = scorer if hasattr(scorer, "submit") else LocalScorer(scorer)
         self.seed, self.negative_prompt = seed, negative_prompt
         self.same_group_noise, self.adv_clip, self.drop_zero_std = same_group_noise, adv_clip, drop_zero_std
         self.autocast = autocast_ctx or contextlib.nullcontext
         self.sigmas = sampler.sigmas_for(adapter, sampling)
 
-    def chunk_inputs(self, plan, chunk):
-        """(records, cond, neg_cond, init_ids) of a chunk: its prompts encoded, and the keys of its initial noise."""
-        g = plan.group_size
-        records = [self.records[plan.prompt_indices[i // g]] for i in chunk.sample_ids]
-        cond, neg = encode_batch(self.adapter, [r.prompt for r in records], self.negative_prompt, self.sampling)
-        return records, cond, neg, self.init_ids(plan, chunk)
+    def records_of(self, plan: StepPlan, sample_ids) -> list:
+        return [self.records[plan.prompt_indices[i // plan.group_size]] for i in sample_ids]
 
-    def init_ids(self, plan, chunk) -> list[int]:
+    def chunk_inputs(self, plan: StepPlan, chunk: Chunk) -> tuple[Conditioning, Conditioning | None]:
+        """A chunk's prompts encoded: (cond, neg_cond)."""
+        prompts = [r.prompt for r in self.records_of(plan, chunk.sample_ids)]
+        return encode_batch(self.adapter, prompts, self.negative_prompt, self.sampling)
+
+    def init_ids(self, plan: StepPlan, chunk: Chunk) -> list[int]:
         """Keys of the initial noise: the sample ids, or the group's (a negative id) when a group shares it."""
         g = plan.group_size
         return [-1 - i // g for i in chunk.sample_ids] if self.same_group_noise else list(chunk.sample_ids)
 
-    def generate_fragment(self, plan, fragment, version: int, reward_std: float | None = None) -> FragmentResult:
-        return self.complete(self.start_fragment(plan, fragment, version, reward_std))
-
-    def start_fragment(self, plan, fragment, version: int, reward_std: float | None = None):
-        """Denoise and decode a fragment and submit it for scoring (see `complete`)."""
-        trajs, conds, negs = [], [], []
+    def denoise(self, plan: StepPlan, fragment: Fragment) -> Denoised:
+        """Sample a fragment's K steps, one chunk (micro-batch) per batch."""
+        out = Denoised(fragment, [], [], [])
         for chunk in fragment.chunks:
-            _, cond, neg, init_ids = self.chunk_inputs(plan, chunk)
+            cond, neg = self.chunk_inputs(plan, chunk)
             with self.autocast():
-                trajs.append(sampler.denoise(self.adapter, cond, neg, list(chunk.sample_ids), plan.step,
-                                             self.sampling, init_ids=init_ids, sigmas=self.sigmas))
-            conds.append(cond)
-            negs.append(neg)
-        return self.start_scoring(plan, fragment, trajs, conds, negs, version, reward_std)
+                out.trajectories.append(sampler.denoise(self.adapter, cond, neg, list(chunk.sample_ids), plan.step,
+                                                        self.sampling, init_ids=self.init_ids(plan, chunk),
+                                                        sigmas=self.sigmas))
+            out.conds.append(cond)
+            out.negs.append(neg)
+        return out
 
-    def finish_fragment(self, plan, fragment, trajs, conds, negs, version: int,
-                        reward_std: float | None) -> FragmentResult:
-        """Decode and score a denoised fragment, compute its group advantages, cut it into chunks."""
-        return self.complete(self.start_scoring(plan, fragment, trajs, conds, negs, version, reward_std))
+    @staticmethod
+    def denoised(fragment: Fragment, trajectories, conds, negs) -> Denoised:
+        """The record of a fragment denoised elsewhere (the stages of a GAP replica)."""
+        return Denoised(fragment, list(trajectories), list(conds), list(negs))
 
-    def start_scoring(self, plan, fragment, trajs, conds, negs, version: int, reward_std: float | None):
-        """Decode a denoised fragment and hand it to the scorer (local: scored now; remote: sent)."""
-        g = plan.group_size
+    def denoise_padding(self, step: int) -> None:
+        """Denoise one sample of an empty prompt and keep nothing: the transformer forwards of a
+        chunk, for ranks whose collectives must pair up with another rank's chunk (FSDP TAG)."""
+        cond, neg = encode_batch(self.adapter, [""], self.negative_prompt, self.sampling)
         with self.autocast():
-            images = torch.cat([self.adapter.decode(t.latents[:, -1]).cpu() for t in trajs])
-        records = [self.records[plan.prompt_indices[i // g]] for i in fragment.sample_ids]
-        ticket = self.rewards.submit(plan.step, fragment.index, images, [r.prompt for r in records],
-                                     [r.metadata for r in records])
-        return (plan, fragment, trajs, conds, negs, version, reward_std, images, ticket)
+            sampler.denoise(self.adapter, cond, neg, [0], step, self.sampling, sigmas=self.sigmas)
 
-    def complete(self, pending) -> FragmentResult:
-        """Wait for a fragment's scores, then compute its group advantages and cut it into chunks."""
-        from intake import TrainChunk
+    def submit(self, plan: StepPlan, denoised: Denoised, version: int) -> Scoring:
+        """Decode a denoised fragment and hand it to the scorer (local: scored now; remote: sent)."""
+        with self.autocast():
+            images = torch.cat([self.adapter.decode(t.latents[:, -1]).cpu() for t in denoised.trajectories])
+        records = self.records_of(plan, denoised.fragment.sample_ids)
+        ticket = self.scorer.submit(plan.step, denoised.fragment.index, images, [r.prompt for r in records],
+                                    [r.metadata for r in records])
+        return Scoring(denoised, version, images, ticket)
 
-        plan, fragment, trajs, conds, negs, version, reward_std, images, ticket = pending
-        g = plan.group_size
-        scores = self.rewards.wait(ticket)
+    def complete(self, plan: StepPlan, scoring: Scoring, reward_std: float | None) -> "FragmentResult":
+        """Wait for a fragment's scores, compute its group advantages and cut it into chunks."""
+        fragment = scoring.denoised.fragment
+        scores = self.scorer.wait(scoring.ticket)
         combined = scores.pop("combined")
         ids = list(fragment.sample_ids)
-        prompts = [self.records[plan.prompt_indices[i // g]].prompt for i in ids]
-        group_ids = torch.tensor([i // g for i in ids])
+        group_ids = torch.tensor([i // plan.group_size for i in ids])
         adv = algorithm.group_advantages(combined, group_ids, adv_clip=self.adv_clip, std=reward_std)
         zero_std = algorithm.zero_std_groups(combined, group_ids)
         keep = ~zero_std if self.drop_zero_std else torch.ones_like(zero_std)
         chunks, start = [], 0
-        for chunk, traj, cond, neg in zip(fragment.chunks, trajs, conds, negs):
-            n = len(chunk.sample_ids)
-            sl = slice(start, start + n)
-            chunks.append(TrainChunk(plan.step, fragment.index, chunk.index, version,
+        d = scoring.denoised
+        for chunk, traj, cond, neg in zip(fragment.chunks, d.trajectories, d.conds, d.negs):
+            sl = slice(start, start + len(chunk.sample_ids))
+            chunks.append(TrainChunk(plan.step, fragment.index, chunk.index, scoring.version,
                                      torch.tensor(chunk.sample_ids, dtype=torch.int64), traj.latents.cpu(),
                                      traj.log_probs.cpu(), adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(),
                                      cond.to("cpu"), neg.to("cpu") if neg is not None else None))
-            start += n
+            start = sl.stop
         rewards = {name: v.float().cpu().tolist() for name, v in scores.items()}
         rewards["combined"] = combined.tolist()
-        return FragmentResult(chunks, ids, rewards, zero_std.tolist(), images, prompts)
+        prompts = [r.prompt for r in self.records_of(plan, ids)]
+        return FragmentResult(chunks, ids, rewards, zero_std.tolist(), scoring.images, prompts)
+
+    def stream(self, plan: StepPlan, reward_std: float | None, emit: Callable, tracer=None) -> "FragmentStream":
+        return FragmentStream(self, plan, reward_std, emit, tracer)
+
+    def generate(self, plan: StepPlan, fragments, version: int, reward_std: float | None, emit: Callable) -> None:
+        """Generate, score and emit `fragments` in order with one version."""
+        stream = self.stream(plan, reward_std, emit)
+        for fragment in fragments:
+            stream.push(self.denoise(plan, fragment), version)
+        stream.close()
+
+
+class FragmentStream:
+    """Decodes, scores and emits denoised fragments in the order they are pushed.
+
+    With scorer ranks, a fragment's scores are collected only after the next fragment has been
+    pushed, so the scorer works while this rank denoises; local scoring emits a fragment at once.
+    `close` emits what is left."""
+
+    def __init__(self, generator: Generator, plan: StepPlan, reward_std: float | None, emit: Callable,
+                 tracer=None):
+        self.gen, self.plan, self.reward_std, self.emit, self.tracer = generator, plan, reward_std, emit, tracer
+        self.lagged = generator.scorer.remote
+        self.pending: list[Scoring] = []
+
+    def submit(self, denoised: Denoised, version: int) -> None:
+        self.pending.append(self.gen.submit(self.plan, denoised, version))
+
+    def collect(self, keep: int | None = None) -> None:
+        """Emit the submitted fragments whose scores are due: all but the newest with scorer ranks."""
+        keep = (1 if self.lagged else 0) if keep is None else keep
+        while len(self.pending) > keep:
+            scoring = self.pending.pop(0)
+            span = (self.tracer.span("wait_scores", "comm", self.plan.step, scoring.denoised.fragment.index)
+                    if self.lagged and self.tracer is not None else contextlib.nullcontext())
+            with span:
+                self.emit(self.gen.complete(self.plan, scoring, self.reward_std))
+
+    def push(self, denoised: Denoised, version: int) -> None:
+        self.submit(denoised, version)
+        self.collect()
+
+    def close(self) -> None:
+        self.collect(keep=0)
 
 
 class VersionSync:
@@ -200,35 +263,28 @@ class VersionSync:
             self._install_next(step)
 
 
-def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan,
-                   get_reward_std: Callable[[], float | None], slow: float = 1.0, replica=None, store=None,
+def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan: StepPlan,
+                   get_reward_std: Callable[[], float | None], replica=None, store=None,
                    deferred: list | None = None) -> tuple[list[FragmentResult], dict]:
     """One step of a generator rank: generate, decode and score this replica's fragments
     depth-first, streaming every chunk to its trainer as soon as its fragment is scored; new
     versions are installed only between fragments. Colocated ranks keep their chunks (returned).
     With TAG the replica's fragments are the ones it claims as it gets to them (a GAP replica: a
-    round at a time, tag.claimed_rounds). `get_reward_std` gives the advantage std; it is called once
-    this step's weights are installed, since the trainer publishes the std after those weights."""
-    from parallel import p2p
-    from intake import route_chunks
-
-    tracer, topo, step = ctx.tracer, ctx.topo, plan.step
+    round at a time, parallel.tag.claimed_rounds). `get_reward_std` gives the advantage std; it is
+    called once this step's weights are installed, since the trainer publishes the std after them."""
+    tracer, topo, facts, step = ctx.tracer, ctx.topo, ctx.facts, plan.step
     version = versions.at_step_start(step) if versions is not None else step
     reward_std = get_reward_std()
     me = topo.replica_of(ctx.rank)
     results, local, handles = [], {}, []
-    board = None
-    if ctx.cfg.topology.tag:  # TAG: fragments are claimed at run time, by replicas and idle trainers
-        from tag import FragmentBoard, claimed_rounds, publish_replica_cost
-
-        board = FragmentBoard(store, step, len(plan.fragments))
+    board = FragmentBoard(store, step, len(plan.fragments)) if facts.tag else None
     cost, last_emit = None, time.time()
 
-    def emit(result):
+    def emit(result: FragmentResult) -> None:
         nonlocal cost, last_emit
         results.append(result)
-        if ctx.disagg:
-            for dst, tensors, meta in route_chunks(ctx, plan, result.chunks):
+        if facts.disagg:
+            for dst, tensors, meta in ctx.intake.route(plan, result.chunks):
                 handles.append(p2p.isend_payload(tensors, meta, dst=dst))
         else:
             local.update({chunk.chunk: chunk for chunk in result.chunks})
@@ -240,41 +296,25 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
             publish_replica_cost(store, me, cost)
 
     planned = [f for f in plan.fragments if f.replica == me]
-    if replica is not None:  # a GAP replica of several stages; the last one emits the fragments
+    if replica is not None:  # a GAP replica of several stages; its last stage emits the fragments
         rounds = [planned] if board is None else claimed_rounds(board, store, plan, replica.layout, me)
         for fragments in rounds:
-            replica.run_step(plan, fragments, version=version, reward_std=reward_std, emit=emit, tracer=tracer,
-                             slow=slow)
-        mine = []
-    elif board is not None:
-        def claimed():
-            while (f := board.claim(ctx.rank, me)) is not None:
-                yield plan.fragments[f]
-        mine = claimed()
+            replica.run_step(plan, fragments, version, generator.stream(plan, reward_std, emit, tracer), tracer,
+                             ctx.slow)
     else:
-        mine = planned
-
-    # With scorer ranks, fragment i's scores are collected after fragment i+1 is denoised, so the
-    # scorer works while this rank generates; local scoring completes a fragment at once.
-    lag = getattr(generator.rewards, "scorer_ranks", None) is not None
-    pending = None
-    for fragment in mine:
-        if versions is not None:
-            version = versions.at_fragment_boundary(step)
-        with tracer.span("generate", "generate", step, fragment.index, version=version):
-            t0 = time.perf_counter()
-            started = generator.start_fragment(plan, fragment, version=version, reward_std=reward_std)
-            if slow > 1:  # --debug-slow-rank: emulate a slower GPU
-                time.sleep((time.perf_counter() - t0) * (slow - 1))
-        if pending is not None:
-            with tracer.span("wait_scores", "comm", step, pending[1].index):
-                emit(generator.complete(pending))
-        pending = started if lag else None
-        if not lag:
-            emit(generator.complete(started))
-    if pending is not None:
-        with tracer.span("wait_scores", "comm", step, pending[1].index):
-            emit(generator.complete(pending))
+        if board is not None:
+            planned = (plan.fragments[f] for f in iter(lambda: board.claim(ctx.rank, me), None))
+        stream = generator.stream(plan, reward_std, emit, tracer)
+        for fragment in planned:
+            if versions is not None:
+                version = versions.at_fragment_boundary(step)
+            with tracer.span("generate", "generate", step, fragment.index, version=version):
+                t0 = time.perf_counter()
+                stream.submit(generator.denoise(plan, fragment), version)
+                if ctx.slow > 1:  # --debug-slow-rank: emulate a slower GPU
+                    time.sleep((time.perf_counter() - t0) * (ctx.slow - 1))
+            stream.collect()
+        stream.close()
     if deferred is not None:
         # TCSS: step k's sends complete while step k+1 is generated; the caller drains them later.
         deferred.append((step, handles))
@@ -284,93 +324,3 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
         for h in handles:
             h.wait()  # drain sends: this step's, or with TCSS the previous step's
     return results, local
-
-
-def save_images(images: torch.Tensor, out_dir: str, first_index: int = 0) -> list[str]:
-    """One PNG per sample: 0000.png, 0001.png, ... (video: the frames side by side)."""
-    from PIL import Image
-
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    for j, img in enumerate(images):
-        if img.dim() == 4:  # (3, F, H, W) -> frames left to right
-            img = torch.cat(list(img.unbind(1)), dim=-1)
-        arr = (img.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-        path = os.path.join(out_dir, f"{first_index + j:04d}.png")
-        Image.fromarray(arr).save(path)
-        paths.append(path)
-    return paths
-
-
-def save_trajectory(traj: sampler.Trajectory, path: str) -> None:
-    from safetensors.torch import save_file
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file({"latents": traj.latents.float().contiguous(), "sigmas": traj.sigmas.float().contiguous(),
-               "log_probs": traj.log_probs.float().contiguous()}, path)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Sample images (and trajectories) with the flow-matching SDE sampler.")
-    p.add_argument("--model", default="flux", help=f"model family, one of {model_names()}")
-    p.add_argument("--model-path", default=None,
-                   help="local diffusers folder (e.g. a FLUX.1-dev download); omit to use the offline tiny preset")
-    p.add_argument("--checkpoint", default=None,
-                   help="a training checkpoint folder (checkpoints/step-N) whose trained weights to load")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    src.add_argument("--prompts", help="prompt file: .txt (one per line) or .jsonl (field 'prompt')")
-    p.add_argument("--height", type=int, default=None, help="image height in pixels (family default)")
-    p.add_argument("--width", type=int, default=None, help="image width in pixels (family default)")
-    p.add_argument("--num-frames", type=int, default=None, help="video families: number of frames")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps K (family default)")
-    p.add_argument("--noise-level", type=float, default=None,
-                   help="SDE noise level a (sde/cps) or eta (dance); 0 = deterministic ODE sampling")
-    p.add_argument("--sde-type", choices=sampler.SDE_TYPES, default="sde", help="sampler step type")
-    p.add_argument("--guidance", type=float, default=None, help="guidance-embedding scale (FLUX: 3.5)")
-    p.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance scale (1 = off)")
-    p.add_argument("--negative-prompt", default="", help="negative prompt for CFG")
-    p.add_argument("--seed", type=int, default=0, help="seed; sample i's noise depends on (seed, i) only")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per forward pass")
-    p.add_argument("--out-dir", default=None, help="write one PNG per sample: 0000.png, 0001.png, ...")
-    p.add_argument("--save-trajectory", default=None,
-                   help="write a safetensors file with latents [B,K+1,C,H,W], sigmas [K+1], log_probs [B,K]")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (bf16 on CUDA)")
-    p.add_argument("--attention", default="sdpa", choices=ATTENTION_BACKENDS, help="attention kernel")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    device = resolve_device(args.device)
-    records = load_prompts(args.prompts) if args.prompts else None
-    prompts = [r.prompt for r in records] if records else args.prompt
-    adapter = load_model(args.model, args.model_path, device=device, dtype=resolve_dtype(args.dtype, device))
-    set_attention(adapter, args.attention)
-    if args.checkpoint:
-        from checkpoint import load_trained_weights
-
-        load_trained_weights(adapter, args.checkpoint)
-    cfg = sampler.SamplingConfig.for_adapter(
-        adapter, height=args.height, width=args.width, num_steps=args.steps, sde_type=args.sde_type,
-        noise_level=args.noise_level, guidance=args.guidance, cfg_scale=args.cfg_scale, seed=args.seed,
-        num_frames=args.num_frames)
-    adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)  # fail on a bad size before any work
-    traj, images = sample_images(adapter, prompts, cfg, batch_size=args.batch_size,
-                                 negative_prompt=args.negative_prompt)
-    if args.out_dir:
-        save_images(images, args.out_dir)
-    if args.save_trajectory:
-        save_trajectory(traj, args.save_trajectory)
-    print(f"sampled {len(prompts)} image(s) of {cfg.height}x{cfg.width} with {cfg.num_steps} {cfg.sde_type} steps "
-          f"(noise level {cfg.noise_level})" + (f" -> {args.out_dir}" if args.out_dir else ""))
-    return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:  # user errors: one clear line, no stack trace from inside diffusers
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

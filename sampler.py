@@ -1,6 +1,6 @@
 """The flow-matching sampler: pure functions shared by every role (generators, trainers, TAG helpers).
 
-Formulas: ../shared/ALGORITHMS.md ("SDE step with log-probability", "CPS variant", "DanceGRPO step").
+Formulas: docs/ALGORITHMS.md ("SDE step with log-probability", "CPS variant", "DanceGRPO step").
 sigma runs from 1 (noise) to 0 (data); the model predicts velocity v ~ eps - x0; dt = sigma' - sigma < 0.
 All step math is float32 whatever the model dtype. All noise of sample i of step k comes from
 generators seeded by (seed, k, i) alone (DESIGN.md section 4), so a trajectory does not depend on
@@ -8,7 +8,6 @@ which rank produced it, on its batch neighbours, or on generation order.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -17,7 +16,11 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import Tensor
 
-from models.base import Conditioning, DiTAdapter
+from seeding import initial_noise, step_noise
+from tensors import Conditioning
+
+# Adapters (models.DiTAdapter) are passed in and used through their interface only: the sampler
+# imports no model family.
 
 SDE_TYPES = ("sde", "cps", "dance")
 SCHEDULES = ("dynamic", "static", "dance")
@@ -32,7 +35,7 @@ def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: in
     return image_seq_len * m + (base_shift - m * base_seq_len)
 
 
-def flow_scheduler(adapter: DiTAdapter) -> FlowMatchEulerDiscreteScheduler:
+def flow_scheduler(adapter: "DiTAdapter") -> FlowMatchEulerDiscreteScheduler:
     """A fresh FlowMatchEuler scheduler with the family's config (families whose pipeline ships
     another solver, e.g. Wan's UniPC, get FlowMatchEuler with the family's static shift)."""
     sched = adapter.pipe.scheduler
@@ -73,28 +76,6 @@ def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, sche
     sigmas = sched.sigmas.to(torch.float32).cpu()
     assert sigmas.shape == (num_steps + 1,) and sigmas[-1] == 0, sigmas
     return sigmas
-
-
-# ----- noise (placement invariance) -------------------------------------------------------------
-def derive_seed(*key: int | str) -> int:
-    """A 63-bit seed from a key tuple, stable across processes, machines and Python versions."""
-    digest = hashlib.sha256(repr(tuple(key)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def noise(shape: tuple[int, ...], *key: int | str) -> Tensor:
-    """Standard normal float32 noise on CPU seeded by `key` alone (callers move it to their device,
-    so CPU and GPU runs draw the same numbers)."""
-    gen = torch.Generator(device="cpu").manual_seed(derive_seed(*key))
-    return torch.randn(shape, generator=gen, dtype=torch.float32)
-
-
-def initial_noise(seed: int, step: int, sample_id: int, shape: tuple[int, ...]) -> Tensor:
-    return noise(shape, seed, step, sample_id, "init")
-
-
-def step_noise(seed: int, step: int, sample_id: int, t: int, shape: tuple[int, ...]) -> Tensor:
-    return noise(shape, seed, step, sample_id, "sde", t)
 
 
 # ----- one step with log-probability ------------------------------------------------------------
@@ -195,7 +176,7 @@ class SamplingConfig:
     """Flow-GRPO-Fast / MixGRPO: SDE steps only for t in [start, end), ODE elsewhere."""
 
     @classmethod
-    def for_adapter(cls, adapter: DiTAdapter, **overrides) -> "SamplingConfig":
+    def for_adapter(cls, adapter: "DiTAdapter", **overrides) -> "SamplingConfig":
         d = adapter.defaults
         sde_type = overrides.get("sde_type") or "sde"
         base = dict(height=d.height, width=d.width, num_steps=d.num_steps, sde_type=sde_type,
@@ -237,13 +218,13 @@ class Trajectory:
     sigmas: Tensor     # (K+1,) float32
 
 
-def sigmas_for(adapter: DiTAdapter, cfg: SamplingConfig) -> Tensor:
+def sigmas_for(adapter: "DiTAdapter", cfg: SamplingConfig) -> Tensor:
     latent_shape = adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)
     return make_sigmas(flow_scheduler(adapter), cfg.num_steps, cfg.schedule,
                        image_seq_len=adapter.image_seq_len(latent_shape), shift=cfg.shift)
 
 
-def guided_velocity(adapter: DiTAdapter, x: Tensor, sigma: Tensor, cond: Conditioning,
+def guided_velocity(adapter: "DiTAdapter", x: Tensor, sigma: Tensor, cond: Conditioning,
                     neg_cond: Conditioning | None, cfg: SamplingConfig) -> Tensor:
     """Velocity with the family's guidance: the guidance embedding and/or CFG. Training calls this
     too, so the log-prob is taken on the same guided velocity with the same scale (ALGORITHMS.md)."""
@@ -256,26 +237,38 @@ def guided_velocity(adapter: DiTAdapter, x: Tensor, sigma: Tensor, cond: Conditi
     return adapter.combine_cfg(v, v_uncond, cfg.cfg_scale)
 
 
+def initial_latents(cfg: SamplingConfig, step: int, init_ids: list[int], latent_shape: tuple[int, ...],
+                    device) -> Tensor:
+    """x at sigma = 1 for a batch: the seeded initial noise of each id, (B, *latent_shape)."""
+    return torch.stack([initial_noise(cfg.seed, step, i, latent_shape) for i in init_ids]).to(device)
+
+
+def sample_step(x: Tensor, v: Tensor, sigmas: Tensor, t: int, sample_ids: list[int], step: int,
+                cfg: SamplingConfig) -> StepOutput:
+    """Denoising step t of a batch: draw each sample's seeded step noise and take the SDE step.
+    The one step of rollout, whether one rank runs the whole DiT or GAP stages share it."""
+    eps = torch.stack([step_noise(cfg.seed, step, i, t, tuple(x.shape[1:])) for i in sample_ids]).to(x.device)
+    return sde_step(x, v, sigmas[t].item(), sigmas[t + 1].item(), sde_type=cfg.sde_type,
+                    noise_level=cfg.noise_level_at(t), noise=eps)
+
+
 @torch.no_grad()
-def denoise(adapter: DiTAdapter, cond: Conditioning, neg_cond: Conditioning | None, sample_ids: list[int],
+def denoise(adapter: "DiTAdapter", cond: Conditioning, neg_cond: Conditioning | None, sample_ids: list[int],
             step: int, cfg: SamplingConfig, init_ids: list[int] | None = None,
             sigmas: Tensor | None = None) -> Trajectory:
     """Sample K steps for a batch. `sample_ids` are the global sample indices i of step `step`
     that seed all noise; `init_ids` (default sample_ids) seed the initial noise, so a group can
-    share its initial noise by passing the group index (ALGORITHMS.md, "Groups")."""
+    share its initial noise by passing the group index (docs/ALGORITHMS.md, "Groups")."""
     cfg.validate()
     latent_shape = adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)
     sigmas = sigmas_for(adapter, cfg) if sigmas is None else sigmas
     device = adapter.device
-    init_ids = sample_ids if init_ids is None else init_ids
-    x = torch.stack([initial_noise(cfg.seed, step, i, latent_shape) for i in init_ids]).to(device)
+    x = initial_latents(cfg, step, sample_ids if init_ids is None else init_ids, latent_shape, device)
     latents, log_probs = [x], []
     for t in range(cfg.num_steps):
         sigma = sigmas[t].to(device).expand(len(sample_ids))
         v = guided_velocity(adapter, x, sigma, cond, neg_cond, cfg)
-        eps = torch.stack([step_noise(cfg.seed, step, i, t, latent_shape) for i in sample_ids]).to(device)
-        out = sde_step(x, v, sigmas[t].item(), sigmas[t + 1].item(), sde_type=cfg.sde_type,
-                       noise_level=cfg.noise_level_at(t), noise=eps)
+        out = sample_step(x, v, sigmas, t, sample_ids, step, cfg)
         x = out.x_next
         latents.append(x)
         log_probs.append(out.log_prob)

@@ -2,73 +2,45 @@
 Flow-GRPO / DanceGRPO loss, accumulates gradients over the fragments of a logical batch, steps
 the optimizer once per batch, and hands out the new version's weights for publication.
 
-The loss of a batch is the mean over all its trained transitions (ALGORITHMS.md). Each forward
+The loss of a batch is the mean over all its trained transitions (docs/ALGORITHMS.md). Each forward
 adds the *sum* of its transitions' losses; `finish_step` sums gradients over trainer ranks and
 divides by the batch's transition count, so every placement computes the same gradient up to
-reduction order (DESIGN.md section 4).
+reduction order (docs/DESIGN.md, placement invariance).
 
 Without TSP a chunk of samples goes whole to one trainer, which runs one forward per trained
-timestep. With --tsp (DESIGN.md 5.3) every trainer receives a `TransitionBatch`: its share of each
-fragment's transitions, packed by `parallel.tsp` into micro-batches that mix samples and timesteps.
-
-Run directly, it prints the trainer flags: `python trainer.py --help`.
+timestep. With --tsp every trainer receives a `TransitionBatch`: its share of each fragment's
+transitions, packed by `parallel.tsp` into micro-batches that mix samples and timesteps. Which of
+the two a run uses is its intake's choice (parallel/intake.py).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
+import time
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 import algorithm
 import sampler
 from config import RunConfig
-from intake import TrainChunk, TransitionBatch, chunk_intake, transition_intake, tsp_packing
-from models import DiTAdapter
+from models import DiTAdapter, autocast
 from models.lora import trainable_names
+from parallel.fsdp import count_allgathers, full_tensor, shard_modules
+from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
+from parallel.publish import WeightPublisher
 
 STAT_KEYS = ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_high", "clipfrac_low", "ratio",
              "staleness_mean", "staleness_frac_1")
 
 
-def autocast(device: torch.device, dtype_name: str):
-    """bf16 autocast on CUDA (ALGORITHMS.md defaults); generation and training use the same context,
-    so the first on-policy step sees ratio == 1."""
-    if device.type == "cuda" and dtype_name in ("auto", "bfloat16"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    if device.type == "cuda" and dtype_name == "float16":
-        return torch.autocast("cuda", dtype=torch.float16)
-    return contextlib.nullcontext()
-
-
-def shard_modules(transformer: torch.nn.Module, group) -> None:
-    """FSDP2: shard every block and every top-level module that holds parameters as its own unit.
-    Adapters drive embed / blocks / head directly (never model.forward), so each piece must gather
-    its own parameters when it runs."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu"
-    mesh = DeviceMesh.from_group(group, device_type=device_type)
-    for child in transformer.children():
-        units = list(child) if isinstance(child, torch.nn.ModuleList) else [child]
-        for unit in units:
-            if any(True for _ in unit.parameters()):
-                fully_shard(unit, mesh=mesh, reshard_after_forward=True)
-
-
-def full_tensor(t: Tensor) -> Tensor:
-    """The whole tensor of a possibly FSDP-sharded parameter (a collective over the trainer group)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 class Trainer:
-    def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig,
-                 group=None, sharding: str = "replicate"):
+    def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig, group=None,
+                 sharding: str = "replicate"):
         self.cfg, self.adapter, self.sampling = cfg, adapter, sampling
+        self.spec = TrainingSpec.of(cfg, sampling)  # which timesteps of a sample are trained
         self.group, self.sharding = group, sharding
         self.device = adapter.device
         model = adapter.transformer
@@ -79,12 +51,11 @@ class Trainer:
         self.reference = self._make_reference() if cfg.rl.beta > 0 else None
         if sharding == "fsdp":
             shard_modules(model, group)
-            self._count_allgathers()
+            count_allgathers(model, group, self._on_allgather)
         if cfg.optim.grad_checkpointing:
             self._checkpoint_blocks()
         self.params = [p for _, p in model.named_parameters() if p.requires_grad]
-        betas = tuple(float(b) for b in cfg.optim.adam_betas.split(","))
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=betas,
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=tuple(cfg.optim.adam_betas),
                                            weight_decay=cfg.optim.weight_decay)
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
         self.num_updates = 0
@@ -105,9 +76,7 @@ class Trainer:
 
     def _checkpoint_blocks(self) -> None:
         """Wrap every block's forward in torch.utils.checkpoint (diffusers' own flag only covers
-        model.forward, which the split never calls: DIFFUSERS_FACTS.md)."""
-        from torch.utils.checkpoint import checkpoint
-
+        model.forward, which the split never calls: docs/MODELS.md)."""
         for block in self.adapter.blocks:
             fwd = block.forward
             block.forward = lambda *a, _f=fwd, **kw: checkpoint(_f, *a, use_reentrant=False, **kw)
@@ -119,66 +88,26 @@ class Trainer:
         self.num_forwards = 0
         self.num_allgathers = 0
 
-    def _count_allgathers(self) -> None:
-        """Count FSDP2's parameter all-gathers: wrap every param group's `unshard`, which starts one
-        all-gather when the group is sharded and none is pending (FSDP2 internals, torch 2.13)."""
-        from torch.distributed.fsdp import FSDPModule
-
-        if dist.get_world_size(self.group) == 1:
-            return  # FSDP over one rank gathers nothing
-        for module in self.adapter.transformer.modules():
-            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-            if group is None:
-                continue
-
-            def unshard(*args, _group=group, _unshard=group.unshard, **kwargs):
-                idle = _group._all_gather_result is None
-                _unshard(*args, **kwargs)
-                if idle and _group._all_gather_result is not None:
-                    self.num_allgathers += 1
-
-            group.unshard = unshard
+    def _on_allgather(self) -> None:
+        self.num_allgathers += 1
 
     def begin_step(self) -> None:
         """Count only the training phase's all-gathers (colocated FSDP generation gathers too)."""
         self.num_allgathers = 0
 
     # ----- training -------------------------------------------------------------------------
-    def trained_timesteps(self, step: int, sample_id: int) -> tuple[int, ...]:
-        rl, s = self.cfg.rl, self.sampling
-        return algorithm.trained_timesteps(rl.algorithm, s.num_steps, rl.timestep_fraction, seed=self.cfg.seed,
-                                           step=step, sample_id=sample_id, window=s.sde_window)
-
-    def forwards_for(self, step: int, sample_ids: tuple[int, ...]) -> list[int]:
-        """The timesteps at which a chunk needs a forward pass (one per timestep, all its samples
-        that train it together): a pure function of the plan, so FSDP ranks can match counts."""
-        ts = set()
-        for i in sample_ids:
-            ts.update(self.trained_timesteps(step, i))
-        return sorted(ts)
-
-    def forward_fragments(self, plan, num_trainers: int) -> list[list[int]]:
-        """Per trainer, the fragment of each of its forward passes this step, in the order it runs
-        them (FSDP counts every micro-batch and timestep, even one with no kept transition): a pure
-        function of the plan, so every trainer knows every other's."""
-        out: list[list[int]] = [[] for _ in range(num_trainers)]
-        if self.cfg.topology.tsp:
-            for m in tsp_packing(self.cfg, self.sampling, plan, num_trainers).micro_batches:
-                out[m.trainer].append(m.fragment)  # fragment by fragment: the intake's order
-            return out
-        for c in plan.chunks:
-            out[c.trainer] += [c.fragment] * len(self.forwards_for(plan.step, c.sample_ids))
-        return out
-
-    def planned_forwards(self, plan, num_trainers: int) -> list[int]:
-        """Forward passes per trainer this step, from the plan alone (FSDP ranks pad to the max)."""
-        return [len(f) for f in self.forward_fragments(plan, num_trainers)]
-
     def _start_forward(self) -> None:
         """Count a training forward, real or padding, after letting `before_forward` run."""
         if self.before_forward is not None:
             self.before_forward(self.num_forwards)
         self.num_forwards += 1
+
+    def train(self, item: TrainChunk | TransitionBatch) -> None:
+        """Forward + backward of every transition of `item` this trainer trains."""
+        if isinstance(item, TransitionBatch):
+            self.train_transitions(item)
+        else:
+            self.train_chunk(item)
 
     def train_chunk(self, chunk: TrainChunk) -> None:
         """Forward + backward of every trained transition of a chunk, one timestep per forward."""
@@ -186,8 +115,9 @@ class Trainer:
         ids = chunk.sample_ids.tolist()
         cond = chunk.cond.to(dev)
         neg = chunk.neg_cond.to(dev) if chunk.neg_cond is not None else None
-        for t in self.forwards_for(chunk.step, tuple(ids)):
-            rows = [j for j, i in enumerate(ids) if t in self.trained_timesteps(chunk.step, i) and chunk.keep[j]]
+        spec = self.spec
+        for t in spec.forward_timesteps(chunk.step, tuple(ids)):
+            rows = [j for j, i in enumerate(ids) if t in spec.timesteps(chunk.step, i) and chunk.keep[j]]
             self._start_forward()
             if not rows:
                 self._dummy_forward(chunk, t, cond, neg)
@@ -211,13 +141,18 @@ class Trainer:
             v = sampler.guided_velocity(self.adapter, x_t, sigma_vec, cond, neg, s)
         out = sampler.sde_step(x_t, v, sigma, sigma_next, sde_type=s.sde_type, noise_level=s.noise_level_at(t),
                                x_next=x_next)
+        return self._loss(out, lambda: self._reference_mean(x_t, sigma_vec, cond, neg, t, sigmas), logp_old, adv)
+
+    def _loss(self, out: sampler.StepOutput, reference_mean, logp_old, adv, record: bool = True) -> Tensor:
+        """Sum over transitions of the clipped policy loss plus beta x KL to the reference policy
+        (`reference_mean()` gives the reference step's mean; called only when beta > 0)."""
         policy, ratio = algorithm.clipped_policy_loss(out.log_prob, logp_old, adv, self.cfg.rl.clip_range)
         loss, kl = policy, None
         if self.cfg.rl.beta > 0:
-            kl = algorithm.kl_to_reference(out.mean, self._reference_mean(x_t, sigma_vec, cond, neg, t, sigmas),
-                                           out.std)
+            kl = algorithm.kl_to_reference(out.mean, reference_mean(), out.std)
             loss = loss + self.cfg.rl.beta * kl
-        self._record_stats(loss, policy, ratio, out.log_prob, logp_old, kl)
+        if record:
+            self._record_stats(loss, policy, ratio, out.log_prob, logp_old, kl)
         return loss.sum()
 
     @torch.no_grad()
@@ -292,15 +227,12 @@ class Trainer:
         with autocast(self.device, self.cfg.model.dtype):
             v = sampler.guided_velocity(self.adapter, x_t, sigma, cond, neg, self.sampling)
         out = self._score_steps(x_t, v, sigma, sigma_next, ts, x_next)
-        policy, ratio = algorithm.clipped_policy_loss(out.log_prob, logp_old, adv, self.cfg.rl.clip_range)
-        loss, kl = policy, None
-        if self.cfg.rl.beta > 0:
-            ref = self._score_steps(x_t, self._reference_velocity(x_t, sigma, cond, neg), sigma, sigma_next, ts, x_t)
-            kl = algorithm.kl_to_reference(out.mean, ref.mean, out.std)
-            loss = loss + self.cfg.rl.beta * kl
-        if record:
-            self._record_stats(loss, policy, ratio, out.log_prob, logp_old, kl)
-        return loss.sum()
+
+        def reference_mean():
+            ref_v = self._reference_velocity(x_t, sigma, cond, neg)
+            return self._score_steps(x_t, ref_v, sigma, sigma_next, ts, x_t).mean
+
+        return self._loss(out, reference_mean, logp_old, adv, record)
 
     def _score_steps(self, x_t, v, sigma, sigma_next, ts, x_next) -> sampler.StepOutput:
         """sampler.sde_step over transitions at different timesteps: one call per distinct noise
@@ -420,10 +352,6 @@ class Trainer:
             offset += n
 
     # ----- weights out ----------------------------------------------------------------------
-    def publish_names(self) -> list[str]:
-        """What generators need after an update: LoRA tensors only, or every transformer weight."""
-        return list(self.names)
-
     def full_weights(self, names: list[str] | None = None) -> dict[str, Tensor]:
         """Unsharded trained weights (under FSDP a collective: every trainer rank must call it)."""
         wanted = set(names or self.names)
@@ -435,39 +363,54 @@ class Trainer:
         return {n: full_tensor(e) for n, e in zip(self.names, self.ema)}
 
 
+
+
+def fsdp_pad_target(plan, facts, intake) -> int:
+    """FSDP ranks run collectives inside every forward, so they must run equally many: the forward
+    count every trainer pads to (0 without FSDP). Colocated FSDP generation needs equal chunk counts."""
+    if facts.train_sharding != "fsdp":
+        return 0
+    counts = [len(f) for f in intake.forward_fragments(plan)]
+    if not facts.disagg:
+        gen = [sum(len(f.chunks) for f in plan.fragments if f.replica == r) for r in range(facts.topology.num_replicas)]
+        if len(set(gen)) > 1:
+            raise ValueError(f"--colocated-sharding fsdp needs every rank to generate equally many chunks, got {gen} "
+                             f"(choose --prompts-per-step, --group-size and --micro-batch so they divide evenly)")
+    if min(counts) == 0:
+        what = "transition (TSP)" if facts.tsp else "chunk"
+        raise ValueError(f"--train-sharding fsdp: trainer(s) {[i for i, c in enumerate(counts) if c == 0]} get no "
+                         f"{what}; use more samples per step or a smaller --micro-batch")
+    return max(counts)
+
+
 def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[int, list[str]],
-                 assistant=None, store=None, reward_std: float | None = None) -> dict[str, float]:
-    """One step of a trainer rank: train its chunks (or, with --tsp, its packed transitions of
-    every fragment) in plan order as they arrive (or, colocated, from `local`), one optimizer
-    update, then publish version k+1 to every generator. With TAG, the `assistant` may generate
-    fragments while this rank waits for one (under FSDP: the whole group, between forwards)."""
-    import time
-
-    from parallel import publish
-    from train_disagg import check_fsdp_balance
-
-    tracer, topo, step = ctx.tracer, ctx.topo, plan.step
-    me = topo.trainer_ranks.index(ctx.rank)
-    pad_to = check_fsdp_balance(plan, topo, trainer, trainer.sharding)
+                 publisher: WeightPublisher, assistant=None, store=None,
+                 reward_std: float | None = None) -> dict[str, float]:
+    """One step of a trainer rank: train its work (chunks, or with --tsp its packed transitions of
+    every fragment) in plan order as it lands (colocated: from `local`), one optimizer update, then
+    publish version k+1 to every generator. With TAG, the `assistant` may generate fragments while
+    this rank waits for one (under FSDP: the whole group, between forwards)."""
+    tracer, topo, facts, intake, step = ctx.tracer, ctx.topo, ctx.facts, ctx.intake, plan.step
+    pad_to = fsdp_pad_target(plan, facts, intake)
     trainer.begin_step()
     trainer.current_step = step
-    source_of = None
+    intake.inbox.update(local)
+    intake.exchange(plan, ctx.rank)  # colocated TSP: the packed shares move between ranks first
     if assistant is not None:
-        assistant.begin_step(plan, reward_std, trainer, local)
-        source_of = assistant.source_of
+        assistant.begin_step(plan, reward_std, trainer, intake)
 
     def helper_s() -> float:  # seconds of TAG windows run inside training (FSDP: between forwards)
         return assistant.window_s if assistant is not None else 0.0
 
-    if ctx.cfg.topology.tsp:
-        work, train = transition_intake(ctx, plan, local, me, source_of), trainer.train_transitions
-    else:
-        work, train = chunk_intake(ctx, plan, local, me, source_of), trainer.train_chunk
     template, seconds = None, {}
-    for item, span_args in work:
-        with tracer.span("train", "train", step, item.fragment, **span_args):
+    for need in intake.needs(plan):
+        src = None
+        if need.key not in intake.inbox:  # with TAG, this rank may generate fragments while it waits
+            src = assistant.source_of(need.fragment) if assistant is not None else intake.static_source(plan, need.fragment)
+        item = intake.take(plan, need, src)
+        with tracer.span("train", "train", step, item.fragment, **intake.span_args(item)):
             t0, helped = time.perf_counter(), helper_s()
-            train(item)
+            trainer.train(item)
             took = time.perf_counter() - t0 - (helper_s() - helped)
             seconds[item.fragment] = seconds.get(item.fragment, 0.0) + took
         template = item
@@ -479,23 +422,17 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
         stats = trainer.finish_step()  # sync point: all trainers
     update_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if ctx.disagg:
+    if facts.disagg:
         with tracer.span("publish", "publish", step):
             weights = trainer.full_weights(sorted({n for names in publish_names.values() for n in names}))
-            if me == 0:
+            if ctx.rank == topo.trainer_ranks[0]:
                 if store is not None:
                     store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
                 for g in topo.generator_ranks:  # each generator (stage) gets only the weights it holds
-                    publish.publish_weights({n: weights[n] for n in publish_names[g]}, step + 1, dst=g)
+                    publisher.publish({n: weights[n] for n in publish_names[g]}, step + 1, dst=g)
     if assistant is not None:
         assistant.observe_training(seconds)
         assistant.tracker.observe_update(update_s)
         assistant.tracker.observe_publish(time.perf_counter() - t0)
         stats.update(assistant.end_step())
     return stats
-
-
-if __name__ == "__main__":
-    from config import build_parser
-
-    build_parser("DigenRL trainer flags (the trainer role runs inside train_disagg.py).").parse_args()

@@ -1,10 +1,13 @@
 """Model families: name -> adapter registry. Adapters know architectures, never ranks."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 
+import diffusers.utils.logging as dlog
 import torch
+import transformers.utils.logging as tlog
 
 from models.base import Conditioning, DiTAdapter, SamplingDefaults, State
 
@@ -52,15 +55,22 @@ def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny"
     return adapter.to(device=device)
 
 
-__all__ = ["Conditioning", "DiTAdapter", "SamplingDefaults", "State", "adapter_class", "load_model", "model_names",
-           "resolve_device", "resolve_dtype", "set_attention"]
+def autocast(device: torch.device, dtype_name: str):
+    """bf16 autocast on CUDA (docs/ALGORITHMS.md defaults); generation and training use the same
+    context, so the first on-policy step sees ratio == 1."""
+    if device.type == "cuda" and dtype_name in ("auto", "bfloat16"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    if device.type == "cuda" and dtype_name == "float16":
+        return torch.autocast("cuda", dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+__all__ = ["Conditioning", "DiTAdapter", "SamplingDefaults", "State", "adapter_class", "autocast", "load_model",
+           "model_names", "resolve_device", "resolve_dtype", "set_attention"]
 
 
 def _quiet_loading() -> None:
     """Every rank loads the model: no per-component progress bars from diffusers / transformers."""
-    import diffusers.utils.logging as dlog
-    import transformers.utils.logging as tlog
-
     dlog.disable_progress_bar()
     tlog.disable_progress_bar()
 

@@ -13,6 +13,8 @@ from transformers import (
     T5Config,
     T5EncoderModel,
 )
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers import models as tokenizer_models
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 
@@ -60,12 +62,10 @@ def t5_encoder(d_model: int = 32, num_layers: int = 1, seed: int = 0) -> T5Encod
 def byte_bpe_tokenizer(special_tokens: list[str], **named_specials) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer with no merges, for families whose encoder is a decoder LM
     (Qwen2.5-VL, Llama). `named_specials` maps e.g. pad_token='<|endoftext|>'."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     vocab = {s: i for i, s in enumerate(byte_symbols())}
     for special in special_tokens:
         vocab.setdefault(special, len(vocab))
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer = Tokenizer(tokenizer_models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **named_specials)

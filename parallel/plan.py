@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sampler import derive_seed
+from seeding import derive_seed
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Verified weight publication (DESIGN 5.6).
+"""Verified weight publication (docs/DESIGN.md, weight publication).
 
 After step k's update a trainer rank publishes version k+1 to each generator rank, sending
 exactly the tensors that rank holds (its stage's blocks plus embed or head; LoRA adapters only
@@ -45,10 +45,6 @@ _MERSENNE_61 = (1 << 61) - 1  # checksums are folded into [0, 2**61 - 1)
 _HI_FACTOR = 0x9E3779B97F4A7C15 % _MERSENNE_61  # mixes the high halves into the fold
 _LEN_FACTOR = 0xC2B2AE3D27D4EB4F % _MERSENNE_61  # mixes the byte length into the fold
 _CHUNK_WORDS = 1 << 24  # bounds the int64 temporaries to 128 MiB per chunk
-
-# Checksums this process last published to each destination rank: dst -> name -> checksum.
-_LAST_PUBLISHED: dict[int, dict[str, int]] = {}
-
 
 class PublicationError(RuntimeError):
     """A publication failed verification. `mismatched` maps each failing tensor to
@@ -174,14 +170,14 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
     """Send `tensors` (exactly the names the receiver holds) as `version` to global rank `dst`.
 
     `previous_checksums` are the checksums of the previous publication to this receiver, which
-    let it detect an update that does nothing; by default, those this process last published to
-    `dst` (`{}` means: treat this as the first publication). The tensors must not change until
-    the call returns."""
+    let it detect an update that does nothing; None or `{}` means: the first publication
+    (`WeightPublisher` remembers them per receiver). The tensors must not change until the call
+    returns."""
     start = time.perf_counter()
     comm = comm_device(group)
     sums = {name: checksum(t) for name, t in tensors.items()}
     checksum_seconds = time.perf_counter() - start
-    previous = _LAST_PUBLISHED.get(dst) if previous_checksums is None else previous_checksums
+    previous = previous_checksums
     buckets = plan_buckets([(n, str(t.dtype), t.numel()) for n, t in tensors.items()], bucket_bytes)
     header = {
         "version": int(version),
@@ -204,7 +200,6 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
             in_flight.popleft()[0].wait()
     while in_flight:
         in_flight.popleft()[0].wait()
-    _LAST_PUBLISHED[dst] = sums
     changed = None if not previous else sum(previous.get(n) != s for n, s in sums.items())
     return PublishStats(
         version=int(version), dst=dst, num_tensors=len(tensors), num_buckets=len(buckets),
@@ -212,6 +207,20 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
         state_checksum=_combine({n: (str(t.dtype), list(t.shape), sums[n]) for n, t in tensors.items()}),
         num_changed=changed, checksums=sums,
     )
+
+
+class WeightPublisher:
+    """The sending side of one trainer rank: publishes versions and remembers, per receiver, the
+    checksums it sent last, so that each receiver can tell an update that does nothing."""
+
+    def __init__(self, bucket_bytes: int = 64 << 20):
+        self.bucket_bytes = bucket_bytes
+        self.last: dict[int, dict[str, int]] = {}  # dst -> name -> checksum
+
+    def publish(self, tensors: dict[str, Tensor], version: int, dst: int, group=None) -> PublishStats:
+        stats = publish_weights(tensors, version, dst, group, self.bucket_bytes, self.last.get(dst))
+        self.last[dst] = stats.checksums
+        return stats
 
 
 def _pack_bucket(parts: list[Tensor], device: torch.device) -> Tensor:
@@ -360,5 +369,5 @@ def _failure_message(version: int, mismatched: dict[str, tuple[int, int]], uncha
 
 __all__ = [
     "CORRUPT_ENV", "PublicationError", "PublishStats", "WeightReceiver", "checksum", "plan_buckets",
-    "publish_weights", "state_checksum",
+    "WeightPublisher", "publish_weights", "state_checksum",
 ]

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch.distributed as dist
+
 MODES = ("disagg", "colocated")
 SHARDINGS = ("replicate", "fsdp")
 
@@ -108,8 +110,6 @@ class ProcessGroups:
 
     @classmethod
     def create(cls, topo: Topology, timeout_s: int) -> "ProcessGroups":
-        import torch.distributed as dist
-
         if topo.mode == "colocated":
             return cls(trainers=dist.group.WORLD)
         return cls(trainers=dist.new_group(list(topo.trainer_ranks), timeout=timedelta(seconds=timeout_s)))

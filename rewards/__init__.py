@@ -132,6 +132,14 @@ class RewardSet:
             raise ValueError(f"scores for {sorted(scores)} but this set has rewards {sorted(self.names)}")
         return sum(w * scores[n].float() for n, w in zip(self.names, self.weights))
 
+    def score_combined(self, images: Tensor, prompts: Sequence[str],
+                       metadata: Sequence[dict] | None = None) -> dict[str, Tensor]:
+        """Every reward and their weighted sum under "combined", float32 on CPU: what a generator,
+        a scorer rank and evaluation all report, combined alike wherever it is computed."""
+        scores = {n: v.float().cpu().contiguous() for n, v in self.score(images, prompts, metadata).items()}
+        scores["combined"] = self.combine(scores).float().cpu().contiguous()
+        return scores
+
     def __repr__(self) -> str:
         return "RewardSet(" + ", ".join(f"{n}:{w:g}" for n, w in zip(self.names, self.weights)) + ")"
 

@@ -13,7 +13,10 @@ import os
 import re
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
+from transformers import AutoTokenizer, BlipConfig, BlipForImageTextRetrieval, CLIPModel, CLIPProcessor
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
 from rewards.base import load_state_dict
 
@@ -73,7 +76,6 @@ def open_clip_to_transformers(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def convert_hpsv2(checkpoint: str, base: str, out: str) -> None:
-    from transformers import CLIPModel, CLIPProcessor
     model = CLIPModel.from_pretrained(base, local_files_only=True, dtype=torch.float32)
     state = open_clip_to_transformers(load_state_dict(checkpoint))
     _load_strict(model, state, ignore=("position_ids",))
@@ -118,7 +120,6 @@ def image_reward_to_transformers(state: dict[str, Tensor]) -> tuple[dict[str, Te
 
 def image_reward_config(blip: dict[str, Tensor], vision_heads: int = 16, text_heads: int = 12):
     """A BlipConfig read off the tensor shapes (head counts are not in the shapes: ViT-L 16, BERT-base 12)."""
-    from transformers import BlipConfig
     width = blip["vision_model.embeddings.class_embedding"].shape[-1]
     patch = blip["vision_model.embeddings.patch_embedding.weight"].shape[-1]
     num_patches = blip["vision_model.embeddings.position_embedding"].shape[1] - 1
@@ -147,9 +148,6 @@ def image_reward_config(blip: dict[str, Tensor], vision_heads: int = 16, text_he
 
 def convert_image_reward(checkpoint: str, tokenizer: str, out: str, vision_heads: int = 16,
                          text_heads: int = 12) -> None:
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer, BlipForImageTextRetrieval
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     blip_state, head = image_reward_to_transformers(load_state_dict(checkpoint))
     model = BlipForImageTextRetrieval(image_reward_config(blip_state, vision_heads, text_heads))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import shapes_world
+from rewards import shapes_world
 from rewards.base import Reward, to_uint8_hwc
 
 

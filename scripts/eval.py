@@ -17,7 +17,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sampler  # noqa: E402
-from evaluation import eval_records, evaluate, summarize  # noqa: E402
+from evaluation import evaluate, summarize  # noqa: E402
+from prompts import eval_records  # noqa: E402
 from metrics import image_grid  # noqa: E402
 from models import load_model, model_names, resolve_device  # noqa: E402
 from rewards import RewardSet, reward_model_paths  # noqa: E402

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import shapes_world  # noqa: E402
+from rewards import shapes_world  # noqa: E402
 
 EVAL_FRACTION_DENOMINATOR = 6  # 1/6 of each kind held out
 

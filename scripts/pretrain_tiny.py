@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel  # noqa: E402
 
-import shapes_world  # noqa: E402
+from rewards import shapes_world  # noqa: E402
 from models import tiny_text  # noqa: E402
 from models.base import DEFAULTS_FILE  # noqa: E402
 from models.flux import flux_scheduler  # noqa: E402

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import algorithm  # noqa: E402
 import pretrain_tiny  # noqa: E402
 import sampler  # noqa: E402
-import shapes_world  # noqa: E402
+from rewards import shapes_world  # noqa: E402
 from evaluation import evaluate  # noqa: E402
 from models import load_model  # noqa: E402
 from models.lora import apply_lora  # noqa: E402

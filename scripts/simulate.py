@@ -23,9 +23,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from parallel import cluster  # noqa: E402
-from parallel import costs as cm  # noqa: E402
-from parallel.simulator import simulate_run  # noqa: E402
+from planner import cluster  # noqa: E402
+from planner import costs as cm  # noqa: E402
+from planner.simulator import simulate_run  # noqa: E402
 
 CLUSTER_MODES = (("naive disagg", "disagg"), ("gap", "gap"), ("gap+tag", "tag"), ("tcss", "tcss"))
 

@@ -25,9 +25,8 @@ def main() -> None:
     from parallel.plan import plan_step
     from prompts import load_prompts
     from rewards import RewardSet
+    from parallel.tag import GroupAssistant
     from rollout import Generator
-    from tag import GroupAssistant
-    from train_disagg import resolve_defaults
     from trainer import Trainer
 
     dist.init_process_group("gloo")
@@ -35,7 +34,7 @@ def main() -> None:
     cfg = parse_config(["--preset", "tiny", "--lora-rank", "4", "--sample-steps", "3", "--height", "16", "--width", "16",
                         "--reward", "jpeg_compressibility", "--prompts-per-step", "2", "--group-size", "2",
                         "--micro-batch", "2", "--lr", "1e-3"])
-    resolve_defaults(cfg)
+    cfg.resolve_defaults()
     adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed)
     apply_lora(adapter.transformer, 4, None, cfg.optim.lora_targets, cfg.seed)
     sampling = sampler.SamplingConfig.for_adapter(adapter, height=16, width=16, num_steps=3, seed=cfg.seed)
@@ -45,7 +44,9 @@ def main() -> None:
     plan = plan_step(0, seed=cfg.seed, num_prompts=len(records), prompts_per_step=2, group_size=2, micro_batch=2,
                      num_replicas=1, num_trainers=2, fragment_groups=1)
     assert len(plan.fragments) == 2 and all(len(f.chunks) == 1 for f in plan.fragments)
-    first, second = (generator.generate_fragment(plan, f, version=0).chunks[0] for f in plan.fragments)
+    results = []
+    generator.generate(plan, plan.fragments, 0, None, results.append)
+    first, second = (r.chunks[0] for r in results)
     for chunk in (first, second):  # tiny groups often score alike: set advantages that give a gradient
         chunk.advantages = torch.tensor([1.0, -1.0])
     trainer.current_step = 0
@@ -66,7 +67,7 @@ def main() -> None:
         result = helper._generate(1)  # the fragment of one round
         assert result.chunks[0].fragment == 1 and not result.chunks[0].latents.requires_grad
     else:
-        helper._throwaway_chunk()  # the same forwards, nothing kept
+        generator.denoise_padding(plan.step)  # the same forwards, nothing kept
     after = snapshot()
     for what, a, b in zip(("gradient", "optimizer state", "weight"), before, after):
         assert len(a) == len(b) > 0, what

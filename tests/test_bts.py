@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from parallel import bts
-from parallel.simulator import MODES, Costs, StepState, predict_makespan, simulate_run, simulate_step
+from planner import bts
+from planner.simulator import MODES, Costs, StepState, predict_makespan, simulate_run, simulate_step
 from tracing import CATEGORIES
 
 

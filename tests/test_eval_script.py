@@ -51,7 +51,7 @@ def test_samples_per_prompt_repeat_each_prompt_with_its_own_seeds(tmp_path):
 def test_eval_records_reject_bad_counts(tmp_path):
     import pytest
 
-    from evaluation import eval_records
+    from prompts import eval_records
 
     path = tmp_path / "p.txt"
     path.write_text("a red circle\ntwo blue squares\n")

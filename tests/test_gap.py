@@ -101,7 +101,7 @@ def test_partition_errors():
 
 def test_stage_param_names_cover_every_weight_once_per_role():
     from models import load_model
-    from pipeline import stage_param_names
+    from parallel.gap import stage_param_names
 
     adapter = load_model("flux")
     names = [n for n, _ in adapter.transformer.named_parameters()]

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-import shapes_world
+from rewards import shapes_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

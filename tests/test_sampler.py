@@ -6,8 +6,9 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
-import rollout
+from scripts import sample as sample_script
 import sampler
+import seeding
 from models import load_model
 
 
@@ -128,18 +129,18 @@ def test_trajectory_independent_of_batch_and_order(flux):
 
 
 def test_noise_depends_on_key_only():
-    a = sampler.initial_noise(1, 2, 3, (4, 5))
-    assert torch.equal(a, sampler.initial_noise(1, 2, 3, (4, 5)))
-    assert not torch.equal(a, sampler.initial_noise(1, 2, 4, (4, 5)))
-    assert not torch.equal(a, sampler.step_noise(1, 2, 3, 0, (4, 5)))
-    assert sampler.derive_seed(1, 2, 3) == sampler.derive_seed(1, 2, 3) != sampler.derive_seed(1, 3, 2)
+    a = seeding.initial_noise(1, 2, 3, (4, 5))
+    assert torch.equal(a, seeding.initial_noise(1, 2, 3, (4, 5)))
+    assert not torch.equal(a, seeding.initial_noise(1, 2, 4, (4, 5)))
+    assert not torch.equal(a, seeding.step_noise(1, 2, 3, 0, (4, 5)))
+    assert seeding.derive_seed(1, 2, 3) == seeding.derive_seed(1, 2, 3) != seeding.derive_seed(1, 3, 2)
 
 
-def test_rollout_cli_writes_pngs_and_trajectory(tmp_path):
+def test_sample_cli_writes_pngs_and_trajectory(tmp_path):
     out = tmp_path / "out"
     traj_path = tmp_path / "traj.safetensors"
-    code = rollout.main(["--model", "flux", "--prompt", "a red circle", "--prompt", "a blue square",
-                         "--prompt", "two green triangles", "--height", "16", "--width", "16", "--steps", "3",
+    code = sample_script.main(["--model", "flux", "--preset", "tiny", "--prompt", "a red circle", "--prompt", "a blue square",
+                         "--prompt", "two green triangles", "--height", "16", "--width", "16", "--sample-steps", "3",
                          "--batch-size", "2", "--out-dir", str(out), "--save-trajectory", str(traj_path)])
     assert code == 0
     assert sorted(p.name for p in out.iterdir()) == ["0000.png", "0001.png", "0002.png"]
@@ -161,7 +162,7 @@ def test_rollout_cli_writes_pngs_and_trajectory(tmp_path):
 ])
 def test_cli_bad_inputs(argv, message):
     with pytest.raises(ValueError, match=message):
-        rollout.main(["--prompt", "a red circle", "--steps", "2", *argv])
+        sample_script.main(["--preset", "tiny", "--prompt", "a red circle", "--sample-steps", "2", *argv])
 
 
 def test_folder_missing_a_component(flux, tmp_path):
@@ -171,4 +172,4 @@ def test_folder_missing_a_component(flux, tmp_path):
 
     shutil.rmtree(tmp_path / "m" / "text_encoder_2")
     with pytest.raises(ValueError, match=r"missing component\(s\) \['text_encoder_2'\]"):
-        rollout.main(["--prompt", "a", "--model-path", str(tmp_path / "m")])
+        sample_script.main(["--prompt", "a", "--model-path", str(tmp_path / "m")])

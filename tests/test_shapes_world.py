@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-import shapes_world as sw
+from rewards import shapes_world as sw
 from rewards.shapes import ShapesReward
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
-import shapes_world
+from rewards import shapes_world
 from models import load_model
 from rewards.shapes import ShapesReward
 

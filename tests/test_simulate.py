@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from config import RunConfig
-from parallel import cluster
-from parallel import costs as cm
+from planner import cluster
+from planner import costs as cm
 from tracing import Tracer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

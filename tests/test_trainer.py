@@ -5,7 +5,7 @@ import torch
 def _trainer_and_chunk(**overrides):
     import sampler
     from config import RunConfig
-    from intake import TrainChunk
+    from parallel.intake import TrainChunk
     from models import load_model
     from rollout import encode_batch
     from trainer import Trainer

@@ -94,7 +94,7 @@ def _rollout(algorithm_name, cfg_scale, window, beta):
     from models import load_model
     from parallel.plan import plan_step
     from rollout import encode_batch
-    from intake import TrainChunk
+    from parallel.intake import TrainChunk
     from trainer import Trainer
 
     torch.manual_seed(0)
@@ -118,6 +118,15 @@ def _rollout(algorithm_name, cfg_scale, window, beta):
     return trainer, plan, chunks
 
 
+def _tsp(trainer, num_trainers):
+    """The TSP intake of `num_trainers` trainers for the trainer's config."""
+    from parallel.intake import TransitionIntake
+
+    t = trainer.cfg.topology
+    return TransitionIntake(trainer.spec, tuple(range(num_trainers)), lambda r: 0,
+                            t.train_micro_batch or trainer.cfg.rl.micro_batch)
+
+
 def _grads(trainer):
     g = torch.cat([p.grad.reshape(-1) for p in trainer.params if p.grad is not None])
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -136,7 +145,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_gradients_equal_the_per_timestep_loop(case):
-    from intake import TransitionBatch, transition_batches
+    from parallel.intake import TransitionBatch
     from trainer import STAT_KEYS
 
     trainer, plan, chunks = _rollout(*CASES[case])
@@ -148,7 +157,7 @@ def test_packed_gradients_equal_the_per_timestep_loop(case):
     assert ref.norm() > 0
     for num_trainers in (1, 2):  # two trainer ranks: their gradients sum (the all-reduce)
         trainer.reset_stats()
-        routed = transition_batches(trainer.cfg, trainer.sampling, plan, num_trainers, chunks)
+        routed = _tsp(trainer, num_trainers).batches(plan, chunks)
         assert [r for r, _ in routed] == list(range(num_trainers))
         for _, batch in routed:
             trainer.train_transitions(TransitionBatch.from_payload(*batch.to_payload()))  # through the wire format
@@ -158,7 +167,7 @@ def test_packed_gradients_equal_the_per_timestep_loop(case):
         for k in STAT_KEYS:
             assert trainer.sums[k] == pytest.approx(ref_sums[k], rel=1e-5, abs=1e-6), k
         if num_trainers == 1:  # micro-batches of only dropped transitions are skipped (replicated)
-            assert trainer.num_forwards <= trainer.planned_forwards(plan, 1)[0] <= ref_forwards
+            assert trainer.num_forwards <= len(_tsp(trainer, 1).forward_fragments(plan)[0]) <= ref_forwards
 
 
 def test_packed_steps_with_mixed_noise_levels_match_per_transition_steps():
@@ -186,8 +195,6 @@ def test_packed_steps_with_mixed_noise_levels_match_per_transition_steps():
 def test_forwards_drop_by_the_packing_factor():
     """2 samples x 3 trained timesteps per chunk: the loop runs 3 forwards of 2 transitions per
     chunk, TSP with --train-micro-batch 6 one forward of 6 per chunk's worth."""
-    from intake import transition_batches
-
     trainer, plan, chunks = _rollout("window", 1.0, (1, 4), 0.0)
     for chunk in chunks:
         trainer.train_chunk(chunk)
@@ -195,7 +202,7 @@ def test_forwards_drop_by_the_packing_factor():
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.reset_stats()
     trainer.cfg.topology.train_micro_batch = 6
-    for _, batch in transition_batches(trainer.cfg, trainer.sampling, plan, 1, chunks):
+    for _, batch in _tsp(trainer, 1).batches(plan, chunks):
         trainer.train_transitions(batch)
     assert (loop, trainer.num_forwards) == (6, 2) and trainer.num_transitions == 12
 

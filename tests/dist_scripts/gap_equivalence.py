@@ -1,7 +1,7 @@
 """Run a GAP replica of WORLD_SIZE stages and compare its trajectories with one-stage generation.
 
 Usage (torchrun): gap_equivalence.py OUT_JSON. The last stage writes, per model family, the largest
-absolute difference of latents and log-probs against Generator.generate_fragment on the full model."""
+absolute difference of latents and log-probs against Generator.generate on the full model."""
 import json
 import os
 import sys
@@ -17,7 +17,7 @@ import sampler  # noqa: E402
 from models import load_model  # noqa: E402
 from parallel.plan import plan_step  # noqa: E402
 from parallel.schedule import partition_blocks  # noqa: E402
-from pipeline import PipelinedReplica, StageLayout, release_other_blocks  # noqa: E402
+from parallel.gap import PipelinedReplica, StageLayout, release_other_blocks  # noqa: E402
 from prompts import PromptRecord  # noqa: E402
 from rewards import RewardSet  # noqa: E402
 from rollout import Generator  # noqa: E402
@@ -41,13 +41,15 @@ def main(out_path: str) -> None:
         reference = None
         if rank == world - 1:
             ref_gen = Generator(load_model(family, seed=0), cfg, rewards, records, seed=0)
-            reference = [ref_gen.generate_fragment(plan, f, version=0) for f in plan.fragments]
+            reference = []
+            ref_gen.generate(plan, plan.fragments, 0, None, reference.append)
         blocks = partition_blocks([1.0] * len(adapter.blocks), [1.0] * world)[rank]
         release_other_blocks(adapter, blocks)
         gen = Generator(adapter, cfg, rewards, records, seed=0)
         replica = PipelinedReplica(gen, StageLayout(tuple(range(world)), rank, blocks))
         emitted = []
-        results = replica.run_step(plan, plan.fragments, version=0, reward_std=None, emit=emitted.append)
+        replica.run_step(plan, plan.fragments, 0, gen.stream(plan, None, emitted.append))
+        results = emitted
         if rank == world - 1:
             lat = lp = 0.0
             for ref, got in zip(reference, results):

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from parallel.p2p import comm_device, isend_payload, recv_payload, send_payload  # noqa: E402
 from parallel.publish import (  # noqa: E402
-    CORRUPT_ENV, PublicationError, WeightReceiver, checksum, publish_weights, state_checksum,
+    CORRUPT_ENV, PublicationError, WeightPublisher, WeightReceiver, checksum, state_checksum,
 )
 
 BUCKET_BYTES = 1024  # forces several buckets per publication
@@ -93,22 +93,21 @@ def run(rank: int, checks: dict) -> None:
 
     # -- publication: rank 0 publishes each stage's subset; receivers start from zeros
     if rank == 0:
+        publish_weights = WeightPublisher(bucket_bytes=BUCKET_BYTES).publish
         stats = {}
         for version in (1, 2):
             weights = model_weights(version)
             for dst in (1, 2):
-                stats[dst] = publish_weights({n: weights[n] for n in STAGE_NAMES[dst]}, version, dst,
-                                             bucket_bytes=BUCKET_BYTES)
+                stats[dst] = publish_weights({n: weights[n] for n in STAGE_NAMES[dst]}, version, dst)
         checks["several_buckets"] = stats[1].num_buckets >= 3 and stats[2].num_buckets >= 3
         checks["num_changed"] = stats[1].num_changed == 3 and stats[2].num_changed == 5
         # v3: to rank 1 only; rank 1 already holds v3 (an update that does nothing)
-        publish_weights({n: model_weights(3)[n] for n in STAGE_NAMES[1]}, 3, 1, bucket_bytes=BUCKET_BYTES)
+        publish_weights({n: model_weights(3)[n] for n in STAGE_NAMES[1]}, 3, 1)
         # v4: both receivers corrupt their install via the test hook
         for dst in (1, 2):
-            publish_weights({n: model_weights(4)[n] for n in STAGE_NAMES[dst]}, 4, dst, bucket_bytes=BUCKET_BYTES)
+            publish_weights({n: model_weights(4)[n] for n in STAGE_NAMES[dst]}, 4, dst)
         # a name the receiver does not hold
-        publish_weights({n: model_weights(5)[n] for n in STAGE_NAMES[2] + ["embed.weight"]}, 5, 2,
-                        bucket_bytes=BUCKET_BYTES)
+        publish_weights({n: model_weights(5)[n] for n in STAGE_NAMES[2] + ["embed.weight"]}, 5, 2)
         # the wire is still in step after the failures
         send_payload({"x": torch.ones(2)}, {"after": True}, dst=2)
     else:

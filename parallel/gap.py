@@ -1,7 +1,7 @@
-"""GAP's block pipeline inside a generator replica (DESIGN.md 5.2).
+"""GAP's block pipeline inside a generator replica (docs/DESIGN.md, GAP).
 
 A replica of S ranks splits the DiT blocks into S contiguous stages (parallel/schedule.py
-partitions them by measured cost and rank speed). Stage 0 also holds embed, stage S-1 also holds
+partitions them by measured cost and rank speed; the schedule is data, checked by its validator). Stage 0 also holds embed, stage S-1 also holds
 the head, the SDE step, decode and scoring. Every denoising step of a micro-batch flows stage 0 ->
 S-1 as activations (State.acts); the last stage owns the latent, takes the SDE step and sends the
 new latent back to stage 0. Rotary tables and masks are recomputed on each stage from the
@@ -9,6 +9,9 @@ conditioning (which travels once per micro-batch, with its first step). One exec
 schedule: it posts each receive before computing the action that precedes it and drains its sends
 at the end. Micro-batches are the plan's chunks, so every sample sees the same batch as with S = 1
 and the trajectories are bitwise the same.
+
+Model-agnostic: the adapter, the encoding and the noise keys come from the rollout.Generator passed
+in, and finished fragments go into its FragmentStream, as a one-stage replica's do.
 """
 from __future__ import annotations
 
@@ -20,9 +23,9 @@ import torch
 from torch import Tensor
 
 import sampler
-from models import Conditioning, DiTAdapter, State
 from parallel import p2p
 from parallel.schedule import Action, gap_schedule, partition_blocks, validate_schedule
+from tensors import Conditioning, State
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,13 @@ class StageLayout:
 
 
 # ----- which weights a stage holds --------------------------------------------------------------
-def block_prefixes(adapter: DiTAdapter) -> list[str]:
+def block_prefixes(adapter) -> list[str]:
     """Parameter-name prefix of every block, in block order."""
     name_of = {id(m): n for n, m in adapter.transformer.named_modules()}
     return [name_of[id(b)] + "." for b in adapter.blocks]
 
 
-def stage_param_names(adapter: DiTAdapter, names: list[str], blocks: tuple[int, int], first: bool,
+def stage_param_names(adapter, names: list[str], blocks: tuple[int, int], first: bool,
                       last: bool) -> list[str]:
     """The subset of `names` a stage needs: its blocks, and everything outside the blocks (embed,
     head) on the first and last stage."""
@@ -64,7 +67,7 @@ def stage_param_names(adapter: DiTAdapter, names: list[str], blocks: tuple[int, 
     return out
 
 
-def release_other_blocks(adapter: DiTAdapter, blocks: tuple[int, int]) -> None:
+def release_other_blocks(adapter, blocks: tuple[int, int]) -> None:
     """Free the blocks this stage does not run: each generator holds about 1/S of the DiT."""
     for i, block in enumerate(adapter.blocks):
         if not blocks[0] <= i < blocks[1]:
@@ -72,7 +75,7 @@ def release_other_blocks(adapter: DiTAdapter, blocks: tuple[int, int]) -> None:
 
 
 @torch.no_grad()
-def measure_block_costs(adapter: DiTAdapter, sampling: sampler.SamplingConfig, batch: int,
+def measure_block_costs(adapter, sampling: sampler.SamplingConfig, batch: int,
                         repeats: int = 2) -> list[float]:
     """Seconds per block for one micro-batch on this rank (the last of `repeats` runs)."""
     shape = adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)
@@ -117,7 +120,7 @@ class PipelinedReplica:
 
     def __init__(self, generator, layout: StageLayout):
         self.gen, self.layout = generator, layout
-        self.adapter: DiTAdapter = generator.adapter
+        self.adapter = generator.adapter
         self.sampling: sampler.SamplingConfig = generator.sampling
         self._validated: set[tuple[int, int]] = set()
 
@@ -133,14 +136,14 @@ class PipelinedReplica:
         p = a.producer(self.layout.num_stages)
         return None if p is None else self.layout.ranks[p.stage]
 
-    def run_step(self, plan, fragments, version: int, reward_std: float | None, emit, tracer=None,
-                 slow: float = 1.0) -> list:
+    def run_step(self, plan, fragments, version: int, stream, tracer=None, slow: float = 1.0) -> None:
         """Generate `fragments` (this replica's, in plan order). On the last stage every fragment
-        is decoded, scored and handed to `emit` as soon as its last micro-batch finishes. `slow`
-        (--debug-slow-rank): this stage sleeps after each action to run that many times slower."""
+        goes into `stream` (rollout.FragmentStream: decoded, scored, emitted) as soon as its last
+        micro-batch finishes. `slow` (--debug-slow-rank): this stage sleeps after each action to
+        run that many times slower."""
         chunks = [(f, c) for f in fragments for c in f.chunks]
         actions = self.schedule(len(chunks))
-        st = _StepState(plan, chunks, version, reward_std, emit)
+        st = _StepState(plan, chunks, version, stream)
 
         def post(i: int):
             for j in range(i, len(actions)):
@@ -166,7 +169,8 @@ class PipelinedReplica:
             st.sends = [h for h in st.sends if not h.is_completed()]
         for h in st.sends:
             h.wait()  # drain sends at the end
-        return st.results
+        if self.layout.last:
+            stream.close()
 
     def _act(self, st: "_StepState", a: Action, msg: dict | None) -> None:
         lay, adapter, cfg, plan = self.layout, self.adapter, self.sampling, st.plan
@@ -178,14 +182,13 @@ class PipelinedReplica:
         next_rank = lay.ranks[(lay.stage + 1) % lay.num_stages]
         if a.t == 0:
             if lay.first:
-                _, cond, neg, _ = self.gen.chunk_inputs(plan, chunk)
+                cond, neg = self.gen.chunk_inputs(plan, chunk)
             else:
                 cond, neg = _cond_from("cond.", msg), _cond_from("neg.", msg)
             st.conds[a.mb] = (cond, neg)
             st.sides[a.mb] = (adapter.side_inputs(shape, cond), adapter.side_inputs(shape, neg) if neg else None)
             if lay.first or lay.last:
-                init = self.gen.init_ids(plan, chunk)
-                x0 = torch.stack([sampler.initial_noise(cfg.seed, plan.step, j, shape) for j in init]).to(dev)
+                x0 = sampler.initial_latents(cfg, plan.step, self.gen.init_ids(plan, chunk), shape, dev)
                 if lay.last:  # the last stage owns the latent and the stored path
                     st.x_of[a.mb] = x0
                     st.paths[a.mb] = ([x0], [])
@@ -214,9 +217,7 @@ class PipelinedReplica:
             v = adapter.head(states[0])
             if cfg.cfg_scale != 1.0:
                 v = adapter.combine_cfg(v, adapter.head(states[1]), cfg.cfg_scale)
-        eps = torch.stack([sampler.step_noise(cfg.seed, plan.step, j, a.t, shape) for j in ids]).to(dev)
-        out = sampler.sde_step(st.x_of[a.mb], v, sigmas[a.t].item(), sigmas[a.t + 1].item(), sde_type=cfg.sde_type,
-                               noise_level=cfg.noise_level_at(a.t), noise=eps)
+        out = sampler.sample_step(st.x_of[a.mb], v, sigmas, a.t, ids, plan.step, cfg)
         st.x_of[a.mb] = out.x_next
         st.paths[a.mb][0].append(out.x_next)
         st.paths[a.mb][1].append(out.log_prob)
@@ -229,11 +230,9 @@ class PipelinedReplica:
         del st.x_of[a.mb]
         members = [m for m, (f, _) in enumerate(st.chunks) if f.index == frag.index]
         if all(m in st.done for m in members):
-            result = self.gen.finish_fragment(plan, frag, [st.done.pop(m) for m in members],
-                                              [st.conds[m][0] for m in members], [st.conds[m][1] for m in members],
-                                              st.version, st.reward_std)
-            st.results.append(result)
-            st.emit(result)
+            st.stream.push(self.gen.denoised(frag, [st.done.pop(m) for m in members],
+                                             [st.conds[m][0] for m in members], [st.conds[m][1] for m in members]),
+                           st.version)
 
 
 @dataclass
@@ -243,12 +242,10 @@ class _StepState:
     plan: object
     chunks: list
     version: int
-    reward_std: float | None
-    emit: object
+    stream: object  # rollout.FragmentStream (used on the last stage)
     conds: dict = field(default_factory=dict)   # mb -> (cond, neg)
     sides: dict = field(default_factory=dict)   # mb -> (side inputs of cond, of neg)
     x_of: dict = field(default_factory=dict)    # last stage: mb -> current latent
     paths: dict = field(default_factory=dict)   # last stage: mb -> (latents, log_probs)
     done: dict = field(default_factory=dict)    # last stage: mb -> finished Trajectory
-    results: list = field(default_factory=list)
     sends: list = field(default_factory=list)

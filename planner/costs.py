@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallel.plan import plan_step
-from parallel.simulator import Costs, SimResult
+from metrics import read_metrics
+from planner.engine import Costs, SimResult
 from parallel.topology import Topology
 from tracing import BUSY_CATEGORIES, bubble_fraction
 
@@ -95,8 +96,6 @@ def read_trace_events(events: list[dict[str, Any]], rank: int) -> list[TraceSpan
 
 def load_run(run_dir: str) -> RunTrace:
     """DIR/config.json, DIR/trace/rank{R}.json (one per rank: the world size) and DIR/metrics.jsonl."""
-    from metrics import read_metrics
-
     path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir!r} is not a run folder: no config.json")

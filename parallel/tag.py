@@ -1,11 +1,11 @@
-"""TAG: trainer-assisted generation with BTS (DESIGN.md 5.4), the runtime side.
+"""TAG: trainer-assisted generation with BTS (docs/DESIGN.md), the runtime side.
 
 With --tag the fragments of a step are claimed, not assigned: every generator replica and every
 idle trainer takes the next unclaimed fragment with an atomic `add` on the TCP store, so no
 fragment is generated twice and none is lost. Whoever generates a fragment records itself as its
 owner and marks the fragment landed once its data is on the way; trainers receive each fragment
 from its owner. A trainer claims only at an idle window (the next fragment it needs has not
-landed) and only when BTS (parallel/bts.py) predicts a shorter step. Trainer weights during a
+landed) and only when BTS (planner/bts.py) predicts a shorter step. Trainer weights during a
 step are exactly the step's version, generation runs without grad, and accumulated gradients are
 never touched, so a fragment is the same whoever generates it.
 
@@ -21,11 +21,9 @@ import time
 
 import torch
 
-import sampler
 from parallel import p2p
-from parallel.bts import CostTracker, decide
-from parallel.simulator import StepState
-from rollout import encode_batch
+from planner.bts import CostTracker, decide
+from planner.simulator import StepState
 
 POLL_S = 0.003
 
@@ -93,7 +91,8 @@ def claimed_rounds(board: FragmentBoard, store, plan, layout, replica: int):
 
 
 class Assistant:
-    """The generation helper of one trainer rank."""
+    """The generation helper of one trainer rank. `generator` is the rank's rollout.Generator: a
+    fragment generated here is the same as one a replica generates."""
 
     def __init__(self, ctx, generator, store, num_trainers: int, me: int, decision_interval_s: float = 0.02):
         self.ctx, self.gen, self.store = ctx, generator, store
@@ -102,9 +101,9 @@ class Assistant:
         self.interval = decision_interval_s
         self.board = None
 
-    def begin_step(self, plan, reward_std: float | None, trainer, local: dict) -> None:
-        """`local`: this trainer's intake buffer, where fragments it generates leave its own share."""
-        self.plan, self.reward_std, self.trainer, self.local = plan, reward_std, trainer, local
+    def begin_step(self, plan, reward_std: float | None, trainer, intake) -> None:
+        """`intake`: this trainer's parallel.intake; fragments generated here leave its own share there."""
+        self.plan, self.reward_std, self.trainer, self.intake = plan, reward_std, trainer, intake
         self.board = FragmentBoard(self.store, plan.step, len(plan.fragments))
         self.step_start = time.time()
         self.generated, self.predicted_s, self.sends, self.results = 0, None, [], []
@@ -155,8 +154,7 @@ class Assistant:
         """BTS at an idle window (None until the costs are known or when nothing is left to claim)."""
         if not self.tracker.ready or self.board.num_claimed() >= self.board.n:
             return None
-        chunks = None if self.ctx.cfg.topology.tsp else len(self.plan.fragments[0].chunks)
-        costs = self.tracker.costs(chunks_per_fragment=chunks)
+        costs = self.tracker.costs(chunks_per_fragment=self.intake.chunks_per_fragment(self.plan))
         decision = decide(self._state(costs), costs, self.num_trainers, claims_per_window=claims_per_window)
         if self.predicted_s is None:
             self.predicted_s = decision.predicted_s
@@ -177,22 +175,18 @@ class Assistant:
         return True
 
     def _generate(self, f: int):
-        plan = self.plan
+        """Fragment f with the step's version (the trainer's weights are exactly that version)."""
+        plan, out = self.plan, []
         with torch.no_grad():
-            return self.gen.generate_fragment(plan, plan.fragments[f], version=plan.step, reward_std=self.reward_std)
+            self.gen.generate(plan, [plan.fragments[f]], plan.step, self.reward_std, out.append)
+        return out[0]
 
     def _deliver(self, f: int, result) -> None:
-        """Into the same intake as a generator's fragment: this trainer's share into `local`, the
+        """Routed as a generator routes a fragment: this trainer's share into its own intake, the
         others' sent; then the fragment is marked landed."""
-        from intake import TrainChunk, TransitionBatch, route_chunks
-
-        ctx, plan = self.ctx, self.plan
-        for dst, tensors, meta in route_chunks(ctx, plan, result.chunks):
-            if dst == ctx.rank:  # this trainer's own share stays here
-                if meta["kind"] == "chunk":
-                    self.local[meta["chunk"]] = TrainChunk.from_payload(tensors, meta)
-                else:
-                    self.local[("tsp", f)] = TransitionBatch.from_payload(tensors, meta)
+        for dst, tensors, meta in self.intake.route(self.plan, result.chunks):
+            if dst == self.ctx.rank:
+                self.intake.accept(tensors, meta)
             else:
                 self.sends.append(p2p.isend_payload(tensors, meta, dst=dst))
         self.board.land(f)
@@ -202,13 +196,9 @@ class Assistant:
     def observe_training(self, seconds: dict[int, float]) -> None:
         """This trainer's seconds of training on each fragment it had a share of, in the unit of
         `Costs.train_fragment_s` (the trainer group's wall time per fragment, as if every trainer
-        took an equal share). Without TSP a trainer trains whole chunks, round-robin: its seconds
-        per chunk times the fragment's chunks over the trainer count."""
+        took an equal share; the intake converts)."""
         for f, s in seconds.items():
-            if not self.ctx.cfg.topology.tsp:
-                chunks = self.plan.fragments[f].chunks
-                s = s / sum(c.trainer == self.me for c in chunks) * len(chunks) / self.num_trainers
-            self.tracker.observe_train_fragment(s)
+            self.tracker.observe_train_fragment(self.intake.fragment_seconds(self.plan, f, s))
 
     def end_step(self) -> dict:
         for h in self.sends:
@@ -221,7 +211,7 @@ def group_windows(forward_fragments: list[list[int]]) -> list[tuple[int, tuple[i
     """Where an FSDP trainer group may wait: (slot, fragments) for every slot at which some trainer
     first needs fragments no earlier slot needed. Slot i is the i-th forward of every trainer: the
     group runs them together, since their all-gathers pair up. `forward_fragments[r]` lists the
-    fragment of each forward of trainer r (`Trainer.forward_fragments`)."""
+    fragment of each forward of trainer r (the intake's `forward_fragments`)."""
     seen: set[int] = set()
     out = []
     for slot in range(max(map(len, forward_fragments), default=0)):
@@ -252,15 +242,14 @@ class GroupAssistant(Assistant):
         super().__init__(ctx, generator, store, num_trainers, me, decision_interval_s)
         self.leader = me == 0
         self.written: list[str] = []  # the leader's decision keys of the previous step
-        self.blank = None  # the conditioning of throw-away chunks
 
-    def begin_step(self, plan, reward_std: float | None, trainer, local: dict) -> None:
-        super().begin_step(plan, reward_std, trainer, local)
+    def begin_step(self, plan, reward_std: float | None, trainer, intake) -> None:
+        super().begin_step(plan, reward_std, trainer, intake)
         if self.leader:  # every trainer read them before the previous step's update (a sync point)
             for key in self.written:
                 self.store.delete(key)
             self.written = []
-        self.windows = group_windows(trainer.forward_fragments(plan, self.num_trainers))
+        self.windows = group_windows(intake.forward_fragments(plan))
         self.next_window = 0
         trainer.before_forward = self.before_forward
 
@@ -323,20 +312,11 @@ class GroupAssistant(Assistant):
             t0 = time.perf_counter()
             result = self._generate(mine) if mine is not None else None
             for _ in range(num_chunks - (len(plan.fragments[mine].chunks) if mine is not None else 0)):
-                self._throwaway_chunk()
+                self.gen.denoise_padding(plan.step)  # the forwards of a chunk, so the all-gathers pair up
             self.tracker.observe_trainer_fragment(time.perf_counter() - t0)
         trainer.num_allgathers = gathers  # generation's all-gathers are not the training's
         if result is not None:
             self._deliver(mine, result)
-
-    def _throwaway_chunk(self) -> None:
-        """Denoise one sample of an empty prompt and keep nothing: the transformer forwards of a chunk."""
-        gen = self.gen
-        if self.blank is None:
-            self.blank = encode_batch(gen.adapter, [""], gen.negative_prompt, gen.sampling)
-        cond, neg = self.blank
-        with gen.autocast():
-            sampler.denoise(gen.adapter, cond, neg, [0], self.plan.step, gen.sampling, sigmas=gen.sigmas)
 
     def end_step(self) -> dict:
         assert self.next_window == len(self.windows), (self.next_window, len(self.windows))

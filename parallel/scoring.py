@@ -1,4 +1,4 @@
-"""Where rewards are computed: on the generator itself, or on scorer ranks (DESIGN.md section 3).
+"""Where rewards are computed: on the generator itself, or on scorer ranks (docs/DESIGN.md, roles).
 
 Both scorers have one interface: `submit` a decoded fragment, later `wait` for its scores. The
 remote one sends the images to scorer rank `fragment % R` and returns at once, so the generator
@@ -25,14 +25,15 @@ class Ticket:
 
 
 class LocalScorer:
+    """Scores on this rank, at once."""
+
+    remote = False
+
     def __init__(self, rewards):
-        self.rewards = rewards
+        self.rewards = rewards  # a rewards.RewardSet
 
     def submit(self, step: int, fragment: int, images: Tensor, prompts: list[str], metadata: list[dict]) -> Ticket:
-        scores = self.rewards.score(images, prompts, metadata)
-        scores = {n: v.float().cpu() for n, v in scores.items()}
-        scores["combined"] = self.rewards.combine(scores).float().cpu()
-        return Ticket(step, fragment, scores)
+        return Ticket(step, fragment, self.rewards.score_combined(images, prompts, metadata))
 
     def wait(self, ticket: Ticket) -> dict[str, Tensor]:
         return ticket.scores
@@ -40,6 +41,8 @@ class LocalScorer:
 
 class RemoteScorer:
     """The generator's side of scorer ranks."""
+
+    remote = True
 
     def __init__(self, scorer_ranks: tuple[int, ...]):
         self.scorer_ranks = scorer_ranks
@@ -79,9 +82,7 @@ def scorer_step(ctx, rewards, plan, source_of) -> dict[str, list[float]]:
         g = plan.group_size
         records = [ctx.records[plan.prompt_indices[i // g]] for i in fragment.sample_ids]
         with ctx.tracer.span("score", "score", plan.step, fragment.index):
-            scores = rewards.score(tensors["images"], [r.prompt for r in records], [r.metadata for r in records])
-            scores = {n: v.float().cpu().contiguous() for n, v in scores.items()}
-            scores["combined"] = rewards.combine(scores).float().cpu().contiguous()
+            scores = rewards.score_combined(tensors["images"], [r.prompt for r in records], [r.metadata for r in records])
         sends.append(p2p.isend_framed(scores, meta, dst=src))
         busy[fragment.index] = len(records)
     for h in sends:

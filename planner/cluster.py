@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from parallel.simulator import Costs
+from planner.simulator import Costs, simulate_run
 
 # ---------------------------------------------------------------------------------------------
 # A FLOP and bandwidth model of a GPU cluster (predictions, not measurements)
@@ -326,8 +326,6 @@ def predict(candidates: list[Candidate], wl: Workload, tcss_steps: int = 4) -> l
     """Simulate each candidate. On-policy steps all start from idle ranks and repeat exactly, so
     one step is their steady state; TCSS overlaps steps, so it runs `tcss_steps` and its steady
     step is the mean after the first."""
-    from parallel.simulator import simulate_run
-
     out = []
     for c in candidates:
         res = simulate_run(c.mode, tcss_steps if c.mode == "tcss" else 1, c.num_fragments, c.costs, c.trainers,

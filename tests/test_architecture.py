@@ -1,0 +1,210 @@
+"""Import-layering guard: fails when a forbidden import appears between the project's modules.
+
+parallel/ and planner/ stay model-agnostic (they move tensor dicts and plan work; they never reach
+models/ or a role such as trainer or runtime), and models/ know nothing of ranks (no torch.distributed,
+no roles, no parallel/ or planner/). rewards/ sit beside models/ and likewise import no role and no
+distributed machinery. The graph has no cycles, and imports sit at module top level except where
+listed in ALLOWED_IN_FUNCTIONS, so every dependency is visible here. Pure `ast` + file system: fast.
+The checkers take a root and return violations; test_checker_can_fail runs them on a fake project.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+from collections import deque
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = {"train_disagg", "runtime", "rollout", "trainer", "evaluation"}
+
+# Function-level imports allowed. A key ending in ".py" exempts every function-level import in that
+# file; any other key is the top-level name of an optional dependency (modules not importable in this
+# venv count as optional too).
+ALLOWED_IN_FUNCTIONS = {
+    "models/__init__.py": "family registry: a family is imported on first use, its import cost paid only then",
+    "rewards/__init__.py": "reward registry: a reward (CLIP, OCR, ...) is imported on first use",
+    "rewards/base.py": "reward registry helpers: scorer modules and weights are loaded on first use",
+    "flash_attn": "optional attention backend, not installed everywhere",
+    "sageattention": "optional attention backend, not installed everywhere",
+}
+
+
+def _in(module: str, pkg: str) -> bool:
+    return module == pkg or module.startswith(pkg + ".")
+
+
+def _sources(root: Path) -> dict[str, Path]:
+    """Module name -> relative path of every tracked project .py file (tests/ and scripts/ left out)."""
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "*.py"], capture_output=True, text=True, check=True)
+    mods = {}
+    for rel in out.stdout.split():
+        path = Path(rel)
+        if path.parts[0] in ("tests", "scripts") or not (root / path).is_file():
+            continue
+        parts = list(path.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(root: Path):
+    """Yield (module, path, statement, imported name, project module or None, inside a function) per name."""
+    mods = _sources(root)
+
+    def project(name: str):
+        parts = name.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in mods:
+                return ".".join(parts[:n])
+        return None
+
+    for mod, path in sorted(mods.items()):
+        tree = ast.parse((root / path).read_text(), filename=str(path))
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+
+        def visit(node, in_func):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.Import):
+                    for a in child.names:
+                        yield mod, path, child, a.name, project(a.name), in_func
+                elif isinstance(child, ast.ImportFrom):
+                    base = child.module or ""
+                    if child.level:  # relative: drop level-1 trailing parts of the package
+                        up = pkg.split(".")[: len(pkg.split(".")) - child.level + 1] if pkg else []
+                        base = ".".join(up + [base] if base else up)
+                    for a in child.names:
+                        name = f"{base}.{a.name}" if base else a.name
+                        yield mod, path, child, name, project(name), in_func
+                scope = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                yield from visit(child, scope or (in_func and not isinstance(child, ast.ClassDef)))
+
+        yield from visit(tree, False)
+
+
+def _graph(root: Path) -> dict[str, set[str]]:
+    graph = {m: set() for m in _sources(root)}
+    for mod, _, _, _, dep, _ in _imports(root):
+        if dep and dep != mod:
+            graph[mod].add(dep)
+    return graph
+
+
+def _bfs(graph: dict[str, set[str]], src: str, stop=lambda m: False) -> dict[str, str | None]:
+    """Breadth-first parents of every module `src` reaches, not walking past modules where `stop`."""
+    prev, queue = {src: None}, deque([src])
+    while queue:
+        v = queue.popleft()
+        for w in () if stop(v) else sorted(graph[v]):
+            if w not in prev:
+                prev[w] = v
+                queue.append(w)
+    return prev
+
+
+def find_cycles(root: Path) -> list[list[str]]:
+    """Strongly connected components of more than one module."""
+    graph = _graph(root)
+    reach = {v: _bfs(graph, v) for v in graph}
+    sccs = {tuple(sorted(w for w in reach[v] if v in reach[w])) for v in graph}
+    return sorted(list(scc) for scc in sccs if len(scc) > 1)
+
+
+def find_leaks(root: Path) -> list[list[str]]:
+    """Shortest chain from each parallel/planner module to each models or role module it reaches
+    (not walking past the first such module)."""
+    graph, leaks = _graph(root), []
+    bad = lambda m: _in(m, "models") or m in ROLES
+    for src in sorted(m for m in graph if _in(m, "parallel") or _in(m, "planner")):
+        prev = _bfs(graph, src, bad)
+        for v in sorted(filter(bad, prev)):
+            chain = [v]
+            while prev[chain[-1]]:
+                chain.append(prev[chain[-1]])
+            leaks.append(chain[::-1])
+    return leaks
+
+
+def find_bad_imports(root: Path, owner: str) -> list[str]:
+    """Direct imports from `owner` (models or rewards) of a role or parallel/planner, and for models
+    of torch.distributed."""
+    out = []
+    for mod, path, stmt, name, dep, _ in _imports(root):
+        dist = owner == "models" and _in(name, "torch.distributed")
+        if _in(mod, owner) and (dist or dep in ROLES or _in(dep or "", "parallel") or _in(dep or "", "planner")):
+            out.append(f"{path}:{stmt.lineno} {mod} -> {dep or 'torch.distributed'}")
+    return list(dict.fromkeys(out))
+
+
+def find_function_imports(root: Path) -> list[str]:
+    """Import statements inside a def (nearest scope), save those ALLOWED_IN_FUNCTIONS covers."""
+    out = []
+    for _, path, stmt, name, dep, in_func in _imports(root):
+        top = name.split(".")[0]
+        if not in_func or path.as_posix() in ALLOWED_IN_FUNCTIONS:
+            continue
+        if dep is None and (top in ALLOWED_IN_FUNCTIONS or importlib.util.find_spec(top) is None):
+            continue
+        out.append(f"{path}:{stmt.lineno} {ast.unparse(stmt)}")
+    return list(dict.fromkeys(out))
+
+
+def _lines(items) -> str:
+    return "\n  " + "\n  ".join(items)
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(ROOT)
+    assert not cycles, "import cycles (modules of each):" + _lines(", ".join(c) for c in cycles)
+
+
+def test_parallel_and_planner_stay_model_agnostic():
+    leaks = find_leaks(ROOT)
+    assert not leaks, "parallel/planner reach models or a role:" + _lines(" -> ".join(chain) for chain in leaks)
+
+
+def test_models_know_nothing_of_ranks():
+    bad = find_bad_imports(ROOT, "models")
+    assert not bad, "models import torch.distributed, a role, parallel or planner:" + _lines(bad)
+
+
+def test_rewards_import_no_role_or_parallel():
+    bad = find_bad_imports(ROOT, "rewards")
+    assert not bad, "rewards import a role, parallel or planner:" + _lines(bad)
+
+
+def test_no_imports_in_functions():
+    bad = find_function_imports(ROOT)
+    assert not bad, "imports inside functions (move to top level, or allow in ALLOWED_IN_FUNCTIONS):" + _lines(bad)
+
+
+def test_checker_can_fail(tmp_path):
+    files = {
+        "parallel/__init__.py": "",
+        "parallel/a.py": "import models.b\n",
+        "planner/p.py": "from .q import Z\n",
+        "planner/q.py": "from typing import TYPE_CHECKING\nZ = 1\nif TYPE_CHECKING:\n    from models import m\n",
+        "models/__init__.py": "def load():\n    import json\n",
+        "models/b.py": "import importlib\n\ndef f():\n    return importlib.import_module('json')\n",
+        "models/m.py": "import torch.distributed as dist\n",
+        "models/n.py": "from torch import distributed\nfrom . import m\n",
+        "trainer.py": "",
+        "x.py": "import y\n",
+        "y.py": "from x import thing\n",
+        "rewards/r.py": "import trainer\n\ndef f():\n    import json\n    import flash_attn\n"
+                        "    import no_such_module_xyz\n    class K:\n        import os\n",  # class scope: allowed
+        "scripts/s.py": "def f():\n    import x\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+    assert find_cycles(tmp_path) == [["x", "y"]]
+    assert find_leaks(tmp_path) == [["parallel.a", "models.b"], ["planner.p", "planner.q", "models.m"],
+                                    ["planner.q", "models.m"]]
+    assert find_bad_imports(tmp_path, "models") == ["models/m.py:1 models.m -> torch.distributed",
+                                                    "models/n.py:1 models.n -> torch.distributed"]
+    assert find_bad_imports(tmp_path, "rewards") == ["rewards/r.py:1 rewards.r -> trainer"]
+    assert find_function_imports(tmp_path) == ["rewards/r.py:4 import json"]
