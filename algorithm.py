@@ -1,4 +1,4 @@
-"""Flow-GRPO / DanceGRPO as pure functions (formulas: ../shared/ALGORITHMS.md)."""
+"""Flow-GRPO / DanceGRPO as pure functions (formulas: docs/ALGORITHMS.md)."""
 from __future__ import annotations
 
 import numpy as np
@@ -38,7 +38,7 @@ def zero_std_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 def trained_timesteps(algorithm: str, num_steps: int, fraction: float, *, seed: int, step: int, sample_id: int,
                       window: tuple[int, int] | None = None) -> tuple[int, ...]:
-    """Which of the K steps of a sample are trained (ALGORITHMS.md, "Which timesteps are trained").
+    """Which of the K steps of a sample are trained (docs/ALGORITHMS.md, "Which timesteps are trained").
 
     flow_grpo: the first floor(K * fraction) steps in order; dance_grpo: a random subset of
     round(K * fraction) steps seeded by (seed, step, sample), the last step excluded; window: the

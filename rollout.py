@@ -214,7 +214,7 @@ class FragmentStream:
 
 
 class VersionSync:
-    """Which policy version a generator rank runs (DESIGN.md 5.5, 5.6).
+    """Which policy version a generator rank runs (docs/DESIGN.md 5.5, 5.6).
 
     Before step k a generator must hold version k - lag (lag 0: on-policy; lag 1: TCSS). Newer
     versions the trainers have announced are installed at fragment boundaries, never inside a

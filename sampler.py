@@ -3,7 +3,7 @@
 Formulas: docs/ALGORITHMS.md ("SDE step with log-probability", "CPS variant", "DanceGRPO step").
 sigma runs from 1 (noise) to 0 (data); the model predicts velocity v ~ eps - x0; dt = sigma' - sigma < 0.
 All step math is float32 whatever the model dtype. All noise of sample i of step k comes from
-generators seeded by (seed, k, i) alone (DESIGN.md section 4), so a trajectory does not depend on
+generators seeded by (seed, k, i) alone (docs/DESIGN.md section 4), so a trajectory does not depend on
 which rank produced it, on its batch neighbours, or on generation order.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def flow_scheduler(adapter: "DiTAdapter") -> FlowMatchEulerDiscreteScheduler:
 
 def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, schedule: str,
                 image_seq_len: int | None = None, shift: float | None = None) -> Tensor:
-    """sigmas [K+1] float32 ending in 0, computed by diffusers' scheduler (ALGORITHMS.md, "Timestep schedules").
+    """sigmas [K+1] float32 ending in 0, computed by diffusers' scheduler (docs/ALGORITHMS.md, "Timestep schedules").
 
     dynamic: linspace(1, 1/K, K) shifted by mu(image_seq_len) (FLUX, Qwen-Image pipelines);
     static:  the scheduler's own K-step schedule with a static shift (SD3, Wan, HunyuanVideo);
@@ -100,7 +100,7 @@ def _mean_over_sample(t: Tensor) -> Tensor:
 
 def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | float, *, sde_type: str,
              noise_level: float, noise: Tensor | None = None, x_next: Tensor | None = None) -> StepOutput:
-    """One denoising step x -> x' and log p(x' | x) (ALGORITHMS.md).
+    """One denoising step x -> x' and log p(x' | x) (docs/ALGORITHMS.md).
 
     Give `noise` to sample x' (rollout) or `x_next` to score a stored x' (training). sigma and
     sigma_next are scalars or per-sample [B] tensors (TSP packs different timesteps together).
@@ -145,7 +145,7 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
     if deterministic:
         log_prob = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
     elif sde_type == "cps":
-        # CPS's "log-prob" drops the variance and the constants (ALGORITHMS.md).
+        # CPS's "log-prob" drops the variance and the constants (docs/ALGORITHMS.md).
         log_prob = _mean_over_sample(-((x_next - mean) ** 2))
     else:
         log_prob = _mean_over_sample(-((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI)
@@ -211,7 +211,7 @@ class SamplingConfig:
 
 @dataclass
 class Trajectory:
-    """Stored paths of a batch of samples (DESIGN.md, "trajectory")."""
+    """Stored paths of a batch of samples (docs/DESIGN.md, "trajectory")."""
 
     latents: Tensor    # (B, K+1, *latent_shape) float32: x at every sigma, x[:, 0] the initial noise
     log_probs: Tensor  # (B, K) float32: log p(x_{t+1} | x_t) under the generating policy
@@ -227,7 +227,7 @@ def sigmas_for(adapter: "DiTAdapter", cfg: SamplingConfig) -> Tensor:
 def guided_velocity(adapter: "DiTAdapter", x: Tensor, sigma: Tensor, cond: Conditioning,
                     neg_cond: Conditioning | None, cfg: SamplingConfig) -> Tensor:
     """Velocity with the family's guidance: the guidance embedding and/or CFG. Training calls this
-    too, so the log-prob is taken on the same guided velocity with the same scale (ALGORITHMS.md)."""
+    too, so the log-prob is taken on the same guided velocity with the same scale (docs/ALGORITHMS.md)."""
     v = adapter.velocity(x, sigma, cond, cfg.guidance)
     if cfg.cfg_scale == 1.0:
         return v

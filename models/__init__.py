@@ -79,7 +79,7 @@ ATTENTION_BACKENDS = ("sdpa", "flash", "flash_varlen", "sage", "native")
 
 
 def set_attention(adapter: DiTAdapter, backend: str) -> None:
-    """Select the attention kernel through diffusers' dispatcher (DIFFUSERS_FACTS.md, "Attention backends").
+    """Select the attention kernel through diffusers' dispatcher (docs/MODELS.md, "Attention backends").
     flash-attn is an optional GPU dependency: asking for it without the package is a clear error."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
@@ -100,7 +100,7 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 on CUDA (ALGORITHMS.md defaults) and float32 elsewhere."""
+    """`auto` is bfloat16 on CUDA (docs/ALGORITHMS.md defaults) and float32 elsewhere."""
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

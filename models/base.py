@@ -16,7 +16,7 @@ from tensors import Conditioning, State  # noqa: F401 - re-exported: adapters bu
 
 @dataclass
 class SamplingDefaults:
-    """A family's defaults, taken from its diffusers pipeline and ALGORITHMS.md."""
+    """A family's defaults, taken from its diffusers pipeline and docs/ALGORITHMS.md."""
 
     height: int
     width: int
@@ -31,7 +31,7 @@ class SamplingDefaults:
 
 
 class DiTAdapter:
-    """One diffusion transformer family, split for GAP (DESIGN.md section 7).
+    """One diffusion transformer family, split for GAP (docs/DESIGN.md section 7).
 
     velocity(x) == head(run_block(n-1, ... run_block(0, embed(x)))) exactly, and equals the
     diffusers model's own forward. Latents are in the unpacked VAE-latent layout: [B, C, H, W]

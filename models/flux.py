@@ -13,7 +13,7 @@ class FluxAdapter(DiTAdapter):
     family = "flux"
     pipeline_class = FluxPipeline
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
-    # FluxPipeline's defaults; noise level 0.9 and DanceGRPO eta 0.3 / shift 3 from ALGORITHMS.md.
+    # FluxPipeline's defaults; noise level 0.9 and DanceGRPO eta 0.3 / shift 3 from docs/ALGORITHMS.md.
     defaults = SamplingDefaults(height=512, width=512, num_steps=28, shift="dynamic", noise_level=0.9,
                                 guidance=3.5, cfg_scale=1.0, dance_eta=0.3, dance_shift=3.0)
 

@@ -31,7 +31,7 @@ class HunyuanVideoAdapter(DiTAdapter):
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                            "scheduler")
     # HunyuanVideoPipeline's defaults (720p, 129 frames, guidance embedding 6.0, no true CFG); noise
-    # level 0.7 and DanceGRPO eta 0.25 / shift 5 from ALGORITHMS.md.
+    # level 0.7 and DanceGRPO eta 0.25 / shift 5 from docs/ALGORITHMS.md.
     defaults = SamplingDefaults(height=720, width=1280, num_frames=129, num_steps=50, shift="static",
                                 noise_level=0.7, guidance=6.0, cfg_scale=1.0, dance_eta=0.25, dance_shift=5.0)
     # HunyuanVideo's scheduler shift (FlowMatchEulerDiscreteScheduler, flow_shift 7.0 in the reference code).

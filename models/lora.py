@@ -1,4 +1,4 @@
-"""LoRA on a DiT through peft (ALGORITHMS.md: attention projections, optionally the feed-forward).
+"""LoRA on a DiT through peft (docs/ALGORITHMS.md: attention projections, optionally the feed-forward).
 
 Every rank applies the same config with the same seed, so generators and trainers hold the same
 adapter structure and the same initial weights (version 0)."""

@@ -25,7 +25,7 @@ class QwenImageAdapter(DiTAdapter):
     pipeline_class = QwenImagePipeline
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
     # QwenImagePipeline's defaults (1024 px, 50 steps, true CFG 4.0, no guidance embedding);
-    # noise level 1.2 and DanceGRPO eta 0.3 / shift 3 from ALGORITHMS.md.
+    # noise level 1.2 and DanceGRPO eta 0.3 / shift 3 from docs/ALGORITHMS.md.
     defaults = SamplingDefaults(height=1024, width=1024, num_steps=50, shift="dynamic", noise_level=1.2,
                                 guidance=None, cfg_scale=4.0, dance_eta=0.3, dance_shift=3.0)
 

@@ -19,7 +19,7 @@ class SD3Adapter(DiTAdapter):
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                            "text_encoder_3", "tokenizer_3", "scheduler")
     # StableDiffusion3Pipeline's size and step defaults (1024 px, 28 steps); CFG 4.5 and noise level 0.7
-    # as Flow-GRPO trains SD3.5 (ALGORITHMS.md); no guidance embedding.
+    # as Flow-GRPO trains SD3.5 (docs/ALGORITHMS.md); no guidance embedding.
     defaults = SamplingDefaults(height=1024, width=1024, num_steps=28, shift="static", noise_level=0.7,
                                 guidance=None, cfg_scale=4.5, dance_eta=0.3, dance_shift=3.0)
     # SD3.5's scheduler config: shift 3.0, no dynamic shifting. The sampler reads this attribute.

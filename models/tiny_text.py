@@ -1,4 +1,4 @@
-"""Offline tokenizers and tiny text encoders for the `tiny` presets (recipes: DIFFUSERS_FACTS.md).
+"""Offline tokenizers and tiny text encoders for the `tiny` presets (recipes: docs/MODELS.md).
 
 Nothing here touches the network: byte-level vocabularies are built in memory."""
 from __future__ import annotations

@@ -17,7 +17,7 @@ class WanAdapter(DiTAdapter):
     pipeline_class = WanPipeline
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
     # WanPipeline's defaults (480p, 81 frames, CFG 5.0, no guidance embedding); noise level 0.7 and
-    # DanceGRPO eta 0.3 / shift 3 from ALGORITHMS.md.
+    # DanceGRPO eta 0.3 / shift 3 from docs/ALGORITHMS.md.
     defaults = SamplingDefaults(height=480, width=832, num_frames=81, num_steps=50, shift="static", noise_level=0.7,
                                 guidance=None, cfg_scale=5.0, dance_eta=0.3, dance_shift=3.0)
     # Wan2.1's scheduler flow_shift at 480p (its model card recommends 5.0 for 720p).

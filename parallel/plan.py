@@ -1,6 +1,6 @@
 """The step plan: which prompts, how they split into fragments and micro-batch chunks, which replica
 generates each fragment and which trainer trains each chunk. Pure functions of plain data, shared by
-the runtime, the tests and the simulator (DESIGN.md section 9)."""
+the runtime, the tests and the simulator (docs/DESIGN.md section 9)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""GAP's block pipeline as data (DESIGN.md 5.2): a stage partition of the DiT blocks and a
+"""GAP's block pipeline as data (docs/DESIGN.md 5.2): a stage partition of the DiT blocks and a
 per-stage list of actions, checked by a validator and run by one executor (pipeline.py).
 
 An action `F(stage, mb, t)` is one stage's part of denoising step t of micro-batch mb. Its input

@@ -1,5 +1,5 @@
 """Small JSON messages through torchrun's TCP store: step records, the running reward std, and
-atomic fragment claims (`add` is atomic: DIFFUSERS_FACTS.md). Nothing here blocks a rank on a
+atomic fragment claims (`add` is atomic: docs/MODELS.md). Nothing here blocks a rank on a
 collective, so generators can run ahead of trainers (TCSS)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Splitting one torchrun world into generator, trainer and scorer ranks (DESIGN.md section 3).
+"""Splitting one torchrun world into generator, trainer and scorer ranks (docs/DESIGN.md section 3).
 
 Ranks [0, N) are generators (N / S replicas of S pipeline stages), the next M ranks trainers, the
 rest scorers. In colocated mode every rank is both a generator (a replica of one stage) and a trainer.

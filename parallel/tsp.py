@@ -1,4 +1,4 @@
-"""TSP, timestep parallelism (DESIGN.md 5.3): the trainer treats a fragment as a bag of
+"""TSP, timestep parallelism (docs/DESIGN.md 5.3): the trainer treats a fragment as a bag of
 (sample, timestep) transitions, packs transitions of different samples *and* timesteps into
 micro-batches and spreads them over all M trainer ranks, so every trainer works on every fragment
 as soon as it lands.

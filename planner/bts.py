@@ -1,4 +1,4 @@
-"""BTS, bubble-triggered TAG search (DESIGN.md 5.4): at each idle window of a trainer, claim an
+"""BTS, bubble-triggered TAG search (docs/DESIGN.md 5.4): at each idle window of a trainer, claim an
 unstarted fragment only if the cost model predicts that the step ends sooner with the claim than
 without it. A trainer that generates too much becomes the new bottleneck, so more TAG is not
 always better. The search: predict the step's end with no further claim, and with n = 1, 2, ...

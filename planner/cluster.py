@@ -1,4 +1,4 @@
-"""A GPU-cluster cost model for the step simulator (DESIGN.md 9): predictions, not measurements.
+"""A GPU-cluster cost model for the step simulator (docs/DESIGN.md 9): predictions, not measurements.
 
 The cluster model (`cluster_candidates`, `predict`, `recommend`) turns a model, a GPU type, a GPU
 count and a workload into `Costs` for every topology and predicts each step with the simulator.

@@ -1,4 +1,4 @@
-"""Cost models for the step simulator (DESIGN.md 9): the per-action costs measured in a run's traces,
+"""Cost models for the step simulator (docs/DESIGN.md 9): the per-action costs measured in a run's traces,
 the simulator setup that a run's config maps to, and the runtime's step metrics recomputed from a
 simulated trace so that predictions and measurements are compared on the same definitions.
 

@@ -111,7 +111,7 @@ def parse_reward_specs(specs: Sequence[str], model_paths: dict[str, str] | None 
 
 class RewardSet:
     """The rewards of a run and their weights. `score` returns every reward separately (for per-reward
-    logging); `combine` makes the weighted sum that the advantages are computed from (ALGORITHMS.md)."""
+    logging); `combine` makes the weighted sum that the advantages are computed from (docs/ALGORITHMS.md)."""
 
     def __init__(self, specs: Sequence[str], device: str | torch.device = "cpu",
                  model_paths: dict[str, str] | None = None):

@@ -1,5 +1,5 @@
 """Side-by-side benchmark: run several modes of train_disagg.py on the same workload and compare
-step time, trained samples/s, bubble fraction and busy fraction per role (DESIGN.md section 8).
+step time, trained samples/s, bubble fraction and busy fraction per role (docs/DESIGN.md section 8).
 
 Each mode is one `torchrun --standalone --nproc_per_node N train_disagg.py ...` subprocess with
 its own --output-dir under the bench folder. Its metrics.jsonl gives the per-step numbers; the

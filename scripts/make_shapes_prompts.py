@@ -1,7 +1,7 @@
 """Write the shapes-world prompt sets: data/shapes_train.txt, the held-out data/shapes_eval.txt, and
 data/shapes_objects.txt (the 18 single-object prompts without a position, for quick probes).
 
-The grammar (shapes_world.py) has exactly 1800 distinct prompts. One sixth of every template kind
+The grammar (rewards/shapes_world.py) has exactly 1800 distinct prompts. One sixth of every template kind
 (one object, two, three, a pair of different objects), drawn with a fixed seed, is held out for
 evaluation (300 prompts); the train set is the other 1500. Re-running gives the same files.
 

@@ -6,7 +6,7 @@ saved as a diffusers folder that both `models.load_model("flux", model_path=...)
 Two phases:
   1. autoencoder: 32x32x3 images <-> 16x16x4 latents (VAE scale factor 2), reconstruction + small KL;
      then the latent mean/std fix the VAE's shift_factor / scaling_factor, as FLUX.1's VAE config does;
-  2. flow matching (rectified flow, as FLUX.1 and ALGORITHMS.md): x_s = (1 - s) x0 + s eps with s
+  2. flow matching (rectified flow, as FLUX.1 and docs/ALGORITHMS.md): x_s = (1 - s) x0 + s eps with s
      logit-normal (SD3's choice) or uniform, the model regresses the velocity eps - x0; the
      transformer and both text encoders train jointly; an EMA of the weights is what is saved.
 
@@ -350,7 +350,7 @@ def write_readme(out: str, summary: dict) -> None:
     checks += f"; objects the prompt does not name: {final['extra']:.2f} per image"
     text = f"""# shapes-flux: the shipped shapes-world base model
 
-A small FLUX.1-architecture text-to-image model for the procedural shapes world (`shapes_world.py`),
+A small FLUX.1-architecture text-to-image model for the procedural shapes world (`rewards/shapes_world.py`),
 in diffusers format: `FluxTransformer2DModel` ({sizes['transformer'] / 1e6:.2f}M parameters, no guidance
 embedding), CLIP text encoder ({sizes['text_encoder'] / 1e3:.0f}k) and T5 encoder ({sizes['text_encoder_2'] / 1e3:.0f}k) with
 offline byte tokenizers (T5 length 64), and an `AutoencoderKL` ({sizes['vae'] / 1e3:.0f}k) mapping 32x32x3 images to

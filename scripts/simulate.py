@@ -1,4 +1,4 @@
-"""The step simulator from the command line (DESIGN.md 9), in two uses:
+"""The step simulator from the command line (docs/DESIGN.md 9), in two uses:
 
     python scripts/simulate.py --run DIR
         Read a training run's config.json and trace/rank*.json, measure the per-action costs,

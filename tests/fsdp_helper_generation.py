@@ -96,4 +96,4 @@ if __name__ == "__main__":
     except BaseException:  # noqa: BLE001 - print it before os._exit
         traceback.print_exc()
     finally:
-        shutdown(code)  # FSDP2 on gloo: end with barrier, destroy, flush, os._exit (DIFFUSERS_FACTS.md)
+        shutdown(code)  # FSDP2 on gloo: end with barrier, destroy, flush, os._exit (docs/MODELS.md)

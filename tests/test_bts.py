@@ -1,4 +1,4 @@
-"""The step simulator (DESIGN.md 9) and BTS (5.4): hand-computed makespans, the ordering of the
+"""The step simulator (docs/DESIGN.md 9) and BTS (5.4): hand-computed makespans, the ordering of the
 modes, fragment accounting, and BTS decisions against the simulator they predict. Pure: no
 processes, no torch."""
 import itertools

@@ -1,4 +1,4 @@
-"""The runtime through torchrun: placement invariance (DESIGN.md section 4), on-policy ratio == 1,
+"""The runtime through torchrun: placement invariance (docs/DESIGN.md section 4), on-policy ratio == 1,
 verified publication, resume, outputs, topology errors."""
 import json
 import os

@@ -18,7 +18,7 @@ def flux():
 
 
 def _reference_log_prob(x, v, s, s_next, x_next, sde_type, a):
-    """ALGORITHMS.md evaluated in float64, written independently of sampler.sde_step."""
+    """docs/ALGORITHMS.md evaluated in float64, written independently of sampler.sde_step."""
     x, v, x_next = x.double(), v.double(), x_next.double()
     s = torch.tensor(s, dtype=torch.float64)
     s_next = torch.tensor(s_next, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""TSP, timestep parallelism (DESIGN.md 5.3): the pure packing, gradients of packed micro-batches
+"""TSP, timestep parallelism (docs/DESIGN.md 5.3): the pure packing, gradients of packed micro-batches
 against the sequential per-timestep loop, and placement invariance through torchrun."""
 import itertools
 

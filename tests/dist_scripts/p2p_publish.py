@@ -180,7 +180,7 @@ def main() -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(checks, f, indent=1)
     if code == 0:
-        # Clean ending (DIFFUSERS_FACTS.md): barrier, destroy, flush, _exit.
+        # Clean ending (docs/MODELS.md): barrier, destroy, flush, _exit.
         dist.barrier()
         dist.destroy_process_group()
     print(json.dumps({"rank": rank, "code": code}), flush=True)
