@@ -281,7 +281,6 @@ class RunFacts:
     tsp: bool
     tag: bool
     tcss: bool
-    num_trainers: int
     train_sharding: str
     """sharding of the ranks that train: --colocated-sharding in colocated mode, else --train-sharding"""
     train_micro_batch: int
@@ -290,6 +289,10 @@ class RunFacts:
     num_prompts: int
     log_rank: int
     """the rank that logs: the first trainer, since trainers finish every step (generators may run ahead)"""
+
+    @property
+    def num_trainers(self) -> int:
+        return self.topology.num_trainers
 
     def plan(self, cfg: RunConfig, step: int) -> StepPlan:
         """Step k's fragment plan: a pure function of (seed, k, config), the same on every rank."""
@@ -366,7 +369,6 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
         raise ValueError(f"--resume {o.resume!r} holds no complete checkpoint (checkpoints/step-N/state.json)")
     disagg = topo.mode == "disagg"
     return RunFacts(topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
-                    num_trainers=len(topo.trainer_ranks),
                     train_sharding=t.train_sharding if disagg else t.colocated_sharding,
                     train_micro_batch=t.train_micro_batch or rl.micro_batch, lora=cfg.optim.lora_rank > 0,
                     num_prompts=num_prompts, log_rank=topo.trainer_ranks[0])

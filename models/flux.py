@@ -95,7 +95,6 @@ class FluxAdapter(DiTAdapter):
 
     def reference_velocity(self, latents, sigma, cond, guidance=None):
         b, c, h, w = latents.shape
-        side = self.side_inputs((c, h, w), cond)
         text_len = cond.tensors["prompt_embeds"].shape[1]
         g = self._guidance(guidance, b)
         out = self.transformer(
@@ -104,7 +103,6 @@ class FluxAdapter(DiTAdapter):
             timestep=sigma.to(self.dtype), guidance=g,
             img_ids=FluxPipeline._prepare_latent_image_ids(None, h // 2, w // 2, self.device, self.dtype),
             txt_ids=torch.zeros(text_len, 3, device=self.device, dtype=self.dtype), return_dict=False)[0]
-        del side
         return self._unpack(out, (c, h, w))
 
     # ----- pixels ---------------------------------------------------------------------------

@@ -50,9 +50,6 @@ class StepPlan:
     def chunks(self) -> tuple[Chunk, ...]:
         return tuple(c for f in self.fragments for c in f.chunks)
 
-    def group_of(self, sample_id: int) -> int:
-        return sample_id // self.group_size
-
 
 def choose_prompts(seed: int, step: int, num_prompts: int, batch: int) -> tuple[int, ...]:
     """Prompts of a step: walk epoch-wise through seeded permutations of the prompt set, so the data

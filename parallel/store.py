@@ -4,7 +4,6 @@ collective, so generators can run ahead of trainers (TCSS)."""
 from __future__ import annotations
 
 import json
-import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -35,14 +34,3 @@ class StepStore:
     def add(self, key: str, amount: int = 1) -> int:
         """Atomic: the counter's value after adding."""
         return int(self.store.add(self._k(key), amount))
-
-    def wait_any(self, keys: list[str], poll_s: float = 0.002, timeout_s: float = 600.0) -> str:
-        """The first of `keys` that exists (polling: the store has no wait-for-any)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for key in keys:
-                if self.ready(key):
-                    return key
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"none of {keys} appeared within {timeout_s} s")
-            time.sleep(poll_s)

@@ -70,15 +70,14 @@ class Topology:
         s = self.gap_stages
         return self.generator_ranks[replica * s:(replica + 1) * s]
 
+    @property
+    def num_trainers(self) -> int:
+        return len(self.trainer_ranks)
+
     def replica_of(self, rank: int) -> int | None:
         if rank not in self.generator_ranks:
             return None
         return self.generator_ranks.index(rank) // self.gap_stages
-
-    def stage_of(self, rank: int) -> int | None:
-        if rank not in self.generator_ranks:
-            return None
-        return self.generator_ranks.index(rank) % self.gap_stages
 
     def is_generator(self, rank: int) -> bool:
         return rank in self.generator_ranks
@@ -93,13 +92,6 @@ class Topology:
         if self.mode == "colocated":
             return "colocated"
         return "generator" if self.is_generator(rank) else "trainer" if self.is_trainer(rank) else "scorer"
-
-    def describe(self) -> str:
-        if self.mode == "colocated":
-            return f"colocated: {self.world_size} rank(s), each generates and trains"
-        return (f"disagg: generators {list(self.generator_ranks)} ({self.num_replicas} replica(s) x "
-                f"{self.gap_stages} stage(s)), trainers {list(self.trainer_ranks)}"
-                + (f", scorers {list(self.scorer_ranks)}" if self.scorer_ranks else ""))
 
 
 @dataclass

@@ -153,7 +153,7 @@ def sim_setup(config: dict[str, Any], world_size: int) -> SimSetup:
     topo = Topology.build(world_size, t["mode"], t.get("generators"), t.get("trainers"), t.get("scorers", 0),
                           t.get("gap_stages", 1))
     colocated = topo.mode == "colocated"
-    num_trainers = len(topo.trainer_ranks)
+    num_trainers = topo.num_trainers
     plan = plan_step(0, seed=0, num_prompts=rl["prompts_per_step"], prompts_per_step=rl["prompts_per_step"],
                      group_size=rl["group_size"], micro_batch=rl["micro_batch"], num_replicas=topo.num_replicas,
                      num_trainers=num_trainers, fragment_groups=t.get("fragment_groups") or None, colocated=colocated)

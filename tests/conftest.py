@@ -1,3 +1,4 @@
+"""Test environment: every test runs offline (no hub downloads) and without tokenizer threads."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
