@@ -25,7 +25,7 @@ PRESETS = ("auto", "tiny", "mid")
 
 def _f(default, help: str, **kw):
     """A config field: `help` is its --help text, `parse` (optional) turns the flag's string into
-    the field's typed value, `action="append"` makes it repeatable."""
+    the field's typed value, `action="append"` makes it repeatable, `metavar` names its value."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -55,7 +55,8 @@ class SamplingArgs:
     cfg_scale: float | None = _f(None, "classifier-free guidance scale, also used at training time; 1 = off")
     negative_prompt: str = _f("", "negative prompt for CFG")
     sde_window: tuple | None = _f(None, "START:END: SDE steps only for t in [START, END), ODE elsewhere "
-                                        "(Flow-GRPO-Fast)", parse=lambda s: _parse_pair(s, ":", int, "--sde-window"))
+                                        "(Flow-GRPO-Fast)", parse=lambda s: _parse_pair(s, ":", int, "--sde-window"),
+                                  metavar="START:END")
     same_group_noise: bool = _f(False, "all samples of a group share their initial noise")
 
 
@@ -63,8 +64,10 @@ class SamplingArgs:
 class RLConfig:
     prompts: str | None = _f(None, "prompt file (.txt one per line, or .jsonl with a 'prompt' field); "
                                    "default: data/shapes_train.txt")
-    reward: list = _f([], "reward NAME[:WEIGHT], repeatable (default: shapes:1.0)", action="append")
-    reward_model: list = _f([], "NAME=DIR: local weights folder of a model-based reward, repeatable", action="append")
+    reward: list = _f([], "reward NAME[:WEIGHT], repeatable (default: shapes:1.0)", action="append",
+                  metavar="NAME[:WEIGHT]")
+    reward_model: list = _f([], "NAME=DIR: local weights folder of a model-based reward, repeatable",
+                        action="append", metavar="NAME=DIR")
     steps: int = _f(50, "training steps (one optimizer update each)")
     prompts_per_step: int = _f(8, "B: prompts (groups) per step")
     group_size: int = _f(8, "G: samples per prompt")
@@ -87,7 +90,7 @@ class OptimConfig:
     lora_targets: str = _f("attn", "LoRA targets: attn (to_q/k/v/out) or attn+ff (also the feed-forward)")
     weight_decay: float = _f(1e-4, "AdamW weight decay")
     adam_betas: tuple = _f((0.9, 0.999), "AdamW betas B1,B2",
-                           parse=lambda s: _parse_pair(s, ",", float, "--adam-betas"))
+                           parse=lambda s: _parse_pair(s, ",", float, "--adam-betas"), metavar="B1,B2")
     grad_clip: float = _f(1.0, "gradient-norm clip")
     ema_decay: float = _f(0.0, "EMA of trained weights for export (0 = off; e.g. 0.95)")
     grad_checkpointing: bool = _f(False, "activation checkpointing of every DiT block during training")
@@ -125,7 +128,8 @@ class OutputConfig:
     eval_samples_per_prompt: int = _f(1, "images per held-out prompt, each with its own fixed seed (GenEval: 4)")
     trace: bool = _f(True, "write a Chrome trace per rank to DIR/trace/rank{R}.json")
     debug_slow_rank: tuple | None = _f(None, "R:FACTOR: test-only, rank R sleeps to run FACTOR x slower",
-                                       parse=lambda s: _parse_pair(s, ":", (int, float), "--debug-slow-rank"))
+                                       parse=lambda s: _parse_pair(s, ":", (int, float), "--debug-slow-rank"),
+                                       metavar="R:FACTOR")
 
 
 @dataclass
@@ -244,12 +248,13 @@ def build_parser(description: str, sections: tuple[str, ...] | None = None) -> a
             meta = f.metadata
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             common = dict(dest=f"{section}.{f.name}", help=meta["help"])
+            metavar = meta.get("metavar", f.name.upper())
             if meta.get("action") == "append":
-                group.add_argument(flag, action="append", default=None, metavar=f.name.upper(), **common)
+                group.add_argument(flag, action="append", default=None, metavar=metavar, **common)
             elif f.type == "bool":
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **common)
             else:
-                group.add_argument(flag, type=_arg_type(f), default=default, metavar=f.name.upper(), **common)
+                group.add_argument(flag, type=_arg_type(f), default=default, metavar=metavar, **common)
     return parser
 
 
