@@ -113,6 +113,11 @@ class TopologyConfig:
     tag: bool = _f(False, "TAG: idle trainers generate unstarted fragments when BTS predicts a shorter step "
                           "(FSDP trainers generate together, as trainer 0 decides)")
     tcss: bool = _f(False, "TCSS: generators may start step k+1 with version k (staleness at most 1)")
+    fragment_split: str = _f("auto", "how fragments are shared among generator replicas: even, speed (in proportion to "
+                                     "each replica's speed, measured at start-up), or auto (speed when "
+                                     "disaggregated; even when colocated, as colocated systems split)")
+    memory_budget_gb: float | None = _f(None, "GPU memory per rank, in GB: a plan whose weights, gradients and "
+                                              "optimizer state do not fit is refused (forces FSDP for large models)")
     dist_timeout_s: int = _f(600, "timeout of every collective and point-to-point wait, in seconds")
 
 
@@ -290,6 +295,7 @@ class RunFacts:
     """sharding of the ranks that train: --colocated-sharding in colocated mode, else --train-sharding"""
     train_micro_batch: int
     """transitions per packed training forward (TSP); without TSP a forward trains one timestep of a chunk"""
+    fragment_split: str
     lora: bool
     num_prompts: int
     log_rank: int
@@ -299,13 +305,20 @@ class RunFacts:
     def num_trainers(self) -> int:
         return self.topology.num_trainers
 
-    def plan(self, cfg: RunConfig, step: int) -> StepPlan:
-        """Step k's fragment plan: a pure function of (seed, k, config), the same on every rank."""
+    @property
+    def speed_split(self) -> bool:
+        """Fragments are shared among replicas by measured speed (else evenly)."""
+        return self.fragment_split == "speed" or (self.fragment_split == "auto" and self.disagg)
+
+    def plan(self, cfg: RunConfig, step: int, replica_speeds: list[float] | None = None) -> StepPlan:
+        """Step k's fragment plan: a pure function of (seed, k, config, replica speeds), the same on
+        every rank (the speeds are measured once at start-up and shared)."""
         rl = cfg.rl
         return plan_step(step, seed=cfg.seed, num_prompts=self.num_prompts, prompts_per_step=rl.prompts_per_step,
                          group_size=rl.group_size, micro_batch=rl.micro_batch,
                          num_replicas=self.topology.num_replicas, num_trainers=self.num_trainers,
-                         fragment_groups=cfg.topology.fragment_groups or None, colocated=not self.disagg)
+                         fragment_groups=cfg.topology.fragment_groups or None, colocated=not self.disagg,
+                         replica_speeds=replica_speeds if self.speed_split else None)
 
 
 def _choice(flag: str, value, choices) -> None:
@@ -341,6 +354,9 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
     _choice("--colocated-sharding", t.colocated_sharding, SHARDINGS)
     _choice("--train-sharding", t.train_sharding, SHARDINGS)
     _choice("--lora-targets", cfg.optim.lora_targets, ("attn", "attn+ff"))
+    _choice("--fragment-split", t.fragment_split, ("auto", "even", "speed"))
+    if t.memory_budget_gb is not None and not t.memory_budget_gb > 0:
+        raise ValueError(f"--memory-budget-gb must be > 0, got {t.memory_budget_gb}")
     if not 0 < rl.timestep_fraction <= 1:
         raise ValueError(f"--timestep-fraction must be in (0, 1], got {rl.timestep_fraction}")
     if s.noise_level is not None and not s.noise_level >= 0:
@@ -375,5 +391,6 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
     disagg = topo.mode == "disagg"
     return RunFacts(topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
                     train_sharding=t.train_sharding if disagg else t.colocated_sharding,
-                    train_micro_batch=t.train_micro_batch or rl.micro_batch, lora=cfg.optim.lora_rank > 0,
+                    train_micro_batch=t.train_micro_batch or rl.micro_batch, fragment_split=t.fragment_split,
+                    lora=cfg.optim.lora_rank > 0,
                     num_prompts=num_prompts, log_rank=topo.trainer_ranks[0])

@@ -24,6 +24,7 @@ from parallel.plan import Chunk, Fragment, StepPlan
 from parallel.scoring import LocalScorer, Ticket
 from parallel.tag import FragmentBoard, claimed_rounds, publish_replica_cost
 from tensors import Conditioning
+from tracing import Slowdown
 
 
 def encode_batch(adapter, prompts: list[str], negative_prompt: str | None,
@@ -88,14 +89,16 @@ class Generator:
 
     def __init__(self, adapter, sampling: sampler.SamplingConfig, scorer, records, *, seed: int,
                  negative_prompt: str = "", same_group_noise: bool = False, adv_clip: float = 5.0,
-                 drop_zero_std: bool = False, autocast_ctx=None):
-        """`scorer`: a parallel.scoring.LocalScorer or RemoteScorer (a RewardSet is scored locally)."""
+                 drop_zero_std: bool = False, autocast_ctx=None, slowdown: Slowdown | None = None):
+        """`scorer`: a parallel.scoring.LocalScorer or RemoteScorer (a RewardSet is scored locally).
+        `slowdown` (--debug-slow-rank) wraps all of this rank's generation work."""
         self.adapter, self.sampling, self.records = adapter, sampling, records
         self.scorer = scorer if hasattr(scorer, "submit") else LocalScorer(scorer)
         self.seed, self.negative_prompt = seed, negative_prompt
         self.same_group_noise, self.adv_clip, self.drop_zero_std = same_group_noise, adv_clip, drop_zero_std
         self.autocast = autocast_ctx or contextlib.nullcontext
         self.sigmas = sampler.sigmas_for(adapter, sampling)
+        self.slowdown = slowdown or Slowdown()
 
     def records_of(self, plan: StepPlan, sample_ids) -> list:
         return [self.records[plan.prompt_indices[i // plan.group_size]] for i in sample_ids]
@@ -115,7 +118,7 @@ class Generator:
         out = Denoised(fragment, [], [], [])
         for chunk in fragment.chunks:
             cond, neg = self.chunk_inputs(plan, chunk)
-            with self.autocast():
+            with self.autocast(), self.slowdown():
                 out.trajectories.append(sampler.denoise(self.adapter, cond, neg, list(chunk.sample_ids), plan.step,
                                                         self.sampling, init_ids=self.init_ids(plan, chunk),
                                                         sigmas=self.sigmas))
@@ -132,16 +135,17 @@ class Generator:
         """Denoise one sample of an empty prompt and keep nothing: the transformer forwards of a
         chunk, for ranks whose collectives must pair up with another rank's chunk (FSDP TAG)."""
         cond, neg = encode_batch(self.adapter, [""], self.negative_prompt, self.sampling)
-        with self.autocast():
+        with self.autocast(), self.slowdown():
             sampler.denoise(self.adapter, cond, neg, [0], step, self.sampling, sigmas=self.sigmas)
 
     def submit(self, plan: StepPlan, denoised: Denoised, version: int) -> Scoring:
         """Decode a denoised fragment and hand it to the scorer (local: scored now; remote: sent)."""
-        with self.autocast():
-            images = torch.cat([self.adapter.decode(t.latents[:, -1]).cpu() for t in denoised.trajectories])
         records = self.records_of(plan, denoised.fragment.sample_ids)
-        ticket = self.scorer.submit(plan.step, denoised.fragment.index, images, [r.prompt for r in records],
-                                    [r.metadata for r in records])
+        with self.slowdown():
+            with self.autocast():
+                images = torch.cat([self.adapter.decode(t.latents[:, -1]).cpu() for t in denoised.trajectories])
+            ticket = self.scorer.submit(plan.step, denoised.fragment.index, images, [r.prompt for r in records],
+                                        [r.metadata for r in records])
         return Scoring(denoised, version, images, ticket)
 
     def complete(self, plan: StepPlan, scoring: Scoring, reward_std: float | None) -> "FragmentResult":
@@ -299,8 +303,7 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
     if replica is not None:  # a GAP replica of several stages; its last stage emits the fragments
         rounds = [planned] if board is None else claimed_rounds(board, store, plan, replica.layout, me)
         for fragments in rounds:
-            replica.run_step(plan, fragments, version, generator.stream(plan, reward_std, emit, tracer), tracer,
-                             ctx.slow)
+            replica.run_step(plan, fragments, version, generator.stream(plan, reward_std, emit, tracer), tracer)
     else:
         if board is not None:
             planned = (plan.fragments[f] for f in iter(lambda: board.claim(ctx.rank, me), None))
@@ -309,10 +312,7 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
             if versions is not None:
                 version = versions.at_fragment_boundary(step)
             with tracer.span("generate", "generate", step, fragment.index, version=version):
-                t0 = time.perf_counter()
                 stream.submit(generator.denoise(plan, fragment), version)
-                if ctx.slow > 1:  # --debug-slow-rank: emulate a slower GPU
-                    time.sleep((time.perf_counter() - t0) * (ctx.slow - 1))
             stream.collect()
         stream.close()
     if deferred is not None:

@@ -13,6 +13,7 @@ Colocated mode runs both halves on every rank with no transfer and no publicatio
 from __future__ import annotations
 
 import base64
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import capacity
 import checkpoint
 import evaluation
 import sampler
@@ -35,6 +37,7 @@ from parallel.fsdp import full_tensor
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
 from parallel.intake import TrainingSpec, make_intake
+from parallel.plan import replica_speeds
 from parallel.scoring import LocalScorer, RemoteScorer, scorer_step
 from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
@@ -42,7 +45,7 @@ from parallel.topology import ProcessGroups, Topology
 from prompts import eval_records, load_prompts
 from rewards import RewardSet, reward_model_paths
 from rollout import Generator, VersionSync, generator_step
-from tracing import Tracer, summarize_step
+from tracing import Slowdown, Tracer, summarize_step
 from trainer import Trainer, trainer_step
 
 THUMBNAIL_PX = 256  # sample grids travel to the logging rank at most this large
@@ -61,7 +64,7 @@ class RankContext:
     sampling: sampler.SamplingConfig
     records: list  # list[prompts.PromptRecord]: the training prompt set
     intake: object  # parallel.intake.ChunkIntake or TransitionIntake: routing and the trainer's intake
-    slow: float  # --debug-slow-rank: this rank's slow-down factor (1: none)
+    slowdown: Slowdown  # --debug-slow-rank: wraps every kind of this rank's work
 
     @property
     def topo(self) -> Topology:
@@ -86,6 +89,7 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
         lora_config = adapter.transformer.peft_config["default"]
     sampling = _sampling(cfg, adapter)
     records = load_prompts(cfg.rl.prompts)
+    capacity.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts)  # before any wait
     groups = ProcessGroups.create(topo, cfg.topology.dist_timeout_s)
     tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
                     sync=torch.cuda.synchronize if device.type == "cuda" else None)
@@ -93,10 +97,11 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
     rl = cfg.rl
     intake = make_intake(facts.tsp, TrainingSpec.of(cfg, sampling), topo.trainer_ranks, lambda r: topo.replica_ranks(r)[-1],
                          facts.train_micro_batch, topo.trainer_ranks.index(rank) if is_train else None, tracer)
-    slow = cfg.output.debug_slow_rank[1] if cfg.output.debug_slow_rank and cfg.output.debug_slow_rank[0] == rank \
-        else 1.0
-    ctx = RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slow)
-    trainer = Trainer(cfg, adapter, sampling, groups.trainers, facts.train_sharding) if is_train else None
+    slow = cfg.output.debug_slow_rank
+    slowdown = Slowdown(slow[1] if slow and slow[0] == rank else 1.0)
+    ctx = RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown)
+    speeds = _probe_speeds(ctx, out_dir)  # sync point: every rank's speed, before FSDP shards the model
+    trainer = Trainer(cfg, adapter, sampling, groups.trainers, facts.train_sharding, slowdown) if is_train else None
 
     def reward_set():
         return RewardSet(rl.reward, device=device, model_paths=reward_model_paths(rl.reward_model))
@@ -104,7 +109,8 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
     def make_generator(scorer):
         return Generator(adapter, sampling, scorer, records, seed=cfg.seed, negative_prompt=cfg.sampling.negative_prompt,
                          same_group_noise=cfg.sampling.same_group_noise, adv_clip=rl.adv_clip,
-                         drop_zero_std=rl.drop_zero_std, autocast_ctx=lambda: autocast(device, cfg.model.dtype))
+                         drop_zero_std=rl.drop_zero_std, autocast_ctx=lambda: autocast(device, cfg.model.dtype),
+                         slowdown=slowdown)
 
     scorer_rewards = reward_set() if topo.is_scorer(rank) else None
     generator = None
@@ -114,7 +120,9 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
     start = checkpoint.restore_run_state(cfg.output.resume, adapter, trainer, running) if cfg.output.resume else 0
     all_names = _publish_names(adapter, facts.lora)
     _check_same_weights(adapter, all_names)  # every rank starts from the same version
-    layouts = _stage_layouts(cfg, topo, rank, adapter, sampling) if topo.gap_stages > 1 else {}
+    layouts = _stage_layouts(ctx) if topo.gap_stages > 1 else {}
+    shares = replica_speeds({g: speeds[g]["generate_s"] for g in topo.generator_ranks},
+                            [topo.replica_ranks(r) for r in range(topo.num_replicas)])
     publish_names = {g: _stage_names(adapter, all_names, layouts.get(g)) for g in topo.generator_ranks}
     replica = None
     if is_gen and layouts:
@@ -124,8 +132,9 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
     assistant = None
     if is_train and facts.tag:
         helper = GroupAssistant if facts.train_sharding == "fsdp" else Assistant  # FSDP trainers generate together
+        replica_s = sum(speeds[g]["generate_s"] for g in topo.generator_ranks) / len(topo.generator_ranks)
         assistant = helper(ctx, make_generator(LocalScorer(reward_set())), store, facts.num_trainers,
-                           topo.trainer_ranks.index(rank))
+                           topo.trainer_ranks.index(rank), trainer_ratio=speeds[rank]["generate_s"] / replica_s)
     publisher = publish.WeightPublisher() if is_train else None
     versions = None
     if facts.disagg and is_gen:
@@ -141,7 +150,7 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
         if cfg.output.eval_every and start == 0:
             _evaluate(cfg, adapter, sampling, topo, rank, 0, logger, tracer, groups.trainers)  # the base model
         for step in range(start, rl.steps):
-            plan = facts.plan(cfg, step)
+            plan = facts.plan(cfg, step, shares)
             step_start = time.time()
             local: dict = {}
             gen_out = []
@@ -276,13 +285,29 @@ def _reward_std(cfg: RunConfig, store: StepStore, running, step: int, start: int
     return running.std if last < start else store.get(f"std/{last}")
 
 
-def _stage_layouts(cfg: RunConfig, topo: Topology, rank: int, adapter, sampling) -> dict:
-    """GAP stages: every generator rank measures its per-block cost; every rank then computes the
-    same partition of every replica from the gathered measurements."""
+def _probe_speeds(ctx: RankContext, out_dir: str) -> list[dict | None]:
+    """Every rank's start-up speed probe (capacity.probe_speed; scorer ranks: None), gathered on
+    every rank; the first rank writes them to DIR/speeds.json."""
+    mine = None
+    if not ctx.topo.is_scorer(ctx.rank):
+        mine = capacity.probe_speed(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch, ctx.slowdown,
+                                    lambda: autocast(ctx.device, ctx.cfg.model.dtype))
+    everyone = [None] * ctx.topo.world_size
+    dist.all_gather_object(everyone, mine)  # sync point
+    if ctx.rank == 0:
+        with open(os.path.join(out_dir, "speeds.json"), "w") as f:
+            json.dump([{"rank": r, "role": ctx.topo.role(r), **(s or {})} for r, s in enumerate(everyone)], f, indent=1)
+    return everyone
+
+
+def _stage_layouts(ctx: RankContext) -> dict:
+    """GAP stages: every generator rank measures its per-block cost (scaled by its slow-down);
+    every rank then computes the same partition of every replica from the gathered measurements."""
+    cfg, topo, rank, adapter = ctx.cfg, ctx.topo, ctx.rank, ctx.adapter
     costs = None
     if topo.is_generator(rank):
         with autocast(adapter.device, cfg.model.dtype):
-            costs = measure_block_costs(adapter, sampling, cfg.rl.micro_batch)
+            costs = [c * ctx.slowdown.factor for c in measure_block_costs(adapter, ctx.sampling, cfg.rl.micro_batch)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, costs)  # sync point
     layouts = {}

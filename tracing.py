@@ -1,6 +1,6 @@
 """Timed events of every rank, written as a Chrome trace (open in https://ui.perfetto.dev), and
-the step metrics derived from them (DESIGN 8): step time, busy fraction per role and the bubble
-fraction.
+the step metrics derived from them (docs/DESIGN.md, observability): step time, busy fraction per
+role and the bubble fraction. Also `Slowdown`, which emulates a slower device for benchmarks.
 
 Timestamps are microseconds since the Unix epoch, so the traces of all ranks (one file each, or
 merged with `merge_traces`) line up in one view. Each tracer reads the wall clock once and then
@@ -20,6 +20,25 @@ CATEGORIES = ("generate", "score", "comm", "train", "optimizer", "publish", "eva
 
 BUSY_CATEGORIES = ("generate", "score", "train", "optimizer")
 """The work that the ideal schedule of the bubble fraction spreads over all ranks."""
+
+
+class Slowdown:
+    """--debug-slow-rank: the wrapped work runs `factor` times slower, by sleeping (factor - 1)
+    times its duration after it. Wrapped around every kind of work of a rank (denoising, GAP
+    stage actions, training forwards, scoring, the start-up speed probe), it emulates a slower
+    device on identical hardware; waits on other ranks are never wrapped."""
+
+    def __init__(self, factor: float = 1.0):
+        if not factor >= 1:
+            raise ValueError(f"a slow-down factor must be >= 1, got {factor}")
+        self.factor = factor
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self.factor > 1:
+            time.sleep((time.perf_counter() - start) * (self.factor - 1))
 
 
 @dataclass

@@ -31,6 +31,7 @@ from models.lora import trainable_names
 from parallel.fsdp import count_allgathers, full_tensor, shard_modules
 from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
 from parallel.publish import WeightPublisher
+from tracing import Slowdown
 
 STAT_KEYS = ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_high", "clipfrac_low", "ratio",
              "staleness_mean", "staleness_frac_1")
@@ -38,8 +39,10 @@ STAT_KEYS = ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_hig
 
 class Trainer:
     def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig, group=None,
-                 sharding: str = "replicate"):
+                 sharding: str = "replicate", slowdown: Slowdown | None = None):
+        """`slowdown` (--debug-slow-rank) wraps every training forward + backward."""
         self.cfg, self.adapter, self.sampling = cfg, adapter, sampling
+        self.slowdown = slowdown or Slowdown()
         self.spec = TrainingSpec.of(cfg, sampling)  # which timesteps of a sample are trained
         self.group, self.sharding = group, sharding
         self.device = adapter.device
@@ -128,9 +131,10 @@ class Trainer:
             n = neg if (neg is None or whole) else neg.select(sel)
             x_t = chunk.latents[sel, t].to(dev)
             x_next = chunk.latents[sel, t + 1].to(dev)
-            loss = self._transition_loss(x_t, x_next, chunk.sigmas, t, c, n, chunk.log_probs[sel, t].to(dev),
-                                         chunk.advantages[sel].to(dev))
-            loss.backward()
+            with self.slowdown():
+                loss = self._transition_loss(x_t, x_next, chunk.sigmas, t, c, n, chunk.log_probs[sel, t].to(dev),
+                                             chunk.advantages[sel].to(dev))
+                loss.backward()
             self._count(len(rows), chunk.version)
 
     def _transition_loss(self, x_t, x_next, sigmas, t, cond, neg, logp_old, adv) -> Tensor:
@@ -216,11 +220,12 @@ class Trainer:
         dev = self.device
         sel = torch.tensor(rows)
         idx = batch.cond_index[sel].to(dev)
-        loss = self._packed_loss(batch.x_t[sel].to(dev), batch.x_next[sel].to(dev), batch.sigma[sel].to(dev),
-                                 batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
-                                 neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
-                                 batch.advantages[sel].to(dev), record=weight != 0)
-        (loss if weight == 1.0 else loss * weight).backward()
+        with self.slowdown():
+            loss = self._packed_loss(batch.x_t[sel].to(dev), batch.x_next[sel].to(dev), batch.sigma[sel].to(dev),
+                                     batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
+                                     neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
+                                     batch.advantages[sel].to(dev), record=weight != 0)
+            (loss if weight == 1.0 else loss * weight).backward()
 
     def _packed_loss(self, x_t, x_next, sigma, sigma_next, ts, cond, neg, logp_old, adv, record=True) -> Tensor:
         """Sum of the losses of n transitions at per-transition sigmas (n,) and timesteps `ts`."""
@@ -258,11 +263,12 @@ class Trainer:
         x = chunk.latents[:1, t].to(self.device)
         sigma_vec = chunk.sigmas[t].to(self.device).expand(1)
         c, n = cond.select([0]), neg.select([0]) if neg is not None else None
-        with autocast(self.device, self.cfg.model.dtype):
-            v = sampler.guided_velocity(self.adapter, x, sigma_vec, c, n, self.sampling)
-        if self.cfg.rl.beta > 0:  # a real forward also runs the reference (the LoRA-disabled model under FSDP)
-            self._reference_velocity(x, sigma_vec, c, n)
-        (v.float().sum() * 0.0).backward()
+        with self.slowdown():
+            with autocast(self.device, self.cfg.model.dtype):
+                v = sampler.guided_velocity(self.adapter, x, sigma_vec, c, n, self.sampling)
+            if self.cfg.rl.beta > 0:  # a real forward also runs the reference (the LoRA-disabled model under FSDP)
+                self._reference_velocity(x, sigma_vec, c, n)
+            (v.float().sum() * 0.0).backward()
 
     def pad_forwards(self, count: int, template: TrainChunk | None) -> None:
         """FSDP only: run dummy forwards until this rank has done `count` forwards this step."""

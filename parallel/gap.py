@@ -136,11 +136,10 @@ class PipelinedReplica:
         p = a.producer(self.layout.num_stages)
         return None if p is None else self.layout.ranks[p.stage]
 
-    def run_step(self, plan, fragments, version: int, stream, tracer=None, slow: float = 1.0) -> None:
+    def run_step(self, plan, fragments, version: int, stream, tracer=None) -> None:
         """Generate `fragments` (this replica's, in plan order). On the last stage every fragment
         goes into `stream` (rollout.FragmentStream: decoded, scored, emitted) as soon as its last
-        micro-batch finishes. `slow` (--debug-slow-rank): this stage sleeps after each action to
-        run that many times slower."""
+        micro-batch finishes. Each action runs under the generator's slow-down (--debug-slow-rank)."""
         chunks = [(f, c) for f in fragments for c in f.chunks]
         actions = self.schedule(len(chunks))
         st = _StepState(plan, chunks, version, stream)
@@ -161,11 +160,8 @@ class PipelinedReplica:
                 pending_at, pending = post(i + 1)  # posted early: before this action computes
             span = (tracer.span("F", "generate", plan.step, chunks[a.mb][0].index, mb=a.mb, t=a.t)
                     if tracer is not None else contextlib.nullcontext())
-            with span:
-                t0 = time.perf_counter()
+            with span, self.gen.slowdown():
                 self._act(st, a, msg)
-                if slow > 1:  # emulate a slower GPU
-                    time.sleep((time.perf_counter() - t0) * (slow - 1))
             st.sends = [h for h in st.sends if not h.is_completed()]
         for h in st.sends:
             h.wait()  # drain sends at the end

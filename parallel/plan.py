@@ -98,3 +98,19 @@ def plan_step(step: int, *, seed: int, num_prompts: int, prompts_per_step: int, 
             n_chunks += 1
         fragments.append(Fragment(f, fgroups, replica, tuple(chunks)))
     return StepPlan(step, choose_prompts(seed, step, num_prompts, b), g, tuple(fragments))
+
+
+def replica_speeds(seconds_by_rank: dict[int, float], replicas: list[tuple[int, ...]],
+                   tolerance: float = 0.15) -> list[float]:
+    """Relative speeds of generator replicas from each rank's measured seconds per denoising
+    forward. A replica of S stages, partitioned by speed, generates at the sum of its ranks'
+    speeds. Speeds within `tolerance` of the fastest count as equal, so that measurement noise
+    on identical ranks never changes the plan; others are rounded to two digits."""
+    if not replicas or any(not ranks for ranks in replicas):
+        raise ValueError(f"every replica needs at least one rank, got {replicas}")
+    bad = {r: s for r, s in seconds_by_rank.items() if not s > 0}
+    if bad:
+        raise ValueError(f"measured seconds must be positive, got {bad}")
+    raw = [sum(1.0 / seconds_by_rank[g] for g in ranks) for ranks in replicas]
+    fastest = max(raw)
+    return [1.0 if v / fastest >= 1 - tolerance else round(v / fastest, 2) for v in raw]

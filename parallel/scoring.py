@@ -81,7 +81,7 @@ def scorer_step(ctx, rewards, plan, source_of) -> dict[str, list[float]]:
         assert (meta["step"], meta["fragment"]) == (plan.step, fragment.index), (meta, fragment.index)
         g = plan.group_size
         records = [ctx.records[plan.prompt_indices[i // g]] for i in fragment.sample_ids]
-        with ctx.tracer.span("score", "score", plan.step, fragment.index):
+        with ctx.tracer.span("score", "score", plan.step, fragment.index), ctx.slowdown():
             scores = rewards.score_combined(tensors["images"], [r.prompt for r in records], [r.metadata for r in records])
         sends.append(p2p.isend_framed(scores, meta, dst=src))
         busy[fragment.index] = len(records)

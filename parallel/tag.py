@@ -94,10 +94,13 @@ class Assistant:
     """The generation helper of one trainer rank. `generator` is the rank's rollout.Generator: a
     fragment generated here is the same as one a replica generates."""
 
-    def __init__(self, ctx, generator, store, num_trainers: int, me: int, decision_interval_s: float = 0.02):
+    def __init__(self, ctx, generator, store, num_trainers: int, me: int, decision_interval_s: float = 0.02,
+                 trainer_ratio: float = 1.0):
+        """`trainer_ratio`: this trainer's generation time over a replica's, from the start-up speed
+        probe; BTS uses it until the trainer has generated a fragment of its own."""
         self.ctx, self.gen, self.store = ctx, generator, store
         self.num_trainers, self.me = num_trainers, me
-        self.tracker = CostTracker(ctx.topo.num_replicas)
+        self.tracker = CostTracker(ctx.topo.num_replicas, trainer_ratio=trainer_ratio)
         self.interval = decision_interval_s
         self.board = None
 
@@ -238,8 +241,9 @@ class GroupAssistant(Assistant):
     transformer forwards, so the all-gathers pair up. Between windows every fragment a slot needs
     has landed, so no trainer waits inside a collective for data."""
 
-    def __init__(self, ctx, generator, store, num_trainers: int, me: int, decision_interval_s: float = 0.02):
-        super().__init__(ctx, generator, store, num_trainers, me, decision_interval_s)
+    def __init__(self, ctx, generator, store, num_trainers: int, me: int, decision_interval_s: float = 0.02,
+                 trainer_ratio: float = 1.0):
+        super().__init__(ctx, generator, store, num_trainers, me, decision_interval_s, trainer_ratio)
         self.leader = me == 0
         self.written: list[str] = []  # the leader's decision keys of the previous step
 

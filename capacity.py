@@ -1,0 +1,95 @@
+"""What one rank can do, found at start-up: its speed (a short probe of the run's own model) and
+whether the run's plan fits its memory (--memory-budget-gb).
+
+The speeds are gathered on every rank and set the share of fragments of each generator replica
+(parallel.plan.replica_speeds), the GAP stage partition, and BTS's first estimate of how fast a
+trainer generates. Speeds are measured under the rank's --debug-slow-rank slow-down, so an
+emulated slow device is seen as slow, as a real one would be.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tracing import Slowdown
+
+ADAMW_BYTES = 8  # two float32 moments per trainable parameter
+GB = 1e9
+
+
+def _timed(fn, slowdown: Slowdown, device: torch.device) -> float:
+    """Seconds of the second of two calls of `fn` (the first pays one-off costs)."""
+    for _ in range(2):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with slowdown():
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return seconds
+
+
+def probe_speed(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocast) -> dict[str, float]:
+    """{"generate_s", "train_s"}: one denoising forward (no grad) and one training forward +
+    backward of the run's transformer at the run's micro-batch and resolution. Draws its inputs
+    from a private generator (the global RNG is untouched) and leaves no gradient behind."""
+    shape = adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)
+    device = adapter.device
+    rng = torch.Generator().manual_seed(0)
+    x = torch.randn(micro_batch, *shape, generator=rng).to(device)
+    sigma = torch.full((micro_batch,), 0.5, device=device)
+    cond = adapter.encode_prompts([""] * micro_batch)
+
+    def generate():
+        with torch.no_grad(), autocast():
+            adapter.velocity(x, sigma, cond, sampling.guidance)
+
+    def train():
+        with torch.enable_grad(), autocast():
+            v = adapter.velocity(x, sigma, cond, sampling.guidance)
+        if v.requires_grad:
+            v.float().square().mean().backward()
+        for p in adapter.transformer.parameters():
+            p.grad = None
+
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # whatever the model draws (dropout) leaves the run's RNG as it was
+        return {"generate_s": _timed(generate, slowdown, device), "train_s": _timed(train, slowdown, device)}
+
+
+def state_bytes(transformer: torch.nn.Module) -> dict[str, float]:
+    """Bytes of the transformer's weights, and of the gradients and AdamW state of its trainable
+    parameters (LoRA: the adapters only)."""
+    params = list(transformer.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    return {"weights": float(sum(p.numel() * p.element_size() for p in params)),
+            "gradients": float(sum(p.numel() * p.element_size() for p in trainable)),
+            "optimizer": float(sum(p.numel() * ADAMW_BYTES for p in trainable))}
+
+
+def check_memory_budget(budget_gb: float | None, transformer: torch.nn.Module, facts) -> None:
+    """Refuse a plan whose per-rank state exceeds the budget, naming the numbers. Trainers hold
+    weights + gradients + optimizer state, replicated or split over the trainer group by FSDP;
+    generators of a disaggregated run hold inference weights only (1/S of them in a GAP stage).
+    Called on every rank after the model loads and before any rank waits on another."""
+    if budget_gb is None:
+        return
+    b = state_bytes(transformer)
+    training = b["weights"] + b["gradients"] + b["optimizer"]
+    shards = facts.num_trainers if facts.train_sharding == "fsdp" else 1
+    per_trainer = training / shards
+    if per_trainer > budget_gb * GB:
+        what = (f"weights {b['weights'] / GB:.3g} + gradients {b['gradients'] / GB:.3g} + AdamW "
+                f"{b['optimizer'] / GB:.3g} GB")
+        fix = ("shard it with --train-sharding fsdp (disaggregated) or --colocated-sharding fsdp"
+               if shards == 1 else "use more trainer ranks or LoRA")
+        raise ValueError(f"--memory-budget-gb {budget_gb:g}: training state needs {per_trainer / GB:.3g} GB per "
+                         f"trainer rank ({what}, over {shards} rank(s)); {fix}")
+    if facts.disagg:
+        per_generator = b["weights"] / facts.topology.gap_stages
+        if per_generator > budget_gb * GB:
+            raise ValueError(f"--memory-budget-gb {budget_gb:g}: a generator holds {per_generator / GB:.3g} GB of "
+                             f"inference weights; use more --gap-stages")
