@@ -7,12 +7,17 @@ first --warmup steps are dropped and the rest summarized by their median. The ta
 written as JSON (--json) and as a markdown table (--markdown).
 
     python scripts/bench.py                                    # the default modes and workload
-    python scripts/bench.py --list                             # known modes
-    python scripts/bench.py --modes disagg,gap-stream --preset mid --steps 6
+    python scripts/bench.py --list                             # known modes and scenarios
+    python scripts/bench.py --scenarios fits,sharded,hetero,window --json OUT
+    python scripts/bench.py --modes disagg,gap --preset mid --steps 6
     python scripts/bench.py --modes disagg -- --lora-rank 0    # flags after -- go to every run
     python scripts/bench.py --workload "--reward jpeg_compressibility --sample-steps 10"
 
-Adding a mode is one line in MODES.
+Every mode trains the same transitions in the same forwards: the workload packs transitions
+(TSP, --train-micro-batch) in every mode, colocated ones included, so a ratio isolates placement
+(--no-packing runs every mode with one timestep of a chunk per forward instead). Scenarios
+(bench_scenarios.py) run the regimes where placement matters, each against its best colocated
+baseline. Adding a mode is one line in MODES.
 """
 from __future__ import annotations
 
@@ -31,8 +36,12 @@ from typing import Any, NamedTuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from config import parse_config  # noqa: E402
 from metrics import read_metrics  # noqa: E402
+from models import load_model  # noqa: E402
 from tracing import BUSY_CATEGORIES, Span, Tracer  # noqa: E402
+
+from bench_report import scenario_report, write_report  # noqa: E402
 
 
 class Mode(NamedTuple):
@@ -43,42 +52,38 @@ class Mode(NamedTuple):
     description: str
 
 
+G1T1 = ["--generators", "1", "--trainers", "1"]
+
 MODES: dict[str, Mode] = {
     "colocated-replicate": Mode(2, ["--mode", "colocated"], "every rank generates then trains; full replicas"),
+    "colocated-speed": Mode(2, ["--mode", "colocated", "--fragment-split", "speed"],
+                            "colocated, each rank's share of fragments in proportion to its measured speed"),
     "colocated-fsdp": Mode(2, ["--mode", "colocated", "--colocated-sharding", "fsdp"],
                            "every rank generates then trains; FSDP2-sharded generation and training"),
-    "disagg": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "0"],
-                   "naive disaggregation (DESIGN 5.1): 1 generator, 1 trainer"),
-    "gap-stream": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1"],
-                       "GAP fragment streaming (DESIGN 5.2): one group per fragment, trainer starts on the first"),
+    "colocated-fsdp3": Mode(3, ["--mode", "colocated", "--colocated-sharding", "fsdp"],
+                            "colocated FSDP2 over 3 ranks (3 ranks on 2 cores: contention)"),
+    "disagg": Mode(2, [*G1T1, "--fragment-groups", "0"], "naive disaggregation: 1 generator, 1 trainer"),
+    "gap": Mode(2, [*G1T1, "--fragment-groups", "1"],
+                "GAP fragment streaming: one group per fragment, the trainer starts on the first"),
     "gap-stages": Mode(3, ["--generators", "2", "--trainers", "1", "--gap-stages", "2", "--fragment-groups", "1"],
                        "GAP block pipeline: one replica of 2 stages + 1 trainer (3 ranks on 2 cores: contention)"),
-    "gap+tsp": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1", "--tsp",
-                        "--train-micro-batch", "16"], "+ TSP (DESIGN 5.3): transitions packed across timesteps"),
-    "gap+tsp+tag": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1", "--tsp",
-                            "--train-micro-batch", "16", "--tag"], "+ TAG with BTS (DESIGN 5.4)"),
-    "gap+tsp+tag+tcss": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1", "--tsp",
-                                 "--train-micro-batch", "16", "--tag", "--tcss"],
-                             "+ TCSS (DESIGN 5.5): generators run at most one version stale"),
-    "slow-gen": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1",
-                         "--debug-slow-rank", "0:3"], "GAP with the generator slowed 3x (an older GPU), TAG off"),
-    "slow-gen+tag": Mode(2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "1",
-                             "--debug-slow-rank", "0:3", "--tag"], "the same with TAG: the trainer generates too"),
-    "slow-gen-fsdp": Mode(3, ["--generators", "1", "--trainers", "2", "--fragment-groups", "1",
-                              "--train-sharding", "fsdp", "--debug-slow-rank", "0:3"],
-                          "slow-gen with 2 FSDP2 trainers, TAG off (3 ranks on 2 cores: contention)"),
-    "slow-gen-fsdp+tag": Mode(3, ["--generators", "1", "--trainers", "2", "--fragment-groups", "1",
-                                  "--train-sharding", "fsdp", "--debug-slow-rank", "0:3", "--tag"],
-                              "the same with TAG: the FSDP trainers generate together"),
+    "gap+tag": Mode(2, [*G1T1, "--fragment-groups", "1", "--tag"], "+ TAG with BTS: the idle trainer generates"),
+    "gap+tag+tcss": Mode(2, [*G1T1, "--fragment-groups", "1", "--tag", "--tcss"],
+                         "+ TCSS: generators run at most one version stale"),
+    "gap+tcss": Mode(2, [*G1T1, "--fragment-groups", "1", "--tcss"], "GAP + TCSS, TAG off"),
+    "gap-fsdp": Mode(3, ["--generators", "1", "--trainers", "2", "--fragment-groups", "1", "--train-sharding", "fsdp"],
+                     "1 generator with plain inference weights + 2 FSDP2 trainers (3 ranks on 2 cores: contention)"),
+    "gap-fsdp+tag": Mode(3, ["--generators", "1", "--trainers", "2", "--fragment-groups", "1",
+                             "--train-sharding", "fsdp", "--tag"], "the same with TAG: the FSDP trainers generate together"),
 }
 
 BASELINES = ("colocated-replicate", "colocated-fsdp")
-"""Every mode's samples/s is reported as a ratio to each of these (when they ran)."""
+"""With --modes, every mode's samples/s is reported as a ratio to each of these (when they ran)."""
 
-DEFAULT_MODES = ("colocated-replicate", "colocated-fsdp", "disagg", "gap-stream")
+DEFAULT_MODES = ("colocated-replicate", "colocated-fsdp", "disagg", "gap")
 
 BUBBLE_DEFINITION = (f"bubble = 1 - ideal / actual; ideal = busy seconds ({', '.join(BUSY_CATEGORIES)}) summed over "
-                     f"all ranks / number of ranks; actual = the step's wall time (DESIGN 8)")
+                     f"all ranks / number of ranks; actual = the step's wall time (docs/DESIGN.md, observability)")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -90,6 +95,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 epilog="Flags after `--` are passed to every train_disagg.py run.")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated mode names (see --list)")
+    p.add_argument("--scenarios", default=None,
+                   help=f"comma-separated scenarios ({', '.join(SCENARIOS)}): each runs its modes against its "
+                        f"colocated baseline; replaces --modes")
     p.add_argument("--list", action="store_true", help="list the known modes and exit")
     p.add_argument("--out", default=None, help="bench folder (default: runs/bench-<date>-<time>)")
     p.add_argument("--json", default=None, help="JSON table path (default: <out>/bench.json)")
@@ -106,6 +114,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument("--sample-steps", type=int, default=8, help="denoising steps K per sample")
     w.add_argument("--height", type=int, default=32, help="image height in pixels")
     w.add_argument("--width", type=int, default=32, help="image width in pixels")
+    w.add_argument("--train-micro-batch", type=int, default=16,
+                   help="transitions per packed training forward, the same in every mode")
+    w.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+                   help="pack transitions (TSP) in every mode; --no-packing: one timestep of a chunk per forward")
     w.add_argument("--workload", default="", help="more train_disagg.py flags, as one shell-quoted string")
     r = p.add_argument_group("runs")
     r.add_argument("--timeout", type=float, default=600, help="seconds before a mode's run is killed")
@@ -118,6 +130,95 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     return args
+
+
+class Scenario(NamedTuple):
+    modes: tuple[str, ...]
+    """the modes measured side by side, the baseline first"""
+    flags: tuple[str, ...]
+    """train_disagg.py flags of the regime, for every mode of the scenario"""
+    description: str
+
+    @property
+    def baseline(self) -> str:
+        return self.modes[0]
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "fits": Scenario(("colocated-replicate", "gap", "gap+tag", "gap+tag+tcss"), (),
+                     "identical ranks, the model replicated"),
+    "sharded": Scenario(("colocated-fsdp3", "gap-fsdp", "gap-fsdp+tag"),
+                        ("--lora-rank", "0", "--memory-budget-gb", "auto", "--prompts-per-step", "3"),
+                        "full fine-tuning whose training state must be sharded (--memory-budget-gb): colocated FSDP2 "
+                        "for both phases against plain inference weights on the generator and FSDP2 trainers"),
+    "hetero": Scenario(("colocated-replicate", "colocated-speed", "gap", "gap+tag"), ("--debug-slow-rank", "0:2"),
+                       "rank 0 is 2x slower (an older or inference-class GPU): colocated splits evenly (or by speed); "
+                       "DigenRL puts generation on the slow rank"),
+    "window": Scenario(("colocated-replicate", "gap+tag", "gap+tag+tcss"), ("--algorithm", "window", "--sde-window", "0:2"),
+                       "a 2-timestep SDE window: training is cheap, rollout dominates"),
+}
+
+
+def memory_budget_gb(args: argparse.Namespace) -> float:
+    """A budget that forbids replicated full fine-tuning of the bench's model but fits its inference
+    weights and its FSDP2 shards over 2 or more ranks: 2.5 x the float32 weights (training holds 4x:
+    weights, gradients and two AdamW moments)."""
+    cfg = parse_config(["--preset", args.preset] if args.preset != "auto" else [])
+    cfg.resolve_defaults()
+    adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=0)
+    return 2.5 * sum(p.numel() * p.element_size() for p in adapter.transformer.parameters()) / 1e9
+
+
+def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
+    """Every scenario's modes side by side; rows of {scenario, mode, baseline, samples_per_s, bubble,
+    ratio, ...}; each scenario's best DigenRL (non-colocated) mode is marked."""
+    names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown or not names:
+        print(f"error: unknown or no scenario(s) {unknown or names}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
+        return 2
+    bench_dir = os.path.abspath(args.out or os.path.join(ROOT, "runs", time.strftime("scenarios-%Y%m%d-%H%M%S")))
+    os.makedirs(bench_dir, exist_ok=True)
+    budget = None
+    rows = []
+    for sc_name in names:
+        sc = SCENARIOS[sc_name]
+        flags = list(sc.flags)
+        if "auto" in flags:
+            budget = budget or memory_budget_gb(args)
+            flags[flags.index("auto")] = f"{budget:.6g}"
+        print(f"scenario {sc_name}: {sc.description}; {shlex.join(flags)}", flush=True)
+        results = []
+        for name in sc.modes:
+            print(f"  {name}: {MODES[name].nproc} ranks, {shlex.join(MODES[name].flags)}", flush=True)
+            results.append(measure_mode(name, workload + flags, os.path.join(bench_dir, sc_name), args))
+        base = results[0].get("samples_per_s") if results[0]["status"] == "ok" else None
+        for name, r in zip(sc.modes, results):
+            ok = r["status"] == "ok"
+            rows.append({"scenario": sc_name, "mode": name, "baseline": name == sc.baseline, "nproc": r["nproc"],
+                         "exceeds_cores": r["exceeds_cores"], "status": r["status"], "flags": [*flags, *MODES[name].flags],
+                         "samples_per_s": r.get("samples_per_s") if ok else None,
+                         "step_s": r.get("step_s") if ok else None,
+                         "bubble": r.get("bubble_fraction") if ok else None,
+                         "busy_fraction": r.get("busy_fraction", {}),
+                         "ratio": r["samples_per_s"] / base if ok and base else None,
+                         "output_dir": r["output_dir"], "bubble_check": r.get("bubble_check"),
+                         "error": r.get("error")})
+        candidates = [row for row in rows[-len(sc.modes):]
+                      if not row["mode"].startswith("colocated") and row["ratio"] is not None]
+        if candidates:
+            max(candidates, key=lambda row: row["ratio"])["best"] = True
+    notes_lines = [f"workload {shlex.join(workload)}; {os.cpu_count()} CPU cores; medians after {args.warmup} "
+                   f"warm-up step(s)", BUBBLE_DEFINITION,
+                   "every mode of a scenario trains the same transitions in the same packed forwards"
+                   if args.packing else "no packing: one timestep of a chunk per forward in every mode"]
+    if any(r["exceeds_cores"] for r in rows):
+        notes_lines.append(f"* more ranks than the {os.cpu_count()} CPU cores: ranks time-share cores (contention)")
+    if budget is not None:
+        notes_lines.append(f"sharded: --memory-budget-gb {budget:.6g} (2.5x the float32 weights) forbids replicated "
+                           f"full fine-tuning")
+    scenario_report(rows, notes_lines, bench_dir, args.json or os.path.join(bench_dir, "scenarios.json"))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
 def select_modes(spec: str) -> list[str]:
@@ -140,6 +241,8 @@ def workload_flags(args: argparse.Namespace) -> list[str]:
              "--group-size", str(args.group_size), "--micro-batch", str(args.micro_batch),
              "--sample-steps", str(args.sample_steps), "--height", str(args.height), "--width", str(args.width),
              "--log-images-every", "0", "--eval-every", "0"]
+    if args.packing:
+        flags += ["--tsp", "--train-micro-batch", str(args.train_micro_batch)]
     if args.preset != "auto":
         flags += ["--preset", args.preset]
     return flags + shlex.split(args.workload) + args.passthrough
@@ -150,7 +253,8 @@ def workload_flags(args: argparse.Namespace) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 def run_mode(name: str, workload: list[str], bench_dir: str, timeout: float, threads: int | None) -> dict[str, Any]:
-    """Run one mode under torchrun; returns its result (status, command, wall time, output dir)."""
+    """Run one mode under torchrun (in bench_dir/name); returns its result (status, command, wall
+    time, output dir)."""
     mode = MODES[name]
     out = os.path.join(bench_dir, name)
     if os.path.isdir(out):
@@ -287,63 +391,26 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
                          for b in BASELINES}
 
 
-# ---------------------------------------------------------------------------------------------
-# The table
-# ---------------------------------------------------------------------------------------------
-
-def table_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Header and cells, shared by the console and the markdown table."""
-    def num(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
-    header = ["mode", "ranks", "step s", "samples/s", "bubble", "busy by role",
-              *[f"x {b}" for b in BASELINES], "status"]
-    rows = []
-    for r in results:
-        ok = r["status"] == "ok"
-        busy = " ".join(f"{role} {v:.2f}" for role, v in r.get("busy_fraction", {}).items()) or "-"
-        rows.append([r["mode"], f"{r['nproc']}{'*' if r['exceeds_cores'] else ''}",
-                     num(r.get("step_s") if ok else None, ".3f"), num(r.get("samples_per_s") if ok else None, ".2f"),
-                     num(r.get("bubble_fraction") if ok else None, ".3f"), busy if ok else "-",
-                     *[num(r["ratio_vs"][b], ".2f") for b in BASELINES], r["status"]])
-    return header, rows
-
-
-def console_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join(lines)
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def notes(report: dict[str, Any]) -> list[str]:
-    w = report["workload"]
-    if "model" in w:
-        lines = [f"model {w['model']}, {w['resolution']}, {w['prompts_per_step']} prompts x {w['group_size']} samples "
-                 f"per step, {w['sample_steps']} sample steps, micro-batch {w['micro_batch']}, LoRA rank "
-                 f"{w['lora_rank']}; {w['steps']} steps, the first {w['warmup']} left out, medians over the rest; "
-                 f"{report['cpu_count']} CPU cores"]
-    else:
-        lines = [f"workload {shlex.join(w['flags'])}; {report['cpu_count']} CPU cores"]
-    if any(r["exceeds_cores"] for r in report["modes"]):
-        lines.append(f"* more ranks than the {report['cpu_count']} CPU cores: ranks time-share cores")
-    lines.append(BUBBLE_DEFINITION)
-    for r in report["modes"]:
-        c = r.get("bubble_check")
-        if c:
-            busy = " + ".join(f"{b:.3f}" for b in c["busy_s"])
-            lines.append(f"{r['mode']}, step {c['step']} (from the traces): ideal = ({busy}) / {len(c['busy_s'])} = "
-                         f"{c['ideal_s']:.3f} s, actual {c['actual_s']:.3f} s, bubble {c['bubble']:.3f} "
-                         f"(logged {c['logged_bubble']:.3f})")
-    lines += [f"{r['mode']} {r['status']}: {r.get('error') or 'see ' + r['output_dir'] + '/stderr.log'}"
-              for r in report["modes"] if r["status"] != "ok"]
-    return lines
+def measure_mode(name: str, workload: list[str], bench_dir: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one mode and summarize its metrics (medians after the warm-up, the bubble recomputed
+    from the traces); a failed run keeps its first error."""
+    r = run_mode(name, workload, bench_dir, args.timeout, args.threads)
+    if r["status"] == "ok":
+        try:
+            rows = read_metrics(r["output_dir"])
+            r.update(summarize(rows, args.warmup))
+            r["bubble_check"] = bubble_check(r["output_dir"], median_row(rows, args.warmup))
+        except (OSError, ValueError, KeyError) as e:
+            r["status"] = f"failed ({e})"
+    r["run"] = run_info(r["output_dir"])
+    print(f"    {r['status']} in {r['wall_s']:.1f} s", flush=True)
+    if r["status"] != "ok":
+        with open(os.path.join(r["output_dir"], "stderr.log")) as f:
+            ranks = ranks_stderr(f.read())
+        r["error"] = first_error(ranks)
+        print(f"    --- stderr tail ({r['output_dir']}/stderr.log)\n{ranks[-3000:]}\n    ---", file=sys.stderr,
+              flush=True)
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,7 +421,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, mode in MODES.items():
             flags = shlex.join(mode.flags).ljust(flags_width)
             print(f"{name.ljust(width)}  {mode.nproc} ranks  {flags}  {mode.description}")
+        print()
+        for name, sc in SCENARIOS.items():
+            print(f"scenario {name}: {sc.description}; modes {', '.join(sc.modes)} (baseline {sc.baseline})")
         return 0
+    if args.scenarios is not None:
+        return run_scenarios(args, workload_flags(args))
     try:
         names = select_modes(args.modes)
     except ValueError as e:
@@ -369,47 +441,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i, name in enumerate(names):
         print(f"[{i + 1}/{len(names)}] {name}: {MODES[name].nproc} ranks, {shlex.join(MODES[name].flags)}", flush=True)
-        r = run_mode(name, workload, bench_dir, args.timeout, args.threads)
-        if r["status"] == "ok":
-            try:
-                rows = read_metrics(r["output_dir"])
-                r.update(summarize(rows, args.warmup))
-                r["bubble_check"] = bubble_check(r["output_dir"], median_row(rows, args.warmup))
-            except (OSError, ValueError, KeyError) as e:
-                r["status"] = f"failed ({e})"
-        r["run"] = run_info(r["output_dir"])
-        print(f"    {r['status']} in {r['wall_s']:.1f} s", flush=True)
-        if r["status"] != "ok":
-            with open(os.path.join(r["output_dir"], "stderr.log")) as f:
-                ranks = ranks_stderr(f.read())
-            r["error"] = first_error(ranks)
-            print(f"    --- stderr tail ({r['output_dir']}/stderr.log)\n{ranks[-3000:]}\n    ---", file=sys.stderr,
-                  flush=True)
-        results.append(r)
+        results.append(measure_mode(name, workload, bench_dir, args))
     add_ratios(results)
 
     info = next((r["run"] for r in results if r["run"]), {})
-    report = {"cpu_count": cores, "bubble_definition": BUBBLE_DEFINITION,
+    report = {"cpu_count": cores, "bubble_definition": BUBBLE_DEFINITION, "baselines": list(BASELINES),
               "workload": {"flags": workload, "preset": args.preset, "warmup": args.warmup, **info},
               "modes": results}
     write_report(report, args.json or os.path.join(bench_dir, "bench.json"),
                  args.markdown or os.path.join(bench_dir, "bench.md"))
     return 0 if all(r["status"] == "ok" for r in results) else 1
 
-
-def write_report(report: dict[str, Any], json_path: str, md_path: str) -> None:
-    """Print the table and its notes; write them as JSON and as markdown."""
-    header, rows = table_rows(report["modes"])
-    print("\n" + console_table(header, rows))
-    for line in notes(report):
-        print(line)
-    for path in (json_path, md_path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=2)
-    with open(md_path, "w") as f:
-        f.write(markdown_table(header, rows) + "\n\n" + "\n".join(f"- {line}" for line in notes(report)) + "\n")
-    print(f"wrote {json_path} and {md_path}")
 
 if __name__ == "__main__":
     sys.exit(main())
