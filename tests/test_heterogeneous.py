@@ -74,9 +74,11 @@ def test_memory_budget_refuses_replicated_training_state_that_does_not_fit():
 
 
 def _same(a, b, what):
+    """Equal up to reduction order: colocated TSP packs a step over two trainers, one trainer packs
+    it alone, so sums group differently (differences of a few 1e-7 on weights of order 1)."""
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=f"{what}: {k}")
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=2e-6, msg=f"{what}: {k}")
 
 
 ARGS = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]
@@ -85,11 +87,12 @@ ARGS += ["--lora-rank", "4", "--fragment-groups", "1", "--steps", "2", "--log-im
 
 
 def test_hetero_modes_train_the_colocated_data(tmp_path):
-    """Rank 0 is 2x slower. Colocated with the even split (the baseline), colocated with the
+    """Rank 0 is 4x slower (a large factor, so that the probe's ratio stands above timing noise on
+    shared cores). Colocated with the even split (the baseline), colocated with the
     speed-weighted split, and DigenRL with the slow rank generating and the trainer assisting (TAG)
     reach the same weights; the probe saw the slow rank as slow, and the weighted split moved
     fragments off it."""
-    slow = ["--debug-slow-rank", "0:2"]
+    slow = ["--debug-slow-rank", "0:4"]
     runs = {"colocated": ["--mode", "colocated"], "colocated-speed": ["--mode", "colocated", "--fragment-split", "speed"],
             "gap+tag": ["--generators", "1", "--trainers", "1", "--tag"]}
     weights = {}
@@ -98,8 +101,8 @@ def test_hetero_modes_train_the_colocated_data(tmp_path):
         torchrun(2, [*ARGS, *slow, *placement, "--output-dir", str(out)])
         weights[name] = trained_weights(str(out), 2)
         speeds = json.loads((out / "speeds.json").read_text())
-        assert speeds[0]["generate_s"] > 1.5 * speeds[1]["generate_s"], speeds
-        assert speeds[0]["train_s"] > 1.5 * speeds[1]["train_s"], speeds
+        assert speeds[0]["generate_s"] > 2 * speeds[1]["generate_s"], speeds
+        assert speeds[0]["train_s"] > 2 * speeds[1]["train_s"], speeds
     for name in runs:
         _same(weights["colocated"], weights[name], name)
     trace = json.loads((tmp_path / "colocated-speed" / "trace" / "rank0.json").read_text())["traceEvents"]
