@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import algorithm
 import checkpoint
 import sampler
+from parallel import compress
 from parallel.plan import StepPlan, plan_step
 from parallel.topology import SHARDINGS, Topology
 from prompts import eval_records, load_prompts
@@ -118,6 +119,10 @@ class TopologyConfig:
                                      "disaggregated; even when colocated, as colocated systems split)")
     memory_budget_gb: float | None = _f(None, "GPU memory per rank, in GB: a plan whose weights, gradients and "
                                               "optimizer state do not fit is refused (forces FSDP for large models)")
+    publish_compression: str = _f("none", "what weight publication sends: none, bf16, delta (the difference to the "
+                                          "version the generators hold, in bf16) or delta-topk:F (its largest "
+                                          "fraction F, with error feedback); generators rebuild bit-exactly what "
+                                          "the trainer says they hold", metavar="CODEC")
     dist_timeout_s: int = _f(600, "timeout of every collective and point-to-point wait, in seconds")
 
 
@@ -132,6 +137,9 @@ class OutputConfig:
     eval_num_prompts: int = _f(64, "held-out prompts evaluated each time")
     eval_samples_per_prompt: int = _f(1, "images per held-out prompt, each with its own fixed seed (GenEval: 4)")
     trace: bool = _f(True, "write a Chrome trace per rank to DIR/trace/rank{R}.json")
+    debug_link_bandwidth: float | None = _f(None, "MBPS: test-only, emulate a link of this many MB/s between "
+                                                  "trainers and generators (publication waits each bucket's "
+                                                  "transfer time)", metavar="MBPS")
     debug_slow_rank: tuple | None = _f(None, "R:FACTOR: test-only, rank R sleeps to run FACTOR x slower",
                                        parse=lambda s: _parse_pair(s, ":", (int, float), "--debug-slow-rank"),
                                        metavar="R:FACTOR")
@@ -355,6 +363,9 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
     _choice("--train-sharding", t.train_sharding, SHARDINGS)
     _choice("--lora-targets", cfg.optim.lora_targets, ("attn", "attn+ff"))
     _choice("--fragment-split", t.fragment_split, ("auto", "even", "speed"))
+    compress.parse(t.publish_compression)
+    if o.debug_link_bandwidth is not None and not o.debug_link_bandwidth > 0:
+        raise ValueError(f"--debug-link-bandwidth must be > 0 MB/s, got {o.debug_link_bandwidth}")
     if t.memory_budget_gb is not None and not t.memory_budget_gb > 0:
         raise ValueError(f"--memory-budget-gb must be > 0, got {t.memory_budget_gb}")
     if not 0 < rl.timestep_fraction <= 1:

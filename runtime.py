@@ -135,7 +135,8 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
         replica_s = sum(speeds[g]["generate_s"] for g in topo.generator_ranks) / len(topo.generator_ranks)
         assistant = helper(ctx, make_generator(LocalScorer(reward_set())), store, facts.num_trainers,
                            topo.trainer_ranks.index(rank), trainer_ratio=speeds[rank]["generate_s"] / replica_s)
-    publisher = publish.WeightPublisher() if is_train else None
+    publisher = _publisher(cfg, trainer, all_names, rank == topo.trainer_ranks[0]) if is_train and facts.disagg \
+        else None
     versions = None
     if facts.disagg and is_gen:
         receiver = publish.WeightReceiver(_params(adapter, publish_names[rank]))
@@ -283,6 +284,15 @@ def _reward_std(cfg: RunConfig, store: StepStore, running, step: int, start: int
         return None
     last = step - 1 - (1 if cfg.topology.tcss else 0)
     return running.std if last < start else store.get(f"std/{last}")
+
+
+def _publisher(cfg: RunConfig, trainer: Trainer, names: list[str], sends: bool) -> publish.WeightPublisher:
+    """The trainers' publisher. A lossy codec keeps a copy of what the generators hold, starting
+    from the version every rank holds now (the whole trainer group gathers it under FSDP)."""
+    lossy = cfg.topology.publish_compression != "none"
+    initial = trainer.full_weights(names) if lossy else None  # a collective over the trainers under FSDP
+    return publish.WeightPublisher(compression=cfg.topology.publish_compression, initial=initial if sends else None,
+                                   link_mbps=cfg.output.debug_link_bandwidth)
 
 
 def _probe_speeds(ctx: RankContext, out_dir: str) -> list[dict | None]:

@@ -429,13 +429,16 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     update_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     if facts.disagg:
+        sent = []
         with tracer.span("publish", "publish", step):
             weights = trainer.full_weights(sorted({n for names in publish_names.values() for n in names}))
             if ctx.rank == topo.trainer_ranks[0]:
                 if store is not None:
                     store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
-                for g in topo.generator_ranks:  # each generator (stage) gets only the weights it holds
-                    publisher.publish({n: weights[n] for n in publish_names[g]}, step + 1, dst=g)
+                # Each generator (stage) gets only the weights it holds, encoded once for all of them.
+                sent = publisher.publish_all(weights, {g: publish_names[g] for g in topo.generator_ranks}, step + 1)
+        stats["publish/bytes"] = float(sum(s.num_bytes for s in sent))
+        stats["publish/seconds"] = time.perf_counter() - t0
     if assistant is not None:
         assistant.observe_training(seconds)
         assistant.tracker.observe_update(update_s)

@@ -4,8 +4,10 @@ After step k's update a trainer rank publishes version k+1 to each generator ran
 exactly the tensors that rank holds (its stage's blocks plus embed or head; LoRA adapters only
 for LoRA runs). The protocol, sender -> receiver:
 
-1. a header payload (`parallel.p2p`): version, names, shapes, dtypes, the bucket plan, the
-   checksum of every tensor and the checksums the sender published to this receiver last time;
+1. a header payload (`parallel.p2p`): version, the wire tensors' names, shapes and dtypes, the
+   bucket plan, the encoding (parallel/compress.py) with the name, shape and dtype of every tensor
+   it rebuilds, the checksum of every rebuilt tensor and the checksums the sender published to
+   this receiver last time;
 2. the buckets, one message each: the tensors of one dtype, flattened and concatenated, at most
    `bucket_bytes` each unless a single tensor is larger.
 
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallel import compress
 from parallel.p2p import as_bytes, comm_device, dtype_from_name, recv_payload, send_payload
 
 CORRUPT_ENV = "DIGENRL_DEBUG_CORRUPT_PUBLISH"
@@ -166,16 +169,23 @@ class PublishStats:
 
 def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=None,
                     bucket_bytes: int = 64 << 20,
-                    previous_checksums: dict[str, int] | None = None) -> PublishStats:
-    """Send `tensors` (exactly the names the receiver holds) as `version` to global rank `dst`.
+                    previous_checksums: dict[str, int] | None = None, encoding: str = "none",
+                    rebuilt: dict[str, Tensor] | None = None,
+                    link_bytes_per_s: float | None = None) -> PublishStats:
+    """Send `tensors` as `version` to global rank `dst`.
 
+    Uncompressed, `tensors` are exactly the tensors the receiver holds. With an `encoding`
+    (parallel/compress.py) they are wire tensors, and `rebuilt` are the tensors the receiver will
+    hold once it applies them: their names, shapes, dtypes and checksums go in the header.
     `previous_checksums` are the checksums of the previous publication to this receiver, which
     let it detect an update that does nothing; None or `{}` means: the first publication
-    (`WeightPublisher` remembers them per receiver). The tensors must not change until the call
-    returns."""
+    (`WeightPublisher` remembers them per receiver). `link_bytes_per_s` emulates a slow link
+    (--debug-link-bandwidth): each bucket waits its transfer time before it is sent. The tensors
+    must not change until the call returns."""
     start = time.perf_counter()
     comm = comm_device(group)
-    sums = {name: checksum(t) for name, t in tensors.items()}
+    rebuilt = tensors if rebuilt is None else rebuilt
+    sums = {name: checksum(t) for name, t in rebuilt.items()}
     checksum_seconds = time.perf_counter() - start
     previous = previous_checksums
     buckets = plan_buckets([(n, str(t.dtype), t.numel()) for n, t in tensors.items()], bucket_bytes)
@@ -184,6 +194,8 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
         "names": list(tensors),
         "shapes": [list(t.shape) for t in tensors.values()],
         "dtypes": [str(t.dtype) for t in tensors.values()],
+        "encoding": encoding,
+        "targets": [[n, list(t.shape), str(t.dtype)] for n, t in rebuilt.items()],
         "checksums": sums,
         "previous_checksums": previous or None,
         "buckets": buckets,
@@ -195,6 +207,8 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
     for bucket in buckets:
         flat = _pack_bucket([tensors[n] for n in bucket["names"]], comm)
         num_bytes += flat.numel() * flat.element_size()
+        if link_bytes_per_s:
+            time.sleep(flat.numel() * flat.element_size() / link_bytes_per_s)  # the emulated link's transfer
         in_flight.append((dist.isend(as_bytes(flat), dst=dst, group=group), flat))
         if len(in_flight) > 1:
             in_flight.popleft()[0].wait()
@@ -202,25 +216,43 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
         in_flight.popleft()[0].wait()
     changed = None if not previous else sum(previous.get(n) != s for n, s in sums.items())
     return PublishStats(
-        version=int(version), dst=dst, num_tensors=len(tensors), num_buckets=len(buckets),
+        version=int(version), dst=dst, num_tensors=len(rebuilt), num_buckets=len(buckets),
         num_bytes=num_bytes, seconds=time.perf_counter() - start, checksum_seconds=checksum_seconds,
-        state_checksum=_combine({n: (str(t.dtype), list(t.shape), sums[n]) for n, t in tensors.items()}),
+        state_checksum=_combine({n: (str(t.dtype), list(t.shape), sums[n]) for n, t in rebuilt.items()}),
         num_changed=changed, checksums=sums,
     )
 
 
 class WeightPublisher:
-    """The sending side of one trainer rank: publishes versions and remembers, per receiver, the
-    checksums it sent last, so that each receiver can tell an update that does nothing."""
+    """The sending side of one trainer rank: publishes versions, compressed or not, and remembers
+    per receiver the checksums it sent last, so that each receiver can tell an update that does
+    nothing. A lossy codec needs `initial`, version 0 of the published tensors."""
 
-    def __init__(self, bucket_bytes: int = 64 << 20):
-        self.bucket_bytes = bucket_bytes
+    def __init__(self, bucket_bytes: int = 64 << 20, compression: str = "none",
+                 initial: dict[str, Tensor] | None = None, link_mbps: float | None = None):
+        self.bucket_bytes, self.compression = bucket_bytes, compression
+        self.reconstruction = compress.Reconstruction(compression, initial or {})
+        self.link_bytes_per_s = link_mbps * 1e6 if link_mbps else None
         self.last: dict[int, dict[str, int]] = {}  # dst -> name -> checksum
 
-    def publish(self, tensors: dict[str, Tensor], version: int, dst: int, group=None) -> PublishStats:
-        stats = publish_weights(tensors, version, dst, group, self.bucket_bytes, self.last.get(dst))
+    def publish(self, tensors: dict[str, Tensor], version: int, dst: int, group=None, encoding: str = "none",
+                rebuilt: dict[str, Tensor] | None = None) -> PublishStats:
+        stats = publish_weights(tensors, version, dst, group, self.bucket_bytes, self.last.get(dst), encoding,
+                                rebuilt, self.link_bytes_per_s)
         self.last[dst] = stats.checksums
         return stats
+
+    def publish_all(self, weights: dict[str, Tensor], names_by_dst: dict[int, list[str]], version: int,
+                    group=None) -> list[PublishStats]:
+        """One version to every receiver, each its own names, encoded once: every receiver holds
+        the previous version, so one reconstruction serves all."""
+        wire, held = self.reconstruction.publish(weights)
+        parts = compress.split_wire(wire)
+        out = []
+        for dst, names in names_by_dst.items():
+            mine = {compress.wire_name(n, p): t for n in names for p, t in parts[n].items()}
+            out.append(self.publish(mine, version, dst, group, self.compression, {n: held[n] for n in names}))
+        return out
 
 
 def _pack_bucket(parts: list[Tensor], device: torch.device) -> Tensor:
@@ -264,7 +296,7 @@ class WeightReceiver:
         buffers = self._staging_buffers(header["buckets"], comm)
         for buf in buffers:
             dist.recv(as_bytes(buf), src=src, group=group)  # rank wait: one bucket from src
-        shapes = dict(zip(header["names"], header["shapes"]))
+        shapes = dict(zip(header["names"], header["shapes"]))  # of the wire tensors
         staged = {}
         for bucket, buf in zip(header["buckets"], buffers):
             offset = 0
@@ -295,17 +327,17 @@ class WeightReceiver:
         self._header, self._staged = None, None  # a publication is installed at most once
         expected = header["checksums"]
         previous = header["previous_checksums"] or {}
-        changed = [n for n in header["names"] if n in previous and previous[n] != expected[n]]
+        changed = [n for n, _, _ in header["targets"] if n in previous and previous[n] != expected[n]]
         before = {n: checksum(self.targets[n]) for n in changed}
         corrupt = os.environ.get(CORRUPT_ENV, "").strip().lower()
         if corrupt in ("1", "flip"):
             _flip_one_bit(staged)
-        with torch.no_grad():
-            for name in header["names"]:
-                if corrupt != "skip":
-                    self.targets[name].copy_(staged[name])
-        after = {n: checksum(self.targets[n]) for n in header["names"]}
-        mismatched = {n: (expected[n], after[n]) for n in header["names"] if after[n] != expected[n]}
+        names = [t[0] for t in header["targets"]]
+        if corrupt != "skip":
+            for name, parts in compress.split_wire(staged).items():
+                compress.apply(header["encoding"], self.targets[name], parts)
+        after = {n: checksum(self.targets[n]) for n in names}
+        mismatched = {n: (expected[n], after[n]) for n in names if after[n] != expected[n]}
         unchanged = [n for n in changed if after[n] == before[n]]
         if mismatched or unchanged:
             raise PublicationError(_failure_message(header["version"], mismatched, unchanged),
@@ -322,15 +354,16 @@ class WeightReceiver:
         return self._buffers
 
     def _layout_problems(self, header: dict) -> list[str]:
-        sent = set(header["names"])
+        """Names, shapes and dtypes of the tensors the publication rebuilds against the targets."""
+        sent = {n for n, _, _ in header["targets"]}
         problems = []
         missing = [n for n in self.targets if n not in sent]
-        extra = [n for n in header["names"] if n not in self.targets]
+        extra = [n for n, _, _ in header["targets"] if n not in self.targets]
         if missing:
             problems.append(f"not sent: {missing}")
         if extra:
             problems.append(f"sent but not held here: {extra}")
-        for name, shape, dtype in zip(header["names"], header["shapes"], header["dtypes"]):
+        for name, shape, dtype in header["targets"]:
             target = self.targets.get(name)
             if target is None:
                 continue

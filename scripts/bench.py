@@ -71,6 +71,10 @@ MODES: dict[str, Mode] = {
     "gap+tag+tcss": Mode(2, [*G1T1, "--fragment-groups", "1", "--tag", "--tcss"],
                          "+ TCSS: generators run at most one version stale"),
     "gap+tcss": Mode(2, [*G1T1, "--fragment-groups", "1", "--tcss"], "GAP + TCSS, TAG off"),
+    "gap+bf16": Mode(2, [*G1T1, "--fragment-groups", "1", "--publish-compression", "bf16"],
+                     "GAP, publication cast to bf16"),
+    "gap+topk": Mode(2, [*G1T1, "--fragment-groups", "1", "--publish-compression", "delta-topk:0.01"],
+                     "GAP, publication of the top 1% of each delta (error feedback)"),
     "gap-fsdp": Mode(3, ["--generators", "1", "--trainers", "2", "--fragment-groups", "1", "--train-sharding", "fsdp"],
                      "1 generator with plain inference weights + 2 FSDP2 trainers (3 ranks on 2 cores: contention)"),
     "gap-fsdp+tag": Mode(3, ["--generators", "1", "--trainers", "2", "--fragment-groups", "1",
@@ -156,6 +160,9 @@ SCENARIOS: dict[str, Scenario] = {
                        "DigenRL puts generation on the slow rank"),
     "window": Scenario(("colocated-replicate", "gap+tag", "gap+tag+tcss"), ("--algorithm", "window", "--sde-window", "0:2"),
                        "a 2-timestep SDE window: training is cheap, rollout dominates"),
+    "link": Scenario(("colocated-replicate", "gap", "gap+bf16", "gap+topk"),
+                     ("--lora-rank", "0", "--debug-link-bandwidth", "100"),
+                     "full fine-tuning with generators behind a 100 MB/s link: compressed publication"),
 }
 
 
@@ -200,6 +207,7 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
                          "samples_per_s": r.get("samples_per_s") if ok else None,
                          "step_s": r.get("step_s") if ok else None,
                          "bubble": r.get("bubble_fraction") if ok else None,
+                         "publish_bytes": r.get("publish_bytes") if ok else None,
                          "busy_fraction": r.get("busy_fraction", {}),
                          "ratio": r["samples_per_s"] / base if ok and base else None,
                          "output_dir": r["output_dir"], "bubble_check": r.get("bubble_check"),
@@ -336,6 +344,7 @@ def summarize(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "samples_per_step": samples_per_step,
         "samples_per_s": samples_per_step / step_s,
         "bubble_fraction": statistics.median(r["perf/bubble_fraction"] for r in measured),
+        "publish_bytes": statistics.median(r.get("publish/bytes", 0.0) for r in measured),
         "busy_fraction": {role: statistics.median(r[f"perf/busy_fraction/{role}"] for r in measured) for role in roles},
     }
 

@@ -92,7 +92,8 @@ def write_report(report: dict[str, Any], json_path: str, md_path: str) -> None:
 # Scenarios
 # ---------------------------------------------------------------------------------------------
 
-SCENARIO_HEADER = ["scenario", "mode", "ranks", "step s", "samples/s", "bubble", "busy by role", "x baseline", "status"]
+SCENARIO_HEADER = ["scenario", "mode", "ranks", "step s", "samples/s", "bubble", "busy by role", "published MB/step",
+                   "x baseline", "status"]
 
 
 def scenario_cells(row: dict[str, Any]) -> list[str]:
@@ -105,6 +106,7 @@ def scenario_cells(row: dict[str, Any]) -> list[str]:
     mode = row["mode"] + (" (baseline)" if row["baseline"] else "") + (" *best*" if row.get("best") else "")
     return [row["scenario"], mode, f"{row['nproc']}{'*' if row['exceeds_cores'] else ''}", num(row.get("step_s"), ".3f"),
             num(row.get("samples_per_s"), ".2f"), num(row.get("bubble"), ".3f"), busy or "-",
+            num(row["publish_bytes"] / 1e6 if row.get("publish_bytes") else None, ".3f"),
             num(row.get("ratio"), ".2f"), row["status"]]
 
 

@@ -1,0 +1,117 @@
+"""Compressed weight publication (--publish-compression): what travels for each published tensor,
+and how a receiver rebuilds the tensor from it.
+
+Codecs:
+- `none`: the tensor itself;
+- `bf16`: the tensor cast to bfloat16;
+- `delta`: the difference to the version the receivers already hold, in bfloat16;
+- `delta-topk:F`: the largest fraction F of that difference by magnitude (at least one entry per
+  tensor), as int32/int64 indices and bfloat16 values.
+
+Both sides apply the same operation to the same values (`apply`): the trainer to its copy of what
+the generators hold (`Reconstruction`), each generator to its live parameters. The two results are
+bitwise equal, so the publication's checksum is of the reconstructed weights and verification keeps
+its meaning. Because every delta is taken against that reconstruction, what a lossy delta drops is
+sent again later (error feedback): the generators' weights track the trainer's, off by at most the
+last delta's loss. The generators sample with the reconstructed weights and record the log-probs
+of exactly that policy, so the importance ratio of training stays exact.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+CODECS = ("none", "bf16", "delta", "delta-topk")
+WIRE_DTYPE = torch.bfloat16
+
+
+def parse(spec: str) -> tuple[str, float | None]:
+    """'delta-topk:0.01' -> ('delta-topk', 0.01); the other codecs take no argument."""
+    name, _, arg = spec.partition(":")
+    if name not in CODECS:
+        raise ValueError(f"unknown --publish-compression {spec!r}; choose none, bf16, delta or delta-topk:F")
+    if name != "delta-topk":
+        if arg:
+            raise ValueError(f"--publish-compression {spec!r}: {name} takes no ':' argument")
+        return name, None
+    try:
+        fraction = float(arg)
+    except ValueError:
+        fraction = float("nan")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--publish-compression {spec!r}: delta-topk needs a fraction F in (0, 1], as delta-topk:0.01")
+    return name, fraction
+
+
+def encode(spec: str, new: Tensor, held: Tensor | None) -> dict[str, Tensor]:
+    """The wire parts of one tensor: {"" : values} or, for top-k, {"idx", "val"}. `held` is what
+    the receivers hold now (needed by the delta codecs)."""
+    name, fraction = parse(spec)
+    new = new.detach()
+    if name == "none":
+        return {"": new.contiguous()}
+    if name == "bf16":
+        return {"": new.to(WIRE_DTYPE).contiguous()}
+    delta = (new.float() - held.float()).reshape(-1)
+    if name == "delta":
+        return {"": delta.to(WIRE_DTYPE).view(new.shape).contiguous()}
+    k = max(1, math.ceil(fraction * delta.numel()))
+    idx = delta.abs().topk(k, sorted=False).indices.sort().values
+    index_dtype = torch.int32 if delta.numel() < 2**31 else torch.int64
+    return {"idx": idx.to(index_dtype).contiguous(), "val": delta[idx].to(WIRE_DTYPE).contiguous()}
+
+
+def apply(spec: str, target: Tensor, parts: dict[str, Tensor]) -> None:
+    """Rebuild `target` in place from its wire parts: the one operation both sides run."""
+    name, _ = parse(spec)
+    with torch.no_grad():
+        if name in ("none", "bf16"):
+            target.copy_(parts[""].to(device=target.device, dtype=target.dtype))
+        elif name == "delta":
+            target.add_(parts[""].to(device=target.device, dtype=target.dtype))
+        else:
+            flat = target.view(-1)
+            idx = parts["idx"].to(device=target.device, dtype=torch.int64)
+            flat.index_add_(0, idx, parts["val"].to(device=target.device, dtype=target.dtype))
+
+
+def wire_name(name: str, part: str) -> str:
+    return name if not part else f"{name}|{part}"
+
+
+def split_wire(wire: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """{wire name: tensor} -> {tensor name: {part: tensor}}."""
+    out: dict[str, dict[str, Tensor]] = {}
+    for key, t in wire.items():
+        name, _, part = key.partition("|")
+        out.setdefault(name, {})[part] = t
+    return out
+
+
+class Reconstruction:
+    """The trainer's copy of what the generators hold, kept by applying every publication to it.
+    With `none` nothing is kept: what is sent is what they hold."""
+
+    def __init__(self, spec: str, initial: dict[str, Tensor]):
+        """`initial`: version 0 of the published tensors (every rank starts from it)."""
+        self.spec = spec
+        lossless = parse(spec)[0] == "none"
+        self.held = None if lossless else {n: t.detach().float().clone() for n, t in initial.items()}
+
+    def publish(self, weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(wire tensors by wire name, the tensors the receivers will hold) for a new version."""
+        wire, held = {}, {}
+        for name, new in weights.items():
+            parts = encode(self.spec, new, None if self.held is None else self.held[name])
+            wire.update({wire_name(name, p): t for p, t in parts.items()})
+            if self.held is None:
+                held[name] = new.detach()
+            else:
+                target = torch.empty_like(new, dtype=new.dtype)
+                target.copy_(self.held[name].to(new.dtype))
+                apply(self.spec, target, parts)
+                self.held[name] = target.float()
+                held[name] = target
+        return wire, held
