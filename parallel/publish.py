@@ -22,7 +22,8 @@ orders and processes.
 Test hook: the environment variable `DIGENRL_DEBUG_CORRUPT_PUBLISH`, read by `install`,
 corrupts the publication on purpose so that end-to-end tests can check that it is caught:
 `1` or `flip` flips one bit of one staged tensor before the copy (a value mismatch), `skip`
-skips every copy (an update that does nothing). Unset or empty in normal runs.
+skips every copy (an update that does nothing). Unset or empty in normal runs; any other value is
+an error (preflight.py checks it before a run starts).
 """
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallel import p2p
 from parallel.p2p import as_bytes, comm_device, dtype_from_name, recv_payload, send_payload
 
 CORRUPT_ENV = "DIGENRL_DEBUG_CORRUPT_PUBLISH"
+CORRUPT_MODES = ("", "1", "flip", "skip")
 
 _MOD_POSITION = 65521  # largest prime below 2**16: position weights are 1..65521
 _MERSENNE_61 = (1 << 61) - 1  # checksums are folded into [0, 2**61 - 1)
@@ -197,9 +200,9 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
         num_bytes += flat.numel() * flat.element_size()
         in_flight.append((dist.isend(as_bytes(flat), dst=dst, group=group), flat))
         if len(in_flight) > 1:
-            in_flight.popleft()[0].wait()
+            p2p.wait(in_flight.popleft()[0], dst, "send to")
     while in_flight:
-        in_flight.popleft()[0].wait()
+        p2p.wait(in_flight.popleft()[0], dst, "send to")
     changed = None if not previous else sum(previous.get(n) != s for n, s in sums.items())
     return PublishStats(
         version=int(version), dst=dst, num_tensors=len(tensors), num_buckets=len(buckets),
@@ -211,16 +214,34 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
 
 class WeightPublisher:
     """The sending side of one trainer rank: publishes versions and remembers, per receiver, the
-    checksums it sent last, so that each receiver can tell an update that does nothing."""
+    checksums it sent last, so that each receiver can tell an update that does nothing. With
+    `keep`, it also keeps CPU copies of the last two versions it published (what TCSS generators
+    hold when a checkpoint is written: `kept(version)`)."""
 
-    def __init__(self, bucket_bytes: int = 64 << 20):
+    def __init__(self, bucket_bytes: int = 64 << 20, keep: bool = False):
         self.bucket_bytes = bucket_bytes
         self.last: dict[int, dict[str, int]] = {}  # dst -> name -> checksum
+        self.keep = keep
+        self._kept: dict[int, dict[str, Tensor]] = {}  # version -> name -> tensor, the last two versions
 
     def publish(self, tensors: dict[str, Tensor], version: int, dst: int, group=None) -> PublishStats:
         stats = publish_weights(tensors, version, dst, group, self.bucket_bytes, self.last.get(dst))
         self.last[dst] = stats.checksums
+        if self.keep:
+            self.remember(version, tensors)
         return stats
+
+    def remember(self, version: int, tensors: dict[str, Tensor]) -> None:
+        """Keep a copy of `tensors` as (part of) `version`; versions older than the last two go."""
+        held = self._kept.setdefault(version, {})
+        for name, t in tensors.items():
+            if name not in held:
+                held[name] = t.detach().to("cpu", copy=True)
+        for old in sorted(self._kept)[:-2]:
+            del self._kept[old]
+
+    def kept(self, version: int) -> dict[str, Tensor] | None:
+        return self._kept.get(version)
 
 
 def _pack_bucket(parts: list[Tensor], device: torch.device) -> Tensor:
@@ -263,7 +284,7 @@ class WeightReceiver:
         comm = comm_device(group)
         buffers = self._staging_buffers(header["buckets"], comm)
         for buf in buffers:
-            dist.recv(as_bytes(buf), src=src, group=group)  # rank wait: one bucket from src
+            p2p.recv(as_bytes(buf), src, group)  # rank wait: one bucket from src
         shapes = dict(zip(header["names"], header["shapes"]))
         staged = {}
         for bucket, buf in zip(header["buckets"], buffers):
@@ -298,6 +319,8 @@ class WeightReceiver:
         changed = [n for n in header["names"] if n in previous and previous[n] != expected[n]]
         before = {n: checksum(self.targets[n]) for n in changed}
         corrupt = os.environ.get(CORRUPT_ENV, "").strip().lower()
+        if corrupt not in CORRUPT_MODES:
+            raise ValueError(f"{CORRUPT_ENV}={corrupt!r}: not one of {CORRUPT_MODES[1:]}")
         if corrupt in ("1", "flip"):
             _flip_one_bit(staged)
         with torch.no_grad():
@@ -368,6 +391,6 @@ def _failure_message(version: int, mismatched: dict[str, tuple[int, int]], uncha
 
 
 __all__ = [
-    "CORRUPT_ENV", "PublicationError", "PublishStats", "WeightReceiver", "checksum", "plan_buckets",
+    "CORRUPT_ENV", "CORRUPT_MODES", "PublicationError", "PublishStats", "WeightReceiver", "checksum", "plan_buckets",
     "WeightPublisher", "publish_weights", "state_checksum",
 ]
