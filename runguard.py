@@ -139,6 +139,7 @@ class RunGuard:
     def stop_before(self, step: int) -> bool:
         """At the start of each step: True if the run stops before `step` (a signal somewhere)."""
         self.step, self.phase = step, "step"
+        self._beat(self.main)  # a rank that dies now is reported at this step
         self.main.put(f"guard/began/{self.rank}", step)
         if self.stop_at is None:
             if not self.main.ready("guard/stop/request"):
@@ -228,9 +229,9 @@ class RunGuard:
         return EXIT_ERROR, f"error: {line}", True
 
     # ----- the heartbeat thread -------------------------------------------------------------------
-    def _beat(self) -> None:
+    def _beat(self, store: StepStore | None = None) -> None:
         self._seq += 1
-        self.beats.put(f"guard/hb/{self.rank}", f"{self._seq} {self.step} {self.phase}")
+        (store or self.beats).put(f"guard/hb/{self.rank}", f"{self._seq} {self.step} {self.phase}")
 
     def _silent(self, peer: int, beat: str | None, age: float) -> str:
         step = beat.split()[1] if beat else "?"

@@ -67,8 +67,16 @@ def wait(work, peer: int, what: str) -> None:
     try:
         work.wait(timedelta(seconds=_timeout_s))
     except RuntimeError as e:
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PeerError(peer, f"{what} {_describe(peer)} failed (timeout {_timeout_s:.0f} s): {detail}") from e
+        raise PeerError(peer, f"{what} {_describe(peer)} failed: {_backend_detail(e)} (waits time out after "
+                              f"{_timeout_s:.0f} s)") from e
+
+
+def _backend_detail(e: BaseException) -> str:
+    """The backend's message without its source location and boilerplate advice."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically")[0]
 
 
 def recv(tensor: Tensor, src: int, group=None) -> None:
