@@ -5,13 +5,22 @@ DIR/checkpoints/step-N/ holds the state after N optimizer updates (policy versio
   `<Family>Transformer.from_pretrained(DIR, subfolder="transformer")`;
 - LoRA: pytorch_lora_weights.safetensors, loadable with `pipe.load_lora_weights(DIR)`;
 - ema.safetensors (if --ema-decay > 0), trainer_state.pt (optimizer, update count, RNG, running
-  reward std) and state.json (step, version).
+  reward std and the std of the last steps, skipped-step counters), config.json (the run's
+  config), state.json (step, version);
+- with --tcss, stale.safetensors: the published tensors of version N-1, which the generators hold
+  when the trainers reach version N (step N is generated with them), so a resume is exact;
+- manifest.json, written last: every file's size and SHA-256 (checkpoint_files.py writes the
+  folder atomically and verifies it before anything loads).
+
+trainer_state.pt holds only containers, numbers and tensors and is read with
+`torch.load(weights_only=True)`: a crafted file cannot run code.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -20,22 +29,24 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import distribute_tensor
 
+import checkpoint_files
+
 # Adapters (models.DiTAdapter) are passed in: this module imports no model family.
 LORA_FILE = "pytorch_lora_weights.safetensors"
 ADAPTER = ".default"  # peft's adapter name inside parameter names
+STALE_FILE = "stale.safetensors"
+# Test hook: the writer of checkpoint step N SIGKILLs itself after writing the files, before the
+# manifest (a crash in the middle of a checkpoint write). Unset in normal runs.
+KILL_ENV = "DIGENRL_DEBUG_KILL_IN_SAVE"
 
 
 def checkpoint_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step-{step}")
 
 
-def latest_checkpoint(run_dir: str) -> str | None:
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return None
-    steps = [int(m.group(1)) for d in os.listdir(root) if (m := re.fullmatch(r"step-(\d+)", d))
-             and os.path.isfile(os.path.join(root, d, "state.json"))]
-    return checkpoint_dir(run_dir, max(steps)) if steps else None
+def find_checkpoint(run_dir: str) -> checkpoint_files.Found:
+    """The newest checkpoint of a run folder whose manifest verifies, and those passed over."""
+    return checkpoint_files.find_valid(os.path.join(run_dir, "checkpoints"))
 
 
 def to_diffusers_lora(weights: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -68,13 +79,28 @@ def save_weights(path: str, adapter: "DiTAdapter", weights: dict[str, Tensor], l
 
 
 def save_checkpoint(path: str, adapter: "DiTAdapter", weights: dict[str, Tensor], *, lora: bool, step: int,
-                    trainer_state: dict, ema: dict[str, Tensor] | None = None, lora_config=None) -> None:
-    save_weights(path, adapter, weights, lora, lora_config)
-    if ema is not None:
-        save_file({n: t.detach().cpu().contiguous() for n, t in ema.items()}, os.path.join(path, "ema.safetensors"))
-    torch.save(trainer_state, os.path.join(path, "trainer_state.pt"))
-    with open(os.path.join(path, "state.json"), "w") as f:  # written last: marks the checkpoint complete
-        json.dump({"step": step, "version": step, "lora": lora}, f)
+                    trainer_state: dict, ema: dict[str, Tensor] | None = None, lora_config=None,
+                    stale: dict[str, Tensor] | None = None, config: dict | None = None) -> None:
+    """Write checkpoint `path` atomically (checkpoint_files.write_atomic): complete, or not there."""
+    def write(tmp: str) -> None:
+        save_weights(tmp, adapter, weights, lora, lora_config)
+        if ema is not None:
+            save_file({n: t.detach().cpu().contiguous() for n, t in ema.items()}, os.path.join(tmp, "ema.safetensors"))
+        if stale is not None:
+            save_file({n: t.detach().cpu().contiguous() for n, t in stale.items()}, os.path.join(tmp, STALE_FILE))
+        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump({"step": step, "version": step, "lora": lora}, f)
+        if config is not None:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(config, f, indent=2)
+
+    def crash_hook(tmp: str) -> None:
+        if os.environ.get(KILL_ENV, "").strip() == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint_files.write_atomic(path, write, {"step": step, "version": step, "lora": lora, "config": config},
+                                  before_manifest=crash_hook)
 
 
 def read_trained_weights(path: str) -> tuple[dict[str, Tensor], bool]:
@@ -103,6 +129,11 @@ def install_weights(module: torch.nn.Module, weights: dict[str, Tensor]) -> None
     missing = [n for n in weights if n not in params]
     if missing:
         raise ValueError(f"checkpoint weights not in the model: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    shapes = [f"{n}: checkpoint {list(t.shape)}, model {list(params[n].shape)}" for n, t in weights.items()
+              if tuple(t.shape) != tuple(params[n].shape)]
+    if shapes:
+        raise ValueError(f"checkpoint weights do not fit the model (another --lora-rank or base model?): "
+                         f"{'; '.join(shapes[:3])}{' ...' if len(shapes) > 3 else ''}")
     with torch.no_grad():
         for n, t in weights.items():
             p = params[n]
@@ -113,9 +144,12 @@ def install_weights(module: torch.nn.Module, weights: dict[str, Tensor]) -> None
 
 
 # ----- the run state of --resume ------------------------------------------------------------------
-def save_run_state(out_dir: str, done: int, trainer, adapter, running, lora_config, write: bool) -> None:
+def save_run_state(out_dir: str, done: int, trainer, adapter, running, lora_config, write: bool, *,
+                   extra: dict | None = None, stale: dict[str, Tensor] | None = None, config: dict | None = None,
+                   keep: int = 0) -> str | None:
     """After `done` updates: every trainer rank gathers the full state (collectives under FSDP);
-    the one with `write` writes checkpoints/step-`done`."""
+    the one with `write` writes checkpoints/step-`done` atomically and prunes to the newest `keep`.
+    `extra` joins trainer_state.pt; `stale` is the TCSS generators' version (done - 1)."""
     weights = trainer.full_weights()
     ema = trainer.ema_weights()
     if trainer.sharding == "fsdp":
@@ -124,22 +158,26 @@ def save_run_state(out_dir: str, done: int, trainer, adapter, running, lora_conf
     else:
         optim = trainer.optimizer.state_dict()
     if not write:
-        return
+        return None
     state = {"optimizer": optim, "num_updates": trainer.num_updates, "running_std": running.state_dict(),
-             "torch_rng": torch.get_rng_state(), "step": done}
-    save_checkpoint(checkpoint_dir(out_dir, done), adapter, weights, lora=trainer.lora, step=done,
-                    trainer_state=state, ema=ema, lora_config=lora_config)
+             "torch_rng": torch.get_rng_state(), "step": done, **(extra or {})}
+    path = checkpoint_dir(out_dir, done)
+    save_checkpoint(path, adapter, weights, lora=trainer.lora, step=done, trainer_state=state, ema=ema,
+                    lora_config=lora_config, stale=stale, config=config)
+    checkpoint_files.prune(os.path.dirname(path), keep, protect=(path,))
+    return path
 
 
-def restore_run_state(run_dir: str, adapter, trainer, running) -> int:
-    """Every rank installs the newest checkpoint's weights; trainers also restore the optimizer and
-    the EMA. Returns the checkpoint's step."""
-    path = latest_checkpoint(run_dir)
-    with open(os.path.join(path, "state.json")) as f:
-        step = json.load(f)["step"]
+def restore_run_state(path: str, adapter, trainer, running, use_stale: bool = False) -> dict:
+    """Every rank installs checkpoint `path`'s weights (with `use_stale`, the TCSS generators'
+    version N-1 on top); trainers also restore the optimizer and the EMA. Returns trainer_state.pt
+    (its "step" is the checkpoint's)."""
     weights, _ = read_trained_weights(path)
     install_weights(adapter.transformer, weights)
-    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    stale_path = os.path.join(path, STALE_FILE)
+    if use_stale and os.path.isfile(stale_path):
+        install_weights(adapter.transformer, load_file(stale_path))
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
     running.load_state_dict(state["running_std"])
     if trainer is not None:
         trainer.num_updates = state["num_updates"]
@@ -153,7 +191,9 @@ def restore_run_state(run_dir: str, adapter, trainer, running) -> int:
             ema = load_file(ema_path)
             with torch.no_grad():
                 for e, n in zip(trainer.ema, trainer.names):
-                    if not hasattr(e, "device_mesh"):
+                    if hasattr(e, "device_mesh"):  # FSDP: this rank's shard of the full tensor
+                        e.copy_(distribute_tensor(ema[n].to(e.dtype), e.device_mesh, e.placements))
+                    else:
                         e.copy_(ema[n].to(e.device, e.dtype))
     torch.set_rng_state(state["torch_rng"])
-    return step
+    return state

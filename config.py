@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass, field
 
 import algorithm
-import checkpoint
+import preflight
+import runfolder
 import sampler
 from parallel import compress
 from parallel.plan import StepPlan, plan_step
@@ -95,6 +96,8 @@ class OptimConfig:
     grad_clip: float = _f(1.0, "gradient-norm clip")
     ema_decay: float = _f(0.0, "EMA of trained weights for export (0 = off; e.g. 0.95)")
     grad_checkpointing: bool = _f(False, "activation checkpointing of every DiT block during training")
+    max_skipped_steps: int = _f(3, "a step whose rewards, advantages, loss or gradients are not finite is skipped "
+                                   "(train/skipped_steps); the run stops after N such steps in a row")
 
 
 @dataclass
@@ -123,14 +126,24 @@ class TopologyConfig:
                                           "version the generators hold, in bf16) or delta-topk:F (its largest "
                                           "fraction F, with error feedback); generators rebuild bit-exactly what "
                                           "the trainer says they hold", metavar="CODEC")
-    dist_timeout_s: int = _f(600, "timeout of every collective and point-to-point wait, in seconds")
+    dist_timeout_s: int = _f(600, "timeout of every collective, point-to-point and store wait until the first "
+                                  "step is measured (then 5 x the slowest step, at least 60 s, at most this)")
+    heartbeat_timeout_s: float = _f(30.0, "a rank whose heartbeat stops for this long is reported by rank and role, "
+                                          "and every rank exits")
+    stop_grace_s: float = _f(25.0, "after SIGTERM or SIGINT, seconds to finish the step and write a checkpoint "
+                                   "before exiting without one (torchrun kills its workers 30 s after a SIGTERM)")
 
 
 @dataclass
 class OutputConfig:
     output_dir: str = _f("runs/default", "run folder: config.json, metrics.jsonl, tb/, trace/, checkpoints/")
-    resume: str | None = _f(None, "a run folder: continue from its newest checkpoint")
-    save_every: int = _f(0, "save a checkpoint every N steps (0 = only at the end)")
+    resume: str | None = _f(None, "a run folder: continue from its newest valid checkpoint")
+    overwrite: bool = _f(False, "start over in an --output-dir that holds a run: remove its run files first (a run "
+                                "refuses such a folder otherwise)")
+    save_every: int | None = _f(None, "save a checkpoint every N steps (default: every --steps/10, so an interrupted "
+                                      "run loses at most a tenth of its steps; 0 = only at the end)")
+    keep_checkpoints: int = _f(3, "keep the newest K checkpoints (0 = all); a checkpoint folder holding a file named "
+                                  "KEEP is never removed")
     log_images_every: int = _f(5, "log a grid of training samples every N steps (0 = never)")
     eval_every: int = _f(10, "evaluate on held-out prompts with the ODE sampler every N steps (0 = never)")
     eval_prompts: str | None = _f(None, "held-out prompt file for evaluation (default: data/shapes_eval.txt)")
@@ -197,6 +210,8 @@ class RunConfig:
             self.output.eval_prompts = os.path.join(DATA_DIR, "shapes_eval.txt")
         if not self.rl.reward:
             self.rl.reward = ["shapes:1.0"]
+        if self.output.save_every is None:
+            self.output.save_every = max(1, self.rl.steps // 10)
 
     def validate(self, world_size: int) -> "RunFacts":
         """Every user error that needs no process group, raised alike on every rank before any
@@ -308,6 +323,8 @@ class RunFacts:
     num_prompts: int
     log_rank: int
     """the rank that logs: the first trainer, since trainers finish every step (generators may run ahead)"""
+    resume: runfolder.ResumePoint | None = None
+    """--resume: the verified checkpoint the run continues from"""
 
     @property
     def num_trainers(self) -> int:
@@ -397,11 +414,11 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
     num_prompts = len(load_prompts(rl.prompts))  # a missing or empty prompt file raises here
     if o.eval_every:
         eval_records(o.eval_prompts, o.eval_num_prompts, o.eval_samples_per_prompt)
-    if o.resume and checkpoint.latest_checkpoint(o.resume) is None:
-        raise ValueError(f"--resume {o.resume!r} holds no complete checkpoint (checkpoints/step-N/state.json)")
+    preflight.check_run(cfg)  # every other flag, the model folder and sizes, the prompts' grammar
+    resume = runfolder.check(cfg)  # the run folder and --resume
     disagg = topo.mode == "disagg"
     return RunFacts(topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
                     train_sharding=t.train_sharding if disagg else t.colocated_sharding,
                     train_micro_batch=t.train_micro_batch or rl.micro_batch, fragment_split=t.fragment_split,
-                    lora=cfg.optim.lora_rank > 0,
-                    num_prompts=num_prompts, log_rank=topo.trainer_ranks[0])
+                    lora=cfg.optim.lora_rank > 0, num_prompts=num_prompts, log_rank=topo.trainer_ranks[0],
+                    resume=resume)

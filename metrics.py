@@ -55,7 +55,8 @@ def _to_float(value: Any) -> float:
 class MetricsLogger:
     """Writes scalars and image grids of a run under `output_dir`."""
 
-    def __init__(self, output_dir: str | os.PathLike, enabled: bool = True):
+    def __init__(self, output_dir: str | os.PathLike, enabled: bool = True, purge_step: int | None = None):
+        """`purge_step`: a run resumed at that step; TensorBoard hides the earlier run's events from it on."""
         self.output_dir = os.fspath(output_dir)
         self.enabled = enabled
         self._jsonl = None
@@ -63,7 +64,7 @@ class MetricsLogger:
         if enabled:
             os.makedirs(self.output_dir, exist_ok=True)
             self._jsonl = open(os.path.join(self.output_dir, "metrics.jsonl"), "a")
-            self._writer = SummaryWriter(log_dir=os.path.join(self.output_dir, "tb"))
+            self._writer = SummaryWriter(log_dir=os.path.join(self.output_dir, "tb"), purge_step=purge_step)
 
     def log(self, step: int, scalars: dict[str, Any]) -> None:
         """Append {"step", "time", **scalars} (values as floats) to metrics.jsonl and TensorBoard."""
@@ -73,8 +74,14 @@ class MetricsLogger:
         record = {"step": int(step), "time": time.time(), **values}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        for key, v in values.items():
-            self._writer.add_scalar(key, v, global_step=int(step))
+        self.log_tensorboard(step, values)
+
+    def log_tensorboard(self, step: int, scalars: dict[str, Any]) -> None:
+        """The scalars to TensorBoard only (rows metrics.jsonl already holds, after a purge)."""
+        if not self.enabled:
+            return
+        for key, v in scalars.items():
+            self._writer.add_scalar(key, _to_float(v), global_step=int(step))
         self._writer.flush()
 
     def log_images(self, step: int, tag: str, images: Tensor, captions: list[str] | None = None,

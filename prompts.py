@@ -1,6 +1,7 @@
 """Prompt sets: a .txt file (one prompt per line) or a .jsonl file (a `prompt` field plus free metadata)."""
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -16,20 +17,28 @@ def load_prompts(path: str) -> list[PromptRecord]:
     if not os.path.isfile(path):
         raise ValueError(f"prompt file {path!r} does not exist")
     records: list[PromptRecord] = []
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                    raise ValueError(f"{path}:{n}: each jsonl line needs a string field 'prompt'")
-                records.append(PromptRecord(obj["prompt"], {k: v for k, v in obj.items() if k != "prompt"}))
-        else:
-            records = [PromptRecord(line.strip()) for line in f if line.strip()]
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"prompt file {path!r} is not UTF-8 text: line {line} holds the byte "
+                         f"0x{raw[e.start]:02x} ({e.reason}); save it as UTF-8") from None
+    lines = list(io.StringIO(text, newline=None))  # the lines a text-mode open() would give
+    if path.endswith(".jsonl"):
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ValueError(f"{path}:{n}: each jsonl line needs a string field 'prompt'")
+            records.append(PromptRecord(obj["prompt"], {k: v for k, v in obj.items() if k != "prompt"}))
+    else:
+        records = [PromptRecord(line.strip()) for line in lines if line.strip()]
     if not records:
         raise ValueError(f"prompt file {path!r} holds no prompts")
     return records

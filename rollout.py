@@ -21,6 +21,7 @@ import sampler
 from parallel import p2p
 from parallel.intake import TrainChunk
 from parallel.plan import Chunk, Fragment, StepPlan
+from parallel.publish import PublicationError
 from parallel.scoring import LocalScorer, Ticket
 from parallel.tag import FragmentBoard, claimed_rounds, publish_replica_cost
 from tensors import Conditioning
@@ -220,45 +221,46 @@ class FragmentStream:
 class VersionSync:
     """Which policy version a generator rank runs (docs/DESIGN.md 5.5, 5.6).
 
-    Before step k a generator must hold version k - lag (lag 0: on-policy; lag 1: TCSS). Newer
-    versions the trainers have announced are installed at fragment boundaries, never inside a
-    trajectory. The stages of a GAP replica switch together: stage 0 picks the version of a step
-    and the other stages install exactly that one, so no micro-batch mixes versions."""
+    Step k is generated with exactly version k - lag (lag 0: on-policy; lag 1: TCSS, from step 1
+    on), never a newer one, so the data of a step does not depend on timing and a resumed run
+    repeats it bitwise. With TCSS a version announced while this rank still generates the previous
+    step is received into staging at a fragment boundary (the trainer's send completes, nothing
+    changes here) and installed when its step starts. The stages of a GAP replica switch together:
+    stage 0 picks the version of a step and the other stages install exactly that one."""
 
     def __init__(self, receiver, store, trainer_rank: int, start_version: int, lag: int, layout=None,
                  replica: int | None = None, tracer=None):
         self.receiver, self.store, self.src = receiver, store, trainer_rank
         self.version, self.lag, self.layout, self.replica, self.tracer = start_version, lag, layout, replica, tracer
 
-    def _install_next(self, step: int) -> None:
+    def _receive_next(self, step: int) -> None:
         with self.tracer.span("receive_weights", "publish", step, version=self.version + 1):
             got = self.receiver.receive(src=self.src)  # rank wait: trainer 0 sends version + 1
-        assert got == self.version + 1, (got, self.version)
-        with self.tracer.span("install", "publish", step, version=got):
-            self.receiver.install()  # verified against the trainer's checksum
-        self.version = got
+        if got != self.version + 1:  # a real check: python -O removes asserts
+            raise PublicationError(f"rank received version {got} from trainer rank {self.src} while holding "
+                                   f"version {self.version}: publications must arrive in order")
 
-    def _install_announced(self, step: int) -> None:
-        while self.store.ready(f"pub/{self.version + 1}"):
-            self._install_next(step)
+    def _install_next(self, step: int) -> None:
+        if self.receiver.staged_version is None:
+            self._receive_next(step)
+        with self.tracer.span("install", "publish", step, version=self.version + 1):
+            self.version = self.receiver.install()  # verified against the trainer's checksum
 
     def at_step_start(self, step: int) -> int:
-        need = step - self.lag
+        need = max(step - self.lag, self.version)
         if self.layout is not None and not self.layout.first:
             need = max(need, self.store.get(f"rv/{self.replica}/{step}"))  # stage 0's choice
-            while self.version < need:
-                self._install_next(step)
-            return self.version
         while self.version < need:
             self._install_next(step)
-        self._install_announced(step)
-        if self.layout is not None:
+        if self.layout is not None and self.layout.first:
             self.store.put(f"rv/{self.replica}/{step}", self.version)
         return self.version
 
     def at_fragment_boundary(self, step: int) -> int:
-        if self.layout is None:  # a GAP replica switches only between steps
-            self._install_announced(step)
+        """TCSS: stage an announced publication (never install it inside a step)."""
+        if self.lag and self.layout is None and self.receiver.staged_version is None \
+                and self.store.ready(f"pub/{self.version + 1}"):
+            self._receive_next(step)
         return self.version
 
     def drain(self, last_version: int, step: int) -> None:

@@ -26,6 +26,9 @@ from tqdm import tqdm
 import capacity
 import checkpoint
 import evaluation
+import runfolder
+import runguard
+import runstate
 import sampler
 from algorithm import RunningStd
 from config import RunConfig, RunFacts
@@ -45,6 +48,7 @@ from parallel.topology import ProcessGroups, Topology
 from prompts import eval_records, load_prompts
 from rewards import RewardSet, reward_model_paths
 from rollout import Generator, VersionSync, generator_step
+from runguard import RunGuard
 from tracing import Slowdown, Tracer, summarize_step
 from trainer import Trainer, trainer_step
 
@@ -71,14 +75,20 @@ class RankContext:
         return self.facts.topology
 
 
-def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
+def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
+    """One rank's run; returns its exit code (0 done, runguard.EXIT_STOPPED after a signal)."""
     topo = facts.topology
     device = _device(cfg)
     torch.manual_seed(cfg.seed)
     out_dir = cfg.output.output_dir
+    store = StepStore(cfg.topology.dist_timeout_s)
+    groups = ProcessGroups.create(topo, cfg.topology.dist_timeout_s)
+    t = cfg.topology
+    guard = RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s, stop_grace_s=t.stop_grace_s,
+                     dist_timeout_s=t.dist_timeout_s, groups=_member_groups(topo, rank, groups),
+                     start_step=facts.resume.step if facts.resume else 0).start()
     if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        cfg.save(os.path.join(out_dir, "config.json"))
+        runfolder.prepare(cfg, facts.resume, say=runguard.say)  # before any other rank writes there
     # Every rank builds version 0 identically: same weights, same seeded LoRA init.
     adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
                          device=device)
@@ -89,8 +99,7 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
         lora_config = adapter.transformer.peft_config["default"]
     sampling = _sampling(cfg, adapter)
     records = load_prompts(cfg.rl.prompts)
-    capacity.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts)  # before any wait
-    groups = ProcessGroups.create(topo, cfg.topology.dist_timeout_s)
+    capacity.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts)  # same on every rank
     tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
                     sync=torch.cuda.synchronize if device.type == "cuda" else None)
     is_gen, is_train = topo.is_generator(rank), topo.is_trainer(rank)
@@ -117,9 +126,10 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
     if is_gen:
         generator = make_generator(RemoteScorer(topo.scorer_ranks) if topo.scorer_ranks else LocalScorer(reward_set()))
     running = RunningStd()
-    start = checkpoint.restore_run_state(cfg.output.resume, adapter, trainer, running) if cfg.output.resume else 0
+    begin = runstate.restore(facts, rank, adapter, trainer, running, store)  # --resume: the checkpoint's state
+    start, std_history = begin.step, begin.std_history
     all_names = _publish_names(adapter, facts.lora)
-    _check_same_weights(adapter, all_names)  # every rank starts from the same version
+    runstate.check_same_weights(adapter, all_names, begin.version)  # every rank starts from its version
     layouts = _stage_layouts(ctx) if topo.gap_stages > 1 else {}
     shares = replica_speeds({g: speeds[g]["generate_s"] for g in topo.generator_ranks},
                             [topo.replica_ranks(r) for r in range(topo.num_replicas)])
@@ -128,43 +138,64 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
     if is_gen and layouts:
         release_other_blocks(adapter, layouts[rank].blocks)
         replica = PipelinedReplica(generator, layouts[rank])
-    store = StepStore(cfg.topology.dist_timeout_s)
     assistant = None
     if is_train and facts.tag:
         helper = GroupAssistant if facts.train_sharding == "fsdp" else Assistant  # FSDP trainers generate together
         replica_s = sum(speeds[g]["generate_s"] for g in topo.generator_ranks) / len(topo.generator_ranks)
         assistant = helper(ctx, make_generator(LocalScorer(reward_set())), store, facts.num_trainers,
                            topo.trainer_ranks.index(rank), trainer_ratio=speeds[rank]["generate_s"] / replica_s)
-    publisher = _publisher(cfg, trainer, all_names, rank == topo.trainer_ranks[0]) if is_train and facts.disagg \
-        else None
+    publisher = _publisher(cfg, trainer, all_names, rank == topo.trainer_ranks[0], keep=facts.tcss) \
+        if is_train and facts.disagg else None
     versions = None
     if facts.disagg and is_gen:
         receiver = publish.WeightReceiver(_params(adapter, publish_names[rank]))
-        versions = VersionSync(receiver, store, topo.trainer_ranks[0], start, 1 if facts.tcss else 0,
+        versions = VersionSync(receiver, store, topo.trainer_ranks[0], begin.version, 1 if facts.tcss else 0,
                                layouts.get(rank), topo.replica_of(rank), tracer)
+    if facts.tcss and is_train:  # the generators' version at the next checkpoint; resent at a resume
+        runstate.publish_start(facts, rank, trainer, publisher, publish_names, start,
+                               facts.resume is not None and facts.resume.has_stale, store)
     deferred: list = []  # TCSS: (step, sends) still in flight
     logging = rank == facts.log_rank
-    logger = MetricsLogger(out_dir, enabled=logging)
+    in_place = facts.resume is not None and facts.resume.same_folder
+    logger = MetricsLogger(out_dir, enabled=logging, purge_step=start if in_place else None)
+    for row in runfolder.rows_to_replay(out_dir, start) if logging and in_place else []:
+        logger.log_tensorboard(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")})
     progress = tqdm(total=rl.steps, initial=start, desc="steps", dynamic_ncols=True) if logging else None
     previous_end = None  # the logging rank's end of the previous step: perf/step_s is the loop's period
+    saved = start
+
+    def save(done: int) -> None:
+        nonlocal saved
+        if trainer is not None:
+            guard.set_phase("checkpoint")
+            checkpoint.save_run_state(out_dir, done, trainer, adapter, running, lora_config,
+                                      write=rank == topo.trainer_ranks[0],
+                                      extra=runstate.extra_state(trainer, std_history, done),
+                                      stale=publisher.kept(done - 1) if facts.tcss else None, config=cfg.to_dict(),
+                                      keep=cfg.output.keep_checkpoints)
+        saved = done
+
     try:
         if cfg.output.eval_every and start == 0:
             _evaluate(cfg, adapter, sampling, topo, rank, 0, logger, tracer, groups.trainers)  # the base model
         for step in range(start, rl.steps):
+            if guard.stop_before(step):  # a signal on some rank: every rank stops before the same step
+                break
+            guard.set_timeouts(relaxed=_saves_or_evaluates(cfg, step) or _saves_or_evaluates(cfg, step - 1))
             plan = facts.plan(cfg, step, shares)
             step_start = time.time()
             local: dict = {}
             gen_out = []
             if is_gen:
                 gen_out, local = generator_step(ctx, generator, versions, plan,
-                                                lambda: _reward_std(cfg, store, running, step, start), replica,
+                                                lambda: _reward_std(cfg, store, step), replica,
                                                 store, deferred if facts.tcss else None)
             if scorer_rewards is not None:
                 scorer_step(ctx, scorer_rewards, plan, _image_source(ctx, store, plan))
             train_stats = None
             if is_train:
                 train_stats = trainer_step(ctx, trainer, plan, local, publish_names, publisher, assistant, store,
-                                           _reward_std(cfg, store, running, step, start))
+                                           _reward_std(cfg, store, step))
                 if assistant is not None:
                     gen_out = gen_out + assistant.results  # TAG fragments: their rewards count too
             step_end = time.time()
@@ -176,24 +207,52 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
             store.put(f"rec/{step}/{rank}", record)  # no rank waits here: the logging rank collects
             if logging:
                 previous_end = _log_step(store, logger, progress, running, plan, topo.world_size, previous_end)
+                std_history[step] = running.std
+            guard.step_done(step_end - step_start)
             done = step + 1
             if (cfg.output.save_every and done % cfg.output.save_every == 0) or done == rl.steps:
-                if trainer is not None:
-                    checkpoint.save_run_state(out_dir, done, trainer, adapter, running, lora_config,
-                                              write=rank == topo.trainer_ranks[0])
+                save(done)
             if cfg.output.eval_every and (done % cfg.output.eval_every == 0 or done == rl.steps):
+                guard.set_phase("evaluation")
                 _evaluate(cfg, adapter, sampling, topo, rank, done, logger, tracer, groups.trainers)
+        last = guard.stop_at if guard.stopping else rl.steps
+        guard.set_timeouts(relaxed=True)
+        guard.set_phase("exit")
         if versions is not None:
-            versions.drain(rl.steps, rl.steps)  # the trainers publish after every step
+            versions.drain(last, last)  # the trainers publish after every step
         for _, handles in deferred:  # after the drain: the trainers need the publications to get there
             for h in handles:
                 h.wait()
+        if guard.stopping and saved != last and last > start:
+            save(last)  # a signal stopped the run: the steps it finished are kept
+        if guard.stopping:
+            line = (f"stopped on a signal after step {last - 1}: checkpoint {checkpoint.checkpoint_dir(out_dir, last)}; "
+                    f"continue with --resume {out_dir} --output-dir {out_dir}")
+            runguard.write_error_file(line)  # torchrun's summary shows why the exit code is 4
+            if logging:
+                runguard.say(line)
     finally:
         if progress is not None:
             progress.close()
         logger.close()
         if cfg.output.trace:
             tracer.save(os.path.join(out_dir, "trace", f"rank{rank}.json"))
+    return runguard.EXIT_STOPPED if guard.stopping else runguard.EXIT_OK
+
+
+def _member_groups(topo: Topology, rank: int, groups: ProcessGroups) -> list:
+    """The process groups this rank belongs to (their timeouts adapt to the step time)."""
+    out = [dist.group.WORLD]
+    if topo.is_trainer(rank) and groups.trainers is not dist.group.WORLD:
+        out.append(groups.trainers)
+    return out
+
+
+def _saves_or_evaluates(cfg: RunConfig, step: int) -> bool:
+    """Step `step` ends with a checkpoint or an evaluation (every rank knows the schedule)."""
+    done, o = step + 1, cfg.output
+    return done == cfg.rl.steps or bool(o.save_every and done % o.save_every == 0) or \
+        bool(o.eval_every and done % o.eval_every == 0)
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -277,22 +336,24 @@ def _publish_names(adapter, lora: bool) -> list[str]:
     return [n for n, _ in named if ".lora_" in n] if lora else [n for n, _ in named]
 
 
-def _reward_std(cfg: RunConfig, store: StepStore, running, step: int, start: int) -> float | None:
+def _reward_std(cfg: RunConfig, store: StepStore, step: int) -> float | None:
     """The advantage std: None (each group's own) or the running std of the batches before this
-    one, published by the logging rank (with TCSS, of the batches before the previous one)."""
+    one, published by the logging rank (with TCSS, of the batches before the previous one; a
+    resumed run's logging rank publishes the checkpoint's last two first)."""
     if cfg.rl.std_mode != "running":
         return None
     last = step - 1 - (1 if cfg.topology.tcss else 0)
-    return running.std if last < start else store.get(f"std/{last}")
+    return None if last < 0 else store.get(f"std/{last}")
 
 
-def _publisher(cfg: RunConfig, trainer: Trainer, names: list[str], sends: bool) -> publish.WeightPublisher:
+def _publisher(cfg: RunConfig, trainer: Trainer, names: list[str], sends: bool, keep: bool) -> publish.WeightPublisher:
     """The trainers' publisher. A lossy codec keeps a copy of what the generators hold, starting
-    from the version every rank holds now (the whole trainer group gathers it under FSDP)."""
+    from the version every rank holds now (the whole trainer group gathers it under FSDP). With
+    `keep` (TCSS) the sending trainer keeps the last two versions for checkpoints."""
     lossy = cfg.topology.publish_compression != "none"
     initial = trainer.full_weights(names) if lossy else None  # a collective over the trainers under FSDP
     return publish.WeightPublisher(compression=cfg.topology.publish_compression, initial=initial if sends else None,
-                                   link_mbps=cfg.output.debug_link_bandwidth)
+                                   link_mbps=cfg.output.debug_link_bandwidth, keep=keep and sends)
 
 
 def _probe_speeds(ctx: RankContext, out_dir: str) -> list[dict | None]:
@@ -331,16 +392,6 @@ def _stage_layouts(ctx: RankContext) -> dict:
 
 def _stage_names(adapter, names: list[str], layout) -> list[str]:
     return names if layout is None else stage_param_names(adapter, names, layout.blocks, layout.first, layout.last)
-
-
-def _check_same_weights(adapter, names: list[str]) -> None:
-    """Version 0 must be identical on every rank (same checkpoint, same seeded LoRA init)."""
-    params = dict(adapter.transformer.named_parameters())
-    local = publish.state_checksum({n: full_tensor(params[n].detach()) for n in names})
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)  # sync point
-    if len(set(everyone)) != 1:
-        raise RuntimeError(f"ranks start from different weights: checksums by rank {everyone}")
 
 
 def _merge_rewards(parts: list[dict[str, list[float]]]) -> dict[str, list[float]]:

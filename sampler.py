@@ -74,7 +74,8 @@ def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, sche
         else:
             sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
     sigmas = sched.sigmas.to(torch.float32).cpu()
-    assert sigmas.shape == (num_steps + 1,) and sigmas[-1] == 0, sigmas
+    if sigmas.shape != (num_steps + 1,) or sigmas[-1] != 0:
+        raise RuntimeError(f"the scheduler gave sigmas {sigmas.tolist()} for {num_steps} steps")
     return sigmas
 
 
@@ -108,7 +109,7 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
     """
     if sde_type not in SDE_TYPES:
         raise ValueError(f"unknown sde type {sde_type!r}; choose one of {SDE_TYPES}")
-    if noise_level < 0:
+    if not (math.isfinite(noise_level) and noise_level >= 0):  # NaN compares false to everything
         raise ValueError(f"noise level must be >= 0, got {noise_level}")
     if (noise is None) == (x_next is None):
         raise ValueError("give exactly one of noise (to sample) or x_next (to score)")
@@ -192,11 +193,11 @@ class SamplingConfig:
     def validate(self) -> None:
         if self.sde_type not in SDE_TYPES:
             raise ValueError(f"unknown sde type {self.sde_type!r}; choose one of {SDE_TYPES}")
-        if self.noise_level < 0:
+        if not (math.isfinite(self.noise_level) and self.noise_level >= 0):
             raise ValueError(f"noise level must be >= 0, got {self.noise_level}")
         if self.num_steps < 1:
             raise ValueError(f"number of sampling steps must be >= 1, got {self.num_steps}")
-        if self.cfg_scale < 1:
+        if not (math.isfinite(self.cfg_scale) and self.cfg_scale >= 1):
             raise ValueError(f"cfg scale must be >= 1 (1 disables CFG), got {self.cfg_scale}")
         if self.sde_window is not None:
             start, end = self.sde_window

@@ -9,13 +9,16 @@ mode every rank does both, one after the other (the Flow-GRPO / VeRL-Omni way).
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+import runguard
 import runtime
 from config import parse_config
 
@@ -23,26 +26,30 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv, __doc__.strip().splitlines()[0])
     cfg.resolve_defaults()
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    facts = cfg.validate(world)  # every user error, on every rank, before any rank waits
+    facts = cfg.validate(world)  # every user error, on every rank, before anything loads or any rank waits
     use_cuda = torch.cuda.is_available() and cfg.model.device in ("auto", "cuda")
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1 or not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo",
                                 timeout=timedelta(seconds=cfg.topology.dist_timeout_s))
-    runtime.run(cfg, facts, rank)
-    return 0
+    return runtime.run(cfg, facts, rank)
 
 
 def shutdown(code: int) -> None:
     """End every process the same way: barrier, destroy the process group, flush, os._exit.
     A plain interpreter exit after FSDP2 on gloo aborts intermittently (docs/MODELS.md)."""
+    guard = runguard.active()
     if dist.is_initialized():
-        if code == 0:
+        if code in (runguard.EXIT_OK, runguard.EXIT_STOPPED):
             try:
                 dist.barrier()  # sync point: every rank has finished its last step
-            except Exception:  # noqa: BLE001 - a peer already failed; exit with our own code
-                pass
+            except Exception as e:  # noqa: BLE001 - a peer failed at the very end: not a clean exit
+                cause = guard.diagnose(1.0) if guard is not None else None
+                runguard.say(f"error: {cause or runguard.first_line(e)}; the final barrier failed")
+                code = runguard.EXIT_ABORT
+        if guard is not None:
+            guard.finish(code)
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
@@ -52,18 +59,39 @@ def shutdown(code: int) -> None:
     os._exit(code)
 
 
-if __name__ == "__main__":
-    code = 1
+def quiet_unless_alone(line: str, wait_s: float = 2.0) -> None:
+    """Rank 0 prints a user error found before the run starts; the other ranks found the same and
+    wait quietly for torchrun's SIGTERM (which follows rank 0's exit), then exit with the same code.
+    A rank still here after `wait_s` failed alone and prints its own line."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: shutdown(runguard.EXIT_USER))
+    time.sleep(wait_s)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """Run, print at most one line for a known failure, and exit with a documented code
+    (runguard.py; README, "Reliability")."""
+    code = runguard.EXIT_ERROR
     try:
-        code = main()
-    except ValueError as e:
-        # A user error: one clear line. Every rank raises it before any collective, so none hangs.
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    except SystemExit as e:  # --help
+        code = main(argv)
+    except SystemExit as e:  # --help, or argparse's own error (2)
         code = e.code if isinstance(e.code, int) else 0
-    except BaseException:  # noqa: BLE001 - a failing rank exits at once; torchrun stops the others
-        traceback.print_exc()
-        code = 1
+    except BaseException as e:  # noqa: BLE001 - every failure ends here, by one path
+        guard = runguard.active()
+        if guard is not None:  # the run had started: diagnose, and tell the other ranks
+            code, line, show_traceback = guard.explain(e)
+        elif isinstance(e, ValueError):  # before any rank waits: the same user error on every rank
+            code, line, show_traceback = runguard.EXIT_USER, f"error: {e}", False
+        else:
+            code, line, show_traceback = runguard.EXIT_ERROR, f"error: {runguard.first_line(e)}", True
+        if show_traceback:
+            traceback.print_exc()
+        runguard.write_error_file(line)  # torchrun's summary shows it as the root cause
+        if code == runguard.EXIT_USER and guard is None and os.environ.get("RANK", "0") != "0":
+            quiet_unless_alone(line)  # rank 0 says it for all
+        runguard.say(line)
     finally:
         shutdown(code)
+
+
+if __name__ == "__main__":
+    cli()

@@ -15,7 +15,6 @@ the two a run uses is its intake's choice (parallel/intake.py).
 from __future__ import annotations
 
 import copy
-import math
 import time
 
 import torch
@@ -28,6 +27,7 @@ import sampler
 from config import RunConfig
 from models import DiTAdapter, autocast
 from models.lora import trainable_names
+from nonfinite import SkipTracker
 from parallel.fsdp import count_allgathers, full_tensor, shard_modules
 from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
 from parallel.publish import WeightPublisher
@@ -62,6 +62,7 @@ class Trainer:
                                            weight_decay=cfg.optim.weight_decay)
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
         self.num_updates = 0
+        self.skips = SkipTracker(cfg.optim.max_skipped_steps)  # steps with non-finite values (nonfinite.py)
         self.current_step: int | None = None  # the step being trained (its update makes version step+1)
         # Called with the forward's slot (this step's forward count) before every training forward,
         # real or padding: with TAG under FSDP the group's generation windows fall between forwards.
@@ -90,6 +91,7 @@ class Trainer:
         self.num_transitions = 0
         self.num_forwards = 0
         self.num_allgathers = 0
+        self.nonfinite_advantages = 0
 
     def _on_allgather(self) -> None:
         self.num_allgathers += 1
@@ -107,6 +109,8 @@ class Trainer:
 
     def train(self, item: TrainChunk | TransitionBatch) -> None:
         """Forward + backward of every transition of `item` this trainer trains."""
+        if not torch.isfinite(item.advantages).all():  # from non-finite rewards: the step will be skipped
+            self.nonfinite_advantages += 1
         if isinstance(item, TransitionBatch):
             self.train_transitions(item)
         else:
@@ -273,7 +277,8 @@ class Trainer:
     def pad_forwards(self, count: int, template: TrainChunk | None) -> None:
         """FSDP only: run dummy forwards until this rank has done `count` forwards this step."""
         while self.num_forwards < count:
-            assert template is not None, "a trainer with no chunk cannot pad FSDP forwards"
+            if template is None:
+                raise RuntimeError("a trainer with no chunk cannot pad FSDP forwards")
             self._start_forward()
             cond = template.cond.to(self.device)
             neg = template.neg_cond.to(self.device) if template.neg_cond is not None else None
@@ -294,7 +299,8 @@ class Trainer:
     def finish_step(self) -> dict[str, float]:
         """Sum gradients and statistics over trainer ranks, normalize by the batch's transition
         count, clip, step, update the EMA. Every trainer rank waits here for the others."""
-        counts = torch.tensor([float(self.num_transitions)] + [self.sums[k] for k in STAT_KEYS], dtype=torch.float64)
+        counts = torch.tensor([float(self.num_transitions)] + [self.sums[k] for k in STAT_KEYS]
+                              + [float(self.nonfinite_advantages)], dtype=torch.float64)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             counts = counts.to(self._comm_device())
             dist.all_reduce(counts, group=self.group)  # sync point: all trainers
@@ -314,10 +320,17 @@ class Trainer:
                 p.grad.mul_(scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
         grad_norm = float(full_tensor(grad_norm)) if hasattr(grad_norm, "full_tensor") else float(grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.num_updates += 1
-        if self.ema is not None:
+        # Before the update and the EMA: the same reduced values on every trainer, the same decision.
+        bad = (["advantages (non-finite rewards)"] if counts[-1].item() else []) + SkipTracker.nonfinite(
+            {"loss": counts[1].item(), "gradients": grad_norm})
+        skip = self.skips.record(self.current_step if self.current_step is not None else self.num_updates, bad)
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.num_updates += 1
+        if self.ema is not None and not skip:
             decay = min(self.cfg.optim.ema_decay, (1 + self.num_updates) / (10 + self.num_updates))
             with torch.no_grad():
                 for e, p in zip(self.ema, self.params):
@@ -327,9 +340,8 @@ class Trainer:
         stats["train/staleness_max"] = self._all_reduce_max(float(self.max_staleness))
         stats.update({"train/grad_norm": grad_norm, "train/num_transitions": total,
                       "train/num_forwards": float(self.num_forwards),
-                      "train/num_allgathers": float(self.num_allgathers)})
-        if not math.isfinite(grad_norm):
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm} at update {self.num_updates}")
+                      "train/num_allgathers": float(self.num_allgathers),
+                      "train/skipped_steps": float(self.skips.total)})
         self.reset_stats()
         return stats
 

@@ -44,6 +44,11 @@ class DiTAdapter:
     # Components a diffusers folder of this family must have (subfolder names in model_index.json).
     required_components: ClassVar[tuple[str, ...]]
     defaults: ClassVar[SamplingDefaults]
+    # The size factors of each preset (VAE downsampling, patch sizes, position-table limits), so a
+    # run's --height / --width / --num-frames are checked before any weight loads (preflight.py).
+    # `geometry` computes the same dict from a folder's transformer and VAE config.json; the tests
+    # compare both with the factors a loaded model uses.
+    geometry_presets: ClassVar[dict[str, dict]] = {}
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -80,6 +85,21 @@ class DiTAdapter:
         return next(self.transformer.parameters()).dtype
 
     # ----- shapes ---------------------------------------------------------------------------
+    @classmethod
+    def geometry(cls, transformer_config: dict, vae_config: dict) -> dict:
+        """The size factors of a model, from its transformer and VAE configs (no weights)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_size(cls, geometry: dict, height: int, width: int, num_frames: int | None = None) -> None:
+        """ValueError naming the value if a sample of this size does not fit the model's packing.
+        Video families get num_frames already defaulted by the caller."""
+        raise NotImplementedError
+
+    def own_geometry(self) -> dict:
+        """The size factors this loaded model uses (equal to `geometry` of its configs)."""
+        raise NotImplementedError
+
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
         """Unpacked latent shape of one sample; ValueError if the size does not fit the packing."""
         raise NotImplementedError
@@ -151,6 +171,11 @@ def read_folder_defaults(path: str, defaults: SamplingDefaults) -> SamplingDefau
     if unknown:
         raise ValueError(f"{file}: unknown sampling default(s) {unknown}; known: {sorted(known)}")
     return dataclasses.replace(defaults, **overrides)
+
+
+def check_image_frames(family: str, num_frames: int | None) -> None:
+    if num_frames not in (None, 1):
+        raise ValueError(f"num_frames {num_frames} given for {family!r}, an image model")
 
 
 def to_unit_range(images: Tensor) -> Tensor:

@@ -6,7 +6,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from torch import Tensor
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range
+from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames, to_unit_range
 
 
 class FluxAdapter(DiTAdapter):
@@ -26,12 +26,27 @@ class FluxAdapter(DiTAdapter):
         return list(self.transformer.transformer_blocks) + list(self.transformer.single_transformer_blocks)
 
     # ----- shapes ---------------------------------------------------------------------------
-    def latent_shape(self, height, width, num_frames=None):
-        factor = self.pipe.vae_scale_factor * 2  # VAE downsampling times the 2x2 packing
+    geometry_presets = {"tiny": {"vae": 2}, "mid": {"vae": 2}}
+
+    @classmethod
+    def geometry(cls, transformer_config, vae_config):
+        return {"vae": 2 ** (len(vae_config["block_out_channels"]) - 1)}  # FluxPipeline's vae_scale_factor
+
+    def own_geometry(self):
+        return {"vae": self.pipe.vae_scale_factor}
+
+    @classmethod
+    def check_size(cls, geometry, height, width, num_frames=None):
+        check_image_frames(cls.family, num_frames)
+        vsf = geometry["vae"]
+        factor = vsf * 2  # VAE downsampling times the 2x2 packing
         for name, size in (("height", height), ("width", width)):
             if size <= 0 or size % factor:
-                raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {self.family!r} "
-                                 f"(VAE factor {self.pipe.vae_scale_factor} x 2x2 packing)")
+                raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {cls.family!r} "
+                                 f"(VAE factor {vsf} x 2x2 packing)")
+
+    def latent_shape(self, height, width, num_frames=None):
+        self.check_size(self.own_geometry(), height, width, num_frames)
         channels = self.transformer.config.in_channels // 4
         return (channels, height // self.pipe.vae_scale_factor, width // self.pipe.vae_scale_factor)
 

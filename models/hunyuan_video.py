@@ -52,21 +52,39 @@ class HunyuanVideoAdapter(DiTAdapter):
         return list(self.transformer.transformer_blocks) + list(self.transformer.single_transformer_blocks)
 
     # ----- shapes ---------------------------------------------------------------------------
-    def latent_shape(self, height, width, num_frames=None):
-        num_frames = self.defaults.num_frames if num_frames is None else num_frames
-        spatial, temporal = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
-        p, p_t = self.transformer.config.patch_size, self.transformer.config.patch_size_t
-        if num_frames <= 0 or (num_frames - 1) % temporal:
-            raise ValueError(f"num_frames {num_frames} must be 1 + a multiple of {temporal} for {self.family!r} "
+    geometry_presets = {"tiny": {"spatial": 4, "temporal": 4, "patch": 2, "patch_t": 1}}
+
+    @classmethod
+    def geometry(cls, transformer_config, vae_config):
+        return {"spatial": vae_config.get("spatial_compression_ratio", 8),
+                "temporal": vae_config.get("temporal_compression_ratio", 4),
+                "patch": transformer_config["patch_size"], "patch_t": transformer_config["patch_size_t"]}
+
+    def own_geometry(self):
+        c = self.transformer.config
+        return {"spatial": self.pipe.vae_scale_factor_spatial, "temporal": self.pipe.vae_scale_factor_temporal,
+                "patch": c.patch_size, "patch_t": c.patch_size_t}
+
+    @classmethod
+    def check_size(cls, geometry, height, width, num_frames=None):
+        spatial, temporal, p, p_t = geometry["spatial"], geometry["temporal"], geometry["patch"], geometry["patch_t"]
+        if num_frames is None or num_frames <= 0 or (num_frames - 1) % temporal:
+            raise ValueError(f"num_frames {num_frames} must be 1 + a multiple of {temporal} for {cls.family!r} "
                              f"(VAE temporal factor {temporal})")
         frames = (num_frames - 1) // temporal + 1
         if frames % p_t:
             raise ValueError(f"num_frames {num_frames} gives {frames} latent frames, not a multiple of the "
-                             f"temporal patch {p_t} for {self.family!r}")
+                             f"temporal patch {p_t} for {cls.family!r}")
         for name, size in (("height", height), ("width", width)):
             if size <= 0 or size % (spatial * p):
-                raise ValueError(f"{name} {size} must be a positive multiple of {spatial * p} for {self.family!r} "
+                raise ValueError(f"{name} {size} must be a positive multiple of {spatial * p} for {cls.family!r} "
                                  f"(VAE factor {spatial} x patch {p})")
+
+    def latent_shape(self, height, width, num_frames=None):
+        num_frames = self.defaults.num_frames if num_frames is None else num_frames
+        self.check_size(self.own_geometry(), height, width, num_frames)
+        spatial, temporal = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
+        frames = (num_frames - 1) // temporal + 1
         return (self.transformer.config.in_channels, frames, height // spatial, width // spatial)
 
     def image_seq_len(self, latent_shape):

@@ -13,7 +13,7 @@ from torch import Tensor
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range
+from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames, to_unit_range
 
 # Special tokens of Qwen2.5-VL's vocabulary that the prompt template and the model config refer to.
 _QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -50,15 +50,28 @@ class QwenImageAdapter(DiTAdapter):
         return list(self.transformer.transformer_blocks)
 
     # ----- shapes ---------------------------------------------------------------------------
-    def latent_shape(self, height, width, num_frames=None):
-        if num_frames not in (None, 1):
-            raise ValueError(f"num_frames {num_frames} given for {self.family!r}, an image model")
-        vsf = self.pipe.vae_scale_factor
+    geometry_presets = {"tiny": {"vae": 8}}
+
+    @classmethod
+    def geometry(cls, transformer_config, vae_config):
+        return {"vae": 2 ** len(vae_config["temperal_downsample"])}  # QwenImagePipeline's vae_scale_factor
+
+    def own_geometry(self):
+        return {"vae": self.pipe.vae_scale_factor}
+
+    @classmethod
+    def check_size(cls, geometry, height, width, num_frames=None):
+        check_image_frames(cls.family, num_frames)
+        vsf = geometry["vae"]
         factor = vsf * 2  # VAE downsampling times the 2x2 packing
         for name, size in (("height", height), ("width", width)):
             if size <= 0 or size % factor:
-                raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {self.family!r} "
+                raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {cls.family!r} "
                                  f"(VAE factor {vsf} x 2x2 packing)")
+
+    def latent_shape(self, height, width, num_frames=None):
+        self.check_size(self.own_geometry(), height, width, num_frames)
+        vsf = self.pipe.vae_scale_factor
         channels = self.transformer.config.in_channels // 4
         return (channels, height // vsf, width // vsf)
 

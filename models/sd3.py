@@ -10,7 +10,7 @@ from torch import Tensor
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range
+from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames, to_unit_range
 
 
 class SD3Adapter(DiTAdapter):
@@ -34,22 +34,35 @@ class SD3Adapter(DiTAdapter):
         return list(self.transformer.transformer_blocks)
 
     # ----- shapes ---------------------------------------------------------------------------
-    def latent_shape(self, height, width, num_frames=None):
-        if num_frames not in (None, 1):
-            raise ValueError(f"num_frames {num_frames} given for {self.family!r}, an image model")
-        vsf = self.pipe.vae_scale_factor
-        patch = self.transformer.config.patch_size
+    geometry_presets = {"tiny": {"vae": 8, "patch": 2, "pos_max": 16}}
+
+    @classmethod
+    def geometry(cls, transformer_config, vae_config):
+        return {"vae": 2 ** (len(vae_config["block_out_channels"]) - 1), "patch": transformer_config["patch_size"],
+                "pos_max": transformer_config["pos_embed_max_size"]}
+
+    def own_geometry(self):
+        c = self.transformer.config
+        return {"vae": self.pipe.vae_scale_factor, "patch": c.patch_size, "pos_max": c.pos_embed_max_size}
+
+    @classmethod
+    def check_size(cls, geometry, height, width, num_frames=None):
+        check_image_frames(cls.family, num_frames)
+        vsf, patch = geometry["vae"], geometry["patch"]
         factor = vsf * patch
         # The sin-cos position table covers pos_embed_max_size patches per side.
-        max_size = factor * self.transformer.config.pos_embed_max_size
+        max_size = factor * geometry["pos_max"]
         for name, size in (("height", height), ("width", width)):
             if size <= 0 or size % factor:
-                raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {self.family!r} "
+                raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {cls.family!r} "
                                  f"(VAE factor {vsf} x patch {patch})")
             if size > max_size:
                 raise ValueError(f"{name} {size} exceeds {max_size}, the largest size the position table of "
-                                 f"{self.family!r} covers (pos_embed_max_size "
-                                 f"{self.transformer.config.pos_embed_max_size} patches)")
+                                 f"{cls.family!r} covers (pos_embed_max_size {geometry['pos_max']} patches)")
+
+    def latent_shape(self, height, width, num_frames=None):
+        self.check_size(self.own_geometry(), height, width, num_frames)
+        vsf = self.pipe.vae_scale_factor
         return (self.transformer.config.in_channels, height // vsf, width // vsf)
 
     def image_seq_len(self, latent_shape):

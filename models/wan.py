@@ -33,26 +33,43 @@ class WanAdapter(DiTAdapter):
         return list(self.transformer.blocks)
 
     # ----- shapes ---------------------------------------------------------------------------
-    def latent_shape(self, height, width, num_frames=None):
-        num_frames = self.defaults.num_frames if num_frames is None else num_frames
-        spatial, temporal = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
-        p_t, p_h, p_w = self.transformer.config.patch_size
-        rope_len = self.transformer.config.rope_max_seq_len
-        if num_frames <= 0 or (num_frames - 1) % temporal:
-            raise ValueError(f"num_frames {num_frames} must be 1 + a multiple of {temporal} for {self.family!r} "
+    geometry_presets = {"tiny": {"spatial": 4, "temporal": 4, "patch": [1, 2, 2], "rope_len": 32}}
+
+    @classmethod
+    def geometry(cls, transformer_config, vae_config):
+        return {"spatial": vae_config.get("scale_factor_spatial", 8), "temporal": vae_config.get("scale_factor_temporal", 4),
+                "patch": list(transformer_config["patch_size"]), "rope_len": transformer_config["rope_max_seq_len"]}
+
+    def own_geometry(self):
+        c = self.transformer.config
+        return {"spatial": self.pipe.vae_scale_factor_spatial, "temporal": self.pipe.vae_scale_factor_temporal,
+                "patch": list(c.patch_size), "rope_len": c.rope_max_seq_len}
+
+    @classmethod
+    def check_size(cls, geometry, height, width, num_frames=None):
+        spatial, temporal, rope_len = geometry["spatial"], geometry["temporal"], geometry["rope_len"]
+        p_t, p_h, p_w = geometry["patch"]
+        if num_frames is None or num_frames <= 0 or (num_frames - 1) % temporal:
+            raise ValueError(f"num_frames {num_frames} must be 1 + a multiple of {temporal} for {cls.family!r} "
                              f"(VAE temporal factor {temporal})")
         frames = (num_frames - 1) // temporal + 1
         if frames % p_t or frames // p_t > rope_len:
             raise ValueError(f"num_frames {num_frames} gives {frames} latent frames: must be a multiple of the "
-                             f"temporal patch {p_t} and at most {rope_len * p_t} for {self.family!r}")
+                             f"temporal patch {p_t} and at most {rope_len * p_t} for {cls.family!r}")
         for name, size, patch in (("height", height, p_h), ("width", width, p_w)):
             factor = spatial * patch
             if size <= 0 or size % factor:
-                raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {self.family!r} "
+                raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {cls.family!r} "
                                  f"(VAE factor {spatial} x patch {patch})")
             if size // factor > rope_len:
                 raise ValueError(f"{name} {size} gives {size // factor} patches, above the rotary table's "
-                                 f"{rope_len} for {self.family!r}")
+                                 f"{rope_len} for {cls.family!r}")
+
+    def latent_shape(self, height, width, num_frames=None):
+        num_frames = self.defaults.num_frames if num_frames is None else num_frames
+        self.check_size(self.own_geometry(), height, width, num_frames)
+        spatial, temporal = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
+        frames = (num_frames - 1) // temporal + 1
         return (self.transformer.config.in_channels, frames, height // spatial, width // spatial)
 
     def image_seq_len(self, latent_shape):

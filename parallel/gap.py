@@ -156,7 +156,8 @@ class PipelinedReplica:
             msg = None
             if pending_at == i:
                 msg, meta = pending.wait()  # rank wait: the producing stage's output
-                assert (meta["mb"], meta["t"]) == (a.mb, a.t), (meta, str(a))
+                if (meta["mb"], meta["t"]) != (a.mb, a.t):
+                    raise p2p.ProtocolError(f"stage received micro-batch {meta['mb']} step {meta['t']}, expected {a}")
                 pending_at, pending = post(i + 1)  # posted early: before this action computes
             span = (tracer.span("F", "generate", plan.step, chunks[a.mb][0].index, mb=a.mb, t=a.t)
                     if tracer is not None else contextlib.nullcontext())

@@ -135,7 +135,8 @@ class TransitionBatch:
 
     @classmethod
     def from_payload(cls, tensors: dict[str, Tensor], meta: dict) -> "TransitionBatch":
-        assert meta["kind"] == "transitions", meta
+        if meta.get("kind") != "transitions":
+            raise p2p.ProtocolError(f"expected a transitions payload, got {meta}")
         neg = {k[len("neg."):]: v for k, v in tensors.items() if k.startswith("neg.")}
         return cls(meta["step"], meta["fragment"], meta["version"], tuple(meta["micro_batches"]),
                    tuple(meta["sizes"]), **{k: tensors[k] for k in cls._ROWS},
@@ -228,7 +229,9 @@ class ChunkIntake(_Intake):
         return [Need(c.fragment, c.index) for c in plan.chunks if c.trainer == self.me]
 
     def check(self, plan: StepPlan, need: Need, item: TrainChunk) -> None:
-        assert (item.step, item.chunk) == (plan.step, need.key), (item.step, item.chunk, plan.step, need.key)
+        if (item.step, item.chunk) != (plan.step, need.key):
+            raise p2p.ProtocolError(f"received chunk {item.chunk} of step {item.step}, expected chunk {need.key} of "
+                                    f"step {plan.step}")
 
     def span_args(self, item: TrainChunk) -> dict:
         return {"chunk": item.chunk}
@@ -289,9 +292,12 @@ class TransitionIntake(_Intake):
         return [Need(f.index, ("tsp", f.index)) for f in plan.fragments if self.me in packing.trainers_of(f.index)]
 
     def check(self, plan: StepPlan, need: Need, item: TransitionBatch) -> None:
-        assert (item.step, item.fragment) == (plan.step, need.fragment), (item.step, item.fragment, plan.step, need)
+        if (item.step, item.fragment) != (plan.step, need.fragment):
+            raise p2p.ProtocolError(f"received fragment {item.fragment} of step {item.step}, expected fragment "
+                                    f"{need.fragment} of step {plan.step}")
         want = tuple(m.index for m in self.packing(plan).of(need.fragment, self.me))
-        assert item.micro_batches == want, (item.micro_batches, want)
+        if item.micro_batches != want:
+            raise p2p.ProtocolError(f"received micro-batches {item.micro_batches}, the packing gives {want}")
 
     def span_args(self, item: TransitionBatch) -> dict:
         return {"micro_batches": len(item.sizes), "transitions": len(item.keep)}

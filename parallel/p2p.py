@@ -19,6 +19,7 @@ are matched in the order they were posted, so both sides must agree on the order
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -28,6 +29,59 @@ import torch.distributed as dist
 from torch import Tensor
 
 _ALIGN = 16  # bytes; the largest element size (complex128)
+
+
+class ProtocolError(RuntimeError):
+    """A message arrived that the receiver did not expect at this point of the protocol."""
+
+
+class PeerError(RuntimeError):
+    """A wait on another rank failed (it died, closed the connection, or did not answer in time);
+    the message names that rank by role (`configure(describe=...)`)."""
+
+    def __init__(self, peer: int, message: str):
+        super().__init__(message)
+        self.peer = peer
+
+
+# Every point-to-point wait is bounded by this many seconds (runguard.RunGuard adapts it to the
+# measured step time) and names its peer with `_describe`; both are set once per process.
+_timeout_s = 600.0
+_describe: Callable[[int], str] = lambda rank: f"rank {rank}"
+
+
+def configure(timeout_s: float | None = None, describe: Callable[[int], str] | None = None) -> None:
+    global _timeout_s, _describe
+    if timeout_s is not None:
+        _timeout_s = float(timeout_s)
+    if describe is not None:
+        _describe = describe
+
+
+def describe(rank: int) -> str:
+    return _describe(rank)
+
+
+def wait(work, peer: int, what: str) -> None:
+    """Wait for one send or receive with the current timeout; a failure names the peer."""
+    try:
+        work.wait(timedelta(seconds=_timeout_s))
+    except RuntimeError as e:
+        raise PeerError(peer, f"{what} {_describe(peer)} failed: {_backend_detail(e)} (waits time out after "
+                              f"{_timeout_s:.0f} s)") from e
+
+
+def _backend_detail(e: BaseException) -> str:
+    """The backend's message without its source location and boilerplate advice."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically")[0]
+
+
+def recv(tensor: Tensor, src: int, group=None) -> None:
+    """A blocking receive from global rank `src`, bounded and named (dist.recv ignores a changed timeout)."""
+    wait(dist.irecv(tensor, src=src, group=group), src, "receive from")
 
 _DTYPES = {
     str(dt): dt
@@ -57,7 +111,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def as_bytes(t: Tensor) -> Tensor:
     """A contiguous tensor's storage as a flat uint8 tensor [numel * element_size] (no copy)."""
-    assert t.is_contiguous()
+    if not t.is_contiguous():  # a view of a copy would send, or receive into, the wrong memory
+        raise ValueError(f"as_bytes needs a contiguous tensor, got shape {list(t.shape)} strides {t.stride()}")
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -135,15 +190,15 @@ def recv_payload(src: int, group=None, device: torch.device | str | None = None
     comm = comm_device(group)
     # Rank wait: each recv blocks until src has sent the matching message.
     length_t = torch.empty(1, dtype=torch.int64, device=comm)
-    dist.recv(length_t, src=src, group=group)
+    recv(length_t, src, group)
     header_t = torch.empty(int(length_t.item()), dtype=torch.uint8, device=comm)
-    dist.recv(header_t, src=src, group=group)
+    recv(header_t, src, group)
     header = _decode_header(header_t)
     target = torch.device(device) if device is not None else comm
     buffer = None
     if header["nbytes"]:
         buffer = torch.empty(header["nbytes"], dtype=torch.uint8, device=comm)
-        dist.recv(buffer, src=src, group=group)
+        recv(buffer, src, group)
         buffer = buffer.to(target)  # one transfer for the whole payload (no-op when equal)
     return unpack_payload(header, buffer, target), header["meta"]
 
@@ -159,12 +214,13 @@ class SendHandle:
 
     works: list
     buffers: list[Tensor] = field(repr=False)
+    dst: int = -1
 
     def wait(self, timeout: timedelta | None = None) -> None:
         """Block until every message has been handed to the backend. `timeout` defaults to the
-        process group's timeout."""
+        module's bounded wait (`configure`), which names the receiver on failure."""
         for work in self.works:
-            work.wait() if timeout is None else work.wait(timeout)
+            wait(work, self.dst, "send to") if timeout is None else work.wait(timeout)
         self.works, self.buffers = [], []
 
     def is_completed(self) -> bool:
@@ -178,7 +234,7 @@ def isend_payload(tensors: dict[str, Tensor], meta: dict[str, Any] | None, dst: 
     length_t, header_t, buffer = pack_payload(tensors, meta, comm_device(group))
     buffers = [length_t, header_t] + ([buffer] if buffer is not None else [])
     works = [dist.isend(b, dst=dst, group=group) for b in buffers]
-    return SendHandle(works, buffers)
+    return SendHandle(works, buffers, dst)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +254,7 @@ def isend_framed(tensors: dict[str, Tensor], meta: dict[str, Any] | None, dst: i
     frame = torch.zeros(FRAME_HEADER_BYTES, dtype=torch.uint8, device=comm)
     frame[:header_t.numel()] = header_t
     buffers = [frame] + ([buffer] if buffer is not None else [])
-    return SendHandle([dist.isend(b, dst=dst, group=group) for b in buffers], buffers)
+    return SendHandle([dist.isend(b, dst=dst, group=group) for b in buffers], buffers, dst)
 
 
 class PostedRecv:
@@ -213,13 +269,13 @@ class PostedRecv:
         self.work = dist.irecv(self.frame, src=src, group=group)
 
     def wait(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        self.work.wait()  # rank wait: the header of src's next framed message
+        wait(self.work, self.src, "receive from")  # rank wait: the header of src's next framed message
         raw = bytes(self.frame.cpu().numpy().tobytes()).rstrip(b"\0")
         header = json.loads(raw.decode())
         buffer = None
         if header["nbytes"]:
             buffer = torch.empty(header["nbytes"], dtype=torch.uint8, device=self.comm)
-            dist.recv(buffer, src=self.src, group=self.group)
+            recv(buffer, self.src, self.group)
             buffer = buffer.to(self.device)
         return unpack_payload(header, buffer, self.device), header["meta"]
 
@@ -229,7 +285,7 @@ def post_recv(src: int, group=None, device: torch.device | str | None = None) ->
 
 
 __all__ = [
-    "FRAME_HEADER_BYTES", "PostedRecv", "isend_framed", "post_recv",
+    "FRAME_HEADER_BYTES", "PeerError", "ProtocolError", "configure", "describe", "recv", "wait", "PostedRecv", "isend_framed", "post_recv",
     "SendHandle", "as_bytes", "comm_device", "dtype_from_name", "isend_payload", "pack_payload",
     "recv_payload", "send_payload", "unpack_payload",
 ]

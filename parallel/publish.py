@@ -24,7 +24,8 @@ orders and processes.
 Test hook: the environment variable `DIGENRL_DEBUG_CORRUPT_PUBLISH`, read by `install`,
 corrupts the publication on purpose so that end-to-end tests can check that it is caught:
 `1` or `flip` flips one bit of one staged tensor before the copy (a value mismatch), `skip`
-skips every copy (an update that does nothing). Unset or empty in normal runs.
+skips every copy (an update that does nothing). Unset or empty in normal runs; any other value is
+an error (preflight.py checks it before a run starts).
 """
 from __future__ import annotations
 
@@ -38,10 +39,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel import compress
+from parallel import compress, p2p
 from parallel.p2p import as_bytes, comm_device, dtype_from_name, recv_payload, send_payload
 
 CORRUPT_ENV = "DIGENRL_DEBUG_CORRUPT_PUBLISH"
+CORRUPT_MODES = ("", "1", "flip", "skip")
 
 _MOD_POSITION = 65521  # largest prime below 2**16: position weights are 1..65521
 _MERSENNE_61 = (1 << 61) - 1  # checksums are folded into [0, 2**61 - 1)
@@ -211,9 +213,9 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
             time.sleep(flat.numel() * flat.element_size() / link_bytes_per_s)  # the emulated link's transfer
         in_flight.append((dist.isend(as_bytes(flat), dst=dst, group=group), flat))
         if len(in_flight) > 1:
-            in_flight.popleft()[0].wait()
+            p2p.wait(in_flight.popleft()[0], dst, "send to")
     while in_flight:
-        in_flight.popleft()[0].wait()
+        p2p.wait(in_flight.popleft()[0], dst, "send to")
     changed = None if not previous else sum(previous.get(n) != s for n, s in sums.items())
     return PublishStats(
         version=int(version), dst=dst, num_tensors=len(rebuilt), num_buckets=len(buckets),
@@ -226,20 +228,26 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
 class WeightPublisher:
     """The sending side of one trainer rank: publishes versions, compressed or not, and remembers
     per receiver the checksums it sent last, so that each receiver can tell an update that does
-    nothing. A lossy codec needs `initial`, version 0 of the published tensors."""
+    nothing. A lossy codec needs `initial`, version 0 of the published tensors. With `keep`, it
+    also keeps CPU copies of the last two versions the generators hold (what TCSS generators hold
+    when a checkpoint is written: `kept(version)`)."""
 
     def __init__(self, bucket_bytes: int = 64 << 20, compression: str = "none",
-                 initial: dict[str, Tensor] | None = None, link_mbps: float | None = None):
+                 initial: dict[str, Tensor] | None = None, link_mbps: float | None = None, keep: bool = False):
         self.bucket_bytes, self.compression = bucket_bytes, compression
         self.reconstruction = compress.Reconstruction(compression, initial or {})
         self.link_bytes_per_s = link_mbps * 1e6 if link_mbps else None
         self.last: dict[int, dict[str, int]] = {}  # dst -> name -> checksum
+        self.keep = keep
+        self._kept: dict[int, dict[str, Tensor]] = {}  # version -> name -> tensor, the last two versions
 
     def publish(self, tensors: dict[str, Tensor], version: int, dst: int, group=None, encoding: str = "none",
                 rebuilt: dict[str, Tensor] | None = None) -> PublishStats:
         stats = publish_weights(tensors, version, dst, group, self.bucket_bytes, self.last.get(dst), encoding,
                                 rebuilt, self.link_bytes_per_s)
         self.last[dst] = stats.checksums
+        if self.keep:
+            self.remember(version, tensors if rebuilt is None else rebuilt)
         return stats
 
     def publish_all(self, weights: dict[str, Tensor], names_by_dst: dict[int, list[str]], version: int,
@@ -253,6 +261,18 @@ class WeightPublisher:
             mine = {compress.wire_name(n, p): t for n in names for p, t in parts[n].items()}
             out.append(self.publish(mine, version, dst, group, self.compression, {n: held[n] for n in names}))
         return out
+
+    def remember(self, version: int, tensors: dict[str, Tensor]) -> None:
+        """Keep a copy of `tensors` as (part of) `version`; versions older than the last two go."""
+        held = self._kept.setdefault(version, {})
+        for name, t in tensors.items():
+            if name not in held:
+                held[name] = t.detach().to("cpu", copy=True)
+        for old in sorted(self._kept)[:-2]:
+            del self._kept[old]
+
+    def kept(self, version: int) -> dict[str, Tensor] | None:
+        return self._kept.get(version)
 
 
 def _pack_bucket(parts: list[Tensor], device: torch.device) -> Tensor:
@@ -295,7 +315,7 @@ class WeightReceiver:
         comm = comm_device(group)
         buffers = self._staging_buffers(header["buckets"], comm)
         for buf in buffers:
-            dist.recv(as_bytes(buf), src=src, group=group)  # rank wait: one bucket from src
+            p2p.recv(as_bytes(buf), src, group)  # rank wait: one bucket from src
         shapes = dict(zip(header["names"], header["shapes"]))  # of the wire tensors
         staged = {}
         for bucket, buf in zip(header["buckets"], buffers):
@@ -330,6 +350,8 @@ class WeightReceiver:
         changed = [n for n, _, _ in header["targets"] if n in previous and previous[n] != expected[n]]
         before = {n: checksum(self.targets[n]) for n in changed}
         corrupt = os.environ.get(CORRUPT_ENV, "").strip().lower()
+        if corrupt not in CORRUPT_MODES:
+            raise ValueError(f"{CORRUPT_ENV}={corrupt!r}: not one of {CORRUPT_MODES[1:]}")
         if corrupt in ("1", "flip"):
             _flip_one_bit(staged)
         names = [t[0] for t in header["targets"]]
@@ -401,6 +423,6 @@ def _failure_message(version: int, mismatched: dict[str, tuple[int, int]], uncha
 
 
 __all__ = [
-    "CORRUPT_ENV", "PublicationError", "PublishStats", "WeightReceiver", "checksum", "plan_buckets",
+    "CORRUPT_ENV", "CORRUPT_MODES", "PublicationError", "PublishStats", "WeightReceiver", "checksum", "plan_buckets",
     "WeightPublisher", "publish_weights", "state_checksum",
 ]

@@ -58,7 +58,8 @@ class RemoteScorer:
 
     def wait(self, ticket: Ticket) -> dict[str, Tensor]:
         tensors, meta = p2p.post_recv(ticket.dst, device=torch.device("cpu")).wait()  # rank wait: the scorer
-        assert (meta["step"], meta["fragment"]) == (ticket.step, ticket.fragment), (meta, ticket)
+        if (meta["step"], meta["fragment"]) != (ticket.step, ticket.fragment):
+            raise p2p.ProtocolError(f"scores of step {meta['step']} fragment {meta['fragment']} arrived for {ticket}")
         ticket.handle.wait()
         return {k: v.clone() for k, v in tensors.items()}
 
@@ -78,7 +79,9 @@ def scorer_step(ctx, rewards, plan, source_of) -> dict[str, list[float]]:
             continue
         with ctx.tracer.span("recv_images", "comm", plan.step, fragment.index):
             tensors, meta = p2p.post_recv(src, device=ctx.device).wait()  # rank wait: the generator
-        assert (meta["step"], meta["fragment"]) == (plan.step, fragment.index), (meta, fragment.index)
+        if (meta["step"], meta["fragment"]) != (plan.step, fragment.index):
+            raise p2p.ProtocolError(f"images of step {meta['step']} fragment {meta['fragment']} arrived, expected "
+                                    f"fragment {fragment.index} of step {plan.step}")
         g = plan.group_size
         records = [ctx.records[plan.prompt_indices[i // g]] for i in fragment.sample_ids]
         with ctx.tracer.span("score", "score", plan.step, fragment.index), ctx.slowdown():

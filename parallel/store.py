@@ -15,6 +15,16 @@ class StepStore:
         self.store.set_timeout(timedelta(seconds=timeout_s))
         self.prefix = prefix
 
+    def clone(self) -> "StepStore":
+        """The same keys over a connection of its own: a blocking get on one connection holds its
+        lock until it returns, so a heartbeat thread needs its own."""
+        other = object.__new__(StepStore)
+        other.store, other.prefix = self.store.clone(), self.prefix
+        return other
+
+    def set_timeout(self, timeout_s: float) -> None:
+        self.store.set_timeout(timedelta(seconds=timeout_s))
+
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}"
 
@@ -34,3 +44,7 @@ class StepStore:
     def add(self, key: str, amount: int = 1) -> int:
         """Atomic: the counter's value after adding."""
         return int(self.store.add(self._k(key), amount))
+
+    def get_if_set(self, key: str):
+        """The value, or None when the key is not set (never blocks)."""
+        return self.get(key) if self.ready(key) else None

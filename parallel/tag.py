@@ -269,7 +269,9 @@ class GroupAssistant(Assistant):
         """Called before this trainer receives its first piece of fragment f, which its next
         forward trains: the windows up to that forward have made sure f landed."""
         self.before_forward(self.trainer.num_forwards)
-        assert self.board.landed(f), (self.plan.step, f, self.trainer.num_forwards)
+        if not self.board.landed(f):
+            raise p2p.ProtocolError(f"TAG: fragment {f} of step {self.plan.step} has not landed at forward "
+                                    f"{self.trainer.num_forwards}")
         return self.board.owner(f)["rank"]
 
     def _window(self, slot: int, fragments: tuple[int, ...]) -> None:
@@ -323,6 +325,7 @@ class GroupAssistant(Assistant):
             self._deliver(mine, result)
 
     def end_step(self) -> dict:
-        assert self.next_window == len(self.windows), (self.next_window, len(self.windows))
+        if self.next_window != len(self.windows):
+            raise p2p.ProtocolError(f"TAG: the step ended after {self.next_window} of {len(self.windows)} windows")
         self.trainer.before_forward = None
         return super().end_step()

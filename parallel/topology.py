@@ -93,6 +93,16 @@ class Topology:
             return "colocated"
         return "generator" if self.is_generator(rank) else "trainer" if self.is_trainer(rank) else "scorer"
 
+    def describe(self, rank: int) -> str:
+        """A rank in words, for messages that name a peer: 'generator rank 0 (replica 0)'."""
+        if self.mode == "colocated":
+            return f"rank {rank} (colocated generator and trainer)"
+        if self.is_generator(rank):
+            replica = self.replica_of(rank)
+            stage = f", stage {self.replica_ranks(replica).index(rank)}" if self.gap_stages > 1 else ""
+            return f"generator rank {rank} (replica {replica}{stage})"
+        return f"{self.role(rank)} rank {rank}"
+
 
 @dataclass
 class ProcessGroups:

@@ -337,7 +337,8 @@ class _Engine:
                 return
             later = [x for x in (*self.rep_free, *self.trn_free, *(g for g in self.gate if g is not None),
                                  *(e.ready for q in self.queues for e in q)) if x > t]
-            assert later, f"simulator stalled at t={t}: step {self.train_step} cannot finish"
+            if not later:
+                raise RuntimeError(f"simulator stalled at t={t}: step {self.train_step} cannot finish")
             t = min(later)
 
     def result(self) -> SimResult:

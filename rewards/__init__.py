@@ -27,6 +27,8 @@ _REWARDS = {
     "ocr": "rewards.ocr:OcrReward",
 }
 
+MAX_WEIGHT = 1e6  # reward weights are O(1); the bound keeps every weighted sum finite in float32
+
 # Rewards that load weights and so need `--reward-model NAME=DIR`.
 MODEL_REWARDS = frozenset({"pickscore", "clip_score", "hpsv2", "laion_aesthetic", "image_reward", "ocr"})
 
@@ -65,8 +67,10 @@ def parse_reward_spec(spec: str) -> tuple[str, float]:
         weight = float(weight_text)
     except ValueError:
         raise ValueError(f"bad reward spec {spec!r}: weight {weight_text!r} is not a number") from None
-    if not math.isfinite(weight):
-        raise ValueError(f"bad reward spec {spec!r}: weight must be finite")
+    if not math.isfinite(weight) or abs(weight) > MAX_WEIGHT:
+        # checked here, not after the float32 weighted sum has overflowed to inf
+        raise ValueError(f"bad reward spec {spec!r}: weight {weight_text} must be a finite number in "
+                         f"[-{MAX_WEIGHT:g}, {MAX_WEIGHT:g}]")
     return name, weight
 
 

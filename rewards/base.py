@@ -28,6 +28,11 @@ class Reward:
         """images (N, 3, H, W) in [0, 1] -> scores (N,)."""
         raise NotImplementedError
 
+    @classmethod
+    def check_prompt(cls, prompt: str) -> None:
+        """ValueError if this reward cannot score `prompt` (checked for every prompt before a run
+        loads anything). Most rewards score any prompt."""
+
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> Tensor:
         prompts = list(prompts)

@@ -27,6 +27,10 @@ class ShapesReward(Reward):
     def __init__(self, device: str | torch.device = "cpu"):
         self.device = torch.device(device)  # simple image processing: it runs on the CPU whatever the device
 
+    @classmethod
+    def check_prompt(cls, prompt: str) -> None:
+        _spec(prompt)
+
     def score_images(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
         specs = [_spec(p) for p in prompts]
         images = images.detach().float().cpu()  # (N, 3, H, W)

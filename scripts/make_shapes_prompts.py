@@ -42,7 +42,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     train, held_out = split_prompts(args.seed)
-    assert not set(train) & set(held_out)
+    shared = set(train) & set(held_out)
+    if shared:  # held-out prompts must never be trained on
+        raise SystemExit(f"error: {len(shared)} prompts are in both splits, e.g. {sorted(shared)[:3]}")
     os.makedirs(args.out_dir, exist_ok=True)
     objects = [shapes_world.spec_to_prompt(s) for s in shapes_world.all_specs()
                if s.kind == "one" and s.position is None]

@@ -33,3 +33,42 @@ def trained_weights(run_dir: str, step: int):
 
     weights, _ = read_trained_weights(checkpoint_dir(run_dir, step))
     return weights
+
+
+def torchrun_background(nproc: int, args: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
+    """train_disagg.py under torchrun, running on: its own session (so a test can end everything it
+    started by process group), stdout and stderr to `log_path`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           os.path.join(ROOT, "train_disagg.py"), *args]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def worker_pids(torchrun_pid: int) -> dict[int, int]:
+    """RANK -> pid of the workers torchrun started (Linux /proc)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != torchrun_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"RANK" in env:
+            out[int(env[b"RANK"])] = int(entry)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie waiting for its parent."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

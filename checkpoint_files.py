@@ -1,0 +1,191 @@
+"""Checkpoint folders that are complete or absent: atomic writes, manifests, verification, pruning.
+
+A checkpoint is written into `step-N.tmp/`; every file is fsync'd, then `manifest.json` (each file's
+size and SHA-256, plus what the writer adds: step, run config) is written and fsync'd last, the
+folder is renamed to `step-N/` and the parent folder fsync'd. A crash at any moment leaves either
+the previous checkpoints untouched and a `.tmp` folder that nothing loads, or the complete new one.
+
+Loading trusts nothing: `find_valid` verifies the manifest of each `step-N/`, newest first, and
+returns the newest that passes with the list of those it skipped and why. Pure file-system code:
+no torch, no process group.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+PIN_FILE = "KEEP"  # a checkpoint folder holding a file of this name is never pruned
+_STEP_DIR = re.compile(r"step-(\d+)")
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_file(path: str) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str) -> None:
+    """Make a folder's entries (creations, renames) durable. A no-op where folders cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON beside `path`, fsync it, rename it over `path`: readers see the old or the new file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _files_under(root: str) -> list[str]:
+    out = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            out.append(os.path.relpath(os.path.join(folder, name), root))
+    return sorted(out)
+
+
+def write_atomic(final: str, write_files, meta: dict, before_manifest=None) -> None:
+    """Create the checkpoint folder `final` atomically. `write_files(tmp)` writes the content into
+    the temporary folder; `meta` goes into the manifest beside the file list. `before_manifest(tmp)`
+    runs after the files and before the manifest (a test hook). An existing `final` is replaced only
+    once the new folder is complete."""
+    tmp = final + ".tmp"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    write_files(tmp)
+    files = {}
+    for rel in _files_under(tmp):
+        path = os.path.join(tmp, rel)
+        fsync_file(path)
+        files[rel] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+    for folder, _, _ in os.walk(tmp):
+        fsync_dir(folder)
+    if before_manifest is not None:
+        before_manifest(tmp)
+    write_json_atomic(os.path.join(tmp, MANIFEST), {"format": FORMAT, "files": files, **meta})
+    fsync_dir(tmp)
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.old-{os.getpid()}-{int(time.time())}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(os.path.dirname(final))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of a checkpoint folder, verified: every file it lists exists with its size and
+    SHA-256. ValueError naming the first problem otherwise."""
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(file):
+        raise ValueError(f"no {MANIFEST} (the write did not finish)")
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{MANIFEST} is damaged ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{MANIFEST} has format {manifest.get('format')!r}, this version reads {FORMAT}")
+    for rel, entry in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise ValueError(f"{rel} is missing")
+        size = os.path.getsize(full)
+        if size != entry["bytes"]:
+            raise ValueError(f"{rel} has {size} bytes, the manifest says {entry['bytes']}")
+        if sha256_file(full) != entry["sha256"]:
+            raise ValueError(f"{rel} does not match its SHA-256 in the manifest")
+    return manifest
+
+
+@dataclass
+class Found:
+    """The newest valid checkpoint (`path` None when there is none) and the folders passed over."""
+
+    path: str | None
+    step: int | None
+    manifest: dict | None
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (folder, why)
+
+    def skipped_text(self) -> str:
+        return "; ".join(f"{p} ({why})" for p, why in self.skipped)
+
+
+def step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every `step-N` folder under `root`, newest first (`.tmp` folders excluded)."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root)
+             if (m := _STEP_DIR.fullmatch(d)) and os.path.isdir(os.path.join(root, d))]
+    return sorted(found, reverse=True)
+
+
+def unfinished_dirs(root: str) -> list[str]:
+    """Folders a writer left behind: `step-N.tmp` (an unfinished write) and `step-N.old-*`."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, d) for d in os.listdir(root)
+                  if re.fullmatch(r"step-\d+\.(tmp|old-.*)", d))
+
+
+def find_valid(root: str) -> Found:
+    """The newest `step-N/` under `root` whose manifest verifies; newer ones that fail are listed
+    in `skipped` with the reason, and so are unfinished writes."""
+    skipped = [(p, "an unfinished write") for p in unfinished_dirs(root)]
+    for step, path in step_dirs(root):
+        try:
+            manifest = read_manifest(path)
+        except ValueError as e:
+            skipped.append((path, str(e)))
+            continue
+        return Found(path, step, manifest, skipped)
+    return Found(None, None, None, skipped)
+
+
+def prune(root: str, keep: int, protect: tuple[str, ...] = ()) -> list[str]:
+    """Remove all but the newest `keep` checkpoints (0: keep all). Pinned folders (a KEEP file
+    inside) stay and do not count toward `keep`; `protect` counts but is never removed. Returns the
+    removed folders."""
+    if keep <= 0:
+        return []
+    removed, kept = [], 0
+    protect = {os.path.abspath(p) for p in protect}
+    for _, path in step_dirs(root):
+        if os.path.exists(os.path.join(path, PIN_FILE)):
+            continue
+        kept += 1
+        if kept > keep and os.path.abspath(path) not in protect:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -1,0 +1,190 @@
+"""Checks that need neither a process group nor a loaded model, run by RunConfig.validate on every
+rank before any rank loads a weight or waits on another: every numeric flag against its range, every
+choice, the model folder's files (JSON that parses, safetensors files that are whole), the sample
+size against the model's packing (the families' class attributes and config.json, no weights), the
+prompt files against the rewards' grammars, and the test hooks' environment variables. Each error
+is a ValueError naming the flag, file or variable and the bad value.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+import checkpoint
+from models import ATTENTION_BACKENDS, adapter_class
+from models.base import check_model_folder, read_folder_defaults
+from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
+from prompts import load_prompts
+from rewards import parse_reward_spec, reward_class
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+FOLDER_JSON = ("model_index.json", "digenrl.json", "config.json", "scheduler_config.json", "tokenizer_config.json",
+               "tokenizer.json", "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _need(ok: bool, flag: str, value, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{flag} must be {what}, got {value}")
+
+
+def check_numbers(cfg) -> None:
+    """Every numeric flag the older checks in config.validate leave open, against its range."""
+    o, s, rl, opt, t = cfg.optim, cfg.sampling, cfg.rl, cfg.optim, cfg.topology
+    _need(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2 ** 63, "--seed", cfg.seed, "an integer in [0, 2**63)")
+    _need(_finite(o.lr) and o.lr > 0, "--lr", o.lr, "a finite number > 0")
+    _need(_finite(o.weight_decay) and o.weight_decay >= 0, "--weight-decay", o.weight_decay, "a finite number >= 0")
+    betas = tuple(o.adam_betas)
+    _need(len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas), "--adam-betas",
+          ",".join(map(str, betas)), "two numbers in [0, 1)")
+    _need(_finite(o.grad_clip) and o.grad_clip > 0, "--grad-clip", o.grad_clip, "a finite number > 0")
+    _need(_finite(o.ema_decay) and 0 <= o.ema_decay < 1, "--ema-decay", o.ema_decay, "in [0, 1) (0 = off)")
+    if o.lora_alpha is not None:
+        _need(_finite(o.lora_alpha) and o.lora_alpha > 0, "--lora-alpha", o.lora_alpha, "a finite number > 0")
+    _need(o.max_skipped_steps >= 1, "--max-skipped-steps", o.max_skipped_steps, ">= 1")
+    _need(_finite(rl.clip_range) and 0 < rl.clip_range <= 1, "--clip-range", rl.clip_range, "in (0, 1]")
+    _need(_finite(rl.adv_clip) and rl.adv_clip > 0, "--adv-clip", rl.adv_clip, "a finite number > 0")
+    _need(_finite(rl.beta) and rl.beta >= 0, "--beta", rl.beta, "a finite number >= 0 (0 = no KL term)")
+    if s.noise_level is not None:
+        _need(_finite(s.noise_level) and s.noise_level >= 0, "--noise-level", s.noise_level, "a finite number >= 0")
+    if s.guidance is not None:
+        _need(_finite(s.guidance) and s.guidance >= 0, "--guidance", s.guidance, "a finite number >= 0")
+    if s.cfg_scale is not None:
+        _need(_finite(s.cfg_scale) and s.cfg_scale >= 1, "--cfg-scale", s.cfg_scale, "a finite number >= 1 (1 = off)")
+    for flag, value in (("--height", s.height), ("--width", s.width), ("--num-frames", s.num_frames)):
+        if value is not None:
+            _need(value >= 1, flag, value, ">= 1")
+    _need(_finite(t.heartbeat_timeout_s) and 5 <= t.heartbeat_timeout_s <= 3600, "--heartbeat-timeout-s",
+          t.heartbeat_timeout_s, "in [5, 3600] seconds")
+    _need(_finite(t.stop_grace_s) and 1 <= t.stop_grace_s <= 86400, "--stop-grace-s", t.stop_grace_s,
+          "in [1, 86400] seconds")
+    _need(cfg.output.keep_checkpoints >= 0, "--keep-checkpoints", cfg.output.keep_checkpoints, ">= 0 (0 = keep all)")
+
+
+def check_choices(cfg) -> None:
+    m = cfg.model
+    if m.dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {m.dtype!r}; choose one of {DTYPES}")
+    if m.device not in DEVICES:
+        raise ValueError(f"unknown --device {m.device!r}; choose one of {DEVICES}")
+    if m.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda, but this torch {torch.__version__} sees no CUDA device "
+                         f"(a CPU build, or no GPU visible); use --device cpu or auto")
+    if m.attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown --attention {m.attention!r}; choose one of {ATTENTION_BACKENDS}")
+
+
+def check_environment() -> None:
+    """The test hooks' variables: a value they do not know is an error, not silently no hook."""
+    corrupt = os.environ.get(CORRUPT_ENV, "").strip().lower()
+    if corrupt not in CORRUPT_MODES:
+        raise ValueError(f"{CORRUPT_ENV}={corrupt!r} is not a known value; use one of {CORRUPT_MODES[1:]} "
+                         f"or leave it unset")
+    kill = os.environ.get(checkpoint.KILL_ENV, "").strip()
+    if kill and not kill.isdigit():
+        raise ValueError(f"{checkpoint.KILL_ENV}={kill!r} must be a checkpoint step (an integer) or unset")
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def check_safetensors(path: str) -> None:
+    """A safetensors file is whole: its header parses and the tensors it describes end exactly at
+    the end of the file (a truncated copy fails here, not inside the loader)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise ValueError(f"{path}: truncated or not a safetensors file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"{path}: damaged safetensors header ({e})") from None
+    if 8 + n + end != size:
+        raise ValueError(f"{path}: truncated or damaged: its header describes {8 + n + end} bytes, the file has "
+                         f"{size}")
+
+
+def check_folder_files(path: str) -> None:
+    """Every JSON file a diffusers folder reads parses; every safetensors file is whole."""
+    for folder, _, names in os.walk(path):
+        for name in sorted(names):
+            full = os.path.join(folder, name)
+            if name in FOLDER_JSON:
+                _read_json(full)
+            elif name.endswith(".safetensors"):
+                check_safetensors(full)
+
+
+def check_model(cfg) -> None:
+    """The model family, its folder, and the sample size, steps and noise against its defaults and
+    size factors, all without loading a weight."""
+    m, s = cfg.model, cfg.sampling
+    cls = adapter_class(m.model)
+    if m.model_path:
+        check_model_folder(m.model_path, cls.required_components, cls.family)
+        check_folder_files(m.model_path)
+        t_file = os.path.join(m.model_path, "transformer", "config.json")
+        v_file = os.path.join(m.model_path, "vae", "config.json")
+        try:
+            geometry = cls.geometry(_read_json(t_file), _read_json(v_file))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{t_file} or {v_file} lacks the entry {e} that {cls.family!r} needs") from None
+        defaults = read_folder_defaults(m.model_path, cls.defaults)
+    else:
+        if m.preset not in cls.geometry_presets:
+            raise ValueError(f"unknown preset {m.preset!r} for model {m.model!r}; use --model-path DIR or one of "
+                             f"{sorted(cls.geometry_presets)}")
+        geometry, defaults = cls.geometry_presets[m.preset], cls.defaults
+    height = s.height if s.height is not None else defaults.height
+    width = s.width if s.width is not None else defaults.width
+    frames = s.num_frames if s.num_frames is not None else defaults.num_frames
+    try:
+        cls.check_size(geometry, height, width, frames)
+    except ValueError as e:
+        raise ValueError(f"--height/--width/--num-frames: {e}") from None
+    steps = s.sample_steps if s.sample_steps is not None else defaults.num_steps
+    if s.sde_window is not None and not s.sde_window[1] <= steps:
+        raise ValueError(f"--sde-window {s.sde_window[0]}:{s.sde_window[1]} ends after the {steps} sampling steps")
+    noise = s.noise_level if s.noise_level is not None else (
+        defaults.dance_eta if s.sde_type == "dance" else defaults.noise_level)
+    if s.sde_type == "cps" and not 0 <= noise <= 1:
+        raise ValueError(f"--noise-level {noise} must be in [0, 1] for --sde-type cps (sin(a pi / 2) of the step)")
+
+
+def check_prompts(cfg) -> None:
+    """Every training (and evaluated) prompt is one each reward can score: a grammar reward such as
+    shapes fails here, naming the file, line and prompt, not at step 0."""
+    checkers = [reward_class(parse_reward_spec(spec)[0]) for spec in cfg.rl.reward]
+    files = [(cfg.rl.prompts, None)]
+    if cfg.output.eval_every:
+        files.append((cfg.output.eval_prompts, cfg.output.eval_num_prompts))
+    for path, limit in files:
+        for n, record in enumerate(load_prompts(path)[:limit], 1):
+            for cls in checkers:
+                try:
+                    cls.check_prompt(record.prompt)
+                except ValueError as e:
+                    raise ValueError(f"prompt file {path!r}, prompt {n}: {e}") from None
+
+
+def check_run(cfg) -> None:
+    check_numbers(cfg)
+    check_choices(cfg)
+    check_environment()
+    check_model(cfg)
+    check_prompts(cfg)

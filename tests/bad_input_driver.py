@@ -1,0 +1,94 @@
+"""Runs train_disagg's entry point (`train_disagg.cli`) for a table of cases, one process per rank.
+
+Reads a JSON list of cases on stdin ({"name", "argv", "world", "env"}), imports train_disagg once,
+then forks one process per rank of each case with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+MASTER_PORT set as torchrun sets them, so every rank runs the real entry point, exit path
+included, without paying the imports again. Cases run in batches in parallel. Prints one JSON
+line per case: {"name", "ranks": [{"rank", "code", "seconds", "stderr"}]}; a rank still running
+after --limit seconds is killed and reported with code null.
+"""
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.chdir(ROOT)
+
+import train_disagg  # noqa: E402
+from models import adapter_class, model_names  # noqa: E402
+
+for family in model_names():  # the children find every family imported
+    adapter_class(family)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(case: dict) -> list[dict]:
+    ranks, port = [], free_port()
+    for rank in range(case.get("world", 2)):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the rank
+            os.close(read)
+            os.dup2(write, 1)
+            os.dup2(write, 2)
+            os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(case.get("world", 2)),
+                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **case.get("env", {})})
+            train_disagg.cli(case["argv"])  # ends with os._exit
+            os._exit(99)
+        os.close(write)
+        ranks.append({"rank": rank, "pid": pid, "fd": read, "out": b"", "start": time.monotonic(), "code": None,
+                      "seconds": None})
+    return ranks
+
+
+def collect(ranks: list[dict], limit: float) -> None:
+    open_fds = {r["fd"]: r for r in ranks}
+    while open_fds:
+        ready = select.select(list(open_fds), [], [], 0.2)[0]
+        for fd in ready:
+            data = os.read(fd, 65536)
+            if data:
+                open_fds[fd]["out"] += data
+            else:
+                os.close(fd)
+                del open_fds[fd]
+        for r in ranks:
+            if r["seconds"] is None:
+                pid, status = os.waitpid(r["pid"], os.WNOHANG)
+                if pid:
+                    r["seconds"] = time.monotonic() - r["start"]
+                    r["code"] = os.waitstatus_to_exitcode(status)
+                elif time.monotonic() - r["start"] > limit:
+                    os.kill(r["pid"], signal.SIGKILL)  # a rank of this driver that overran
+    for r in ranks:
+        if r["seconds"] is None:
+            _, status = os.waitpid(r["pid"], 0)
+            r["seconds"] = time.monotonic() - r["start"]
+            r["code"] = os.waitstatus_to_exitcode(status) if time.monotonic() - r["start"] <= limit else None
+
+
+def main() -> None:
+    limit = float(sys.argv[sys.argv.index("--limit") + 1]) if "--limit" in sys.argv else 60.0
+    batch = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 6
+    cases = json.load(sys.stdin)
+    for i in range(0, len(cases), batch):
+        running = [(case, start(case)) for case in cases[i:i + batch]]
+        collect([r for _, ranks in running for r in ranks], limit)  # times every rank of the batch as it ends
+        for case, ranks in running:
+            print(json.dumps({"name": case["name"], "ranks": [
+                {"rank": r["rank"], "code": r["code"], "seconds": round(r["seconds"], 3),
+                 "stderr": r["out"].decode(errors="replace")} for r in ranks]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

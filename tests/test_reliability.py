@@ -1,0 +1,242 @@
+"""Run safety in process: atomic checkpoints and their verification, run folders that never mix
+runs, safe loading (and a grep for unsafe loads and asserts), the non-finite step guard, and the
+size factors the up-front checks read without loading a model."""
+import ast
+import json
+import os
+import pickle
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import checkpoint_files
+import runfolder
+from launch import ROOT
+from nonfinite import RunAbort, SkipTracker
+
+
+# ----- atomic checkpoints -------------------------------------------------------------------------
+def _write(root, step, payload=b"weights" * 100):
+    def files(tmp):
+        Path(tmp, "weights.bin").write_bytes(payload)
+        Path(tmp, "sub").mkdir()
+        Path(tmp, "sub", "state.json").write_text(json.dumps({"step": step}))
+    checkpoint_files.write_atomic(os.path.join(root, f"step-{step}"), files, {"step": step, "config": {}})
+
+
+def test_a_checkpoint_is_complete_or_absent_and_a_torn_one_is_skipped_by_name(tmp_path):
+    root = str(tmp_path)
+    _write(root, 1)
+    _write(root, 2)
+    manifest = checkpoint_files.read_manifest(os.path.join(root, "step-2"))
+    assert set(manifest["files"]) == {"weights.bin", os.path.join("sub", "state.json")}
+    assert manifest["files"]["weights.bin"]["bytes"] == 700
+    # a write killed before its manifest leaves a .tmp folder that nothing loads
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint_files.write_atomic(os.path.join(root, "step-3"), lambda tmp: Path(tmp, "w").write_bytes(b"x"),
+                                      {}, before_manifest=lambda tmp: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert os.path.isdir(os.path.join(root, "step-3.tmp")) and not os.path.exists(os.path.join(root, "step-3"))
+    found = checkpoint_files.find_valid(root)
+    assert found.step == 2 and found.skipped == [(os.path.join(root, "step-3.tmp"), "an unfinished write")]
+    # a torn file (written in place and cut short), a flipped byte, a missing manifest: each is named
+    with open(os.path.join(root, "step-2", "weights.bin"), "r+b") as f:
+        f.truncate(10)
+    found = checkpoint_files.find_valid(root)
+    assert found.step == 1
+    assert (os.path.join(root, "step-2"), "weights.bin has 10 bytes, the manifest says 700") in found.skipped
+    data = bytearray(Path(root, "step-1", "weights.bin").read_bytes())
+    data[5] ^= 1
+    Path(root, "step-1", "weights.bin").write_bytes(bytes(data))
+    os.remove(os.path.join(root, "step-3.tmp", "w"))
+    found = checkpoint_files.find_valid(root)
+    assert found.path is None
+    assert "weights.bin does not match its SHA-256 in the manifest" in found.skipped_text()
+
+
+def test_rewriting_a_step_replaces_it_whole(tmp_path):
+    _write(str(tmp_path), 1, b"old")
+    _write(str(tmp_path), 1, b"new!")
+    assert Path(tmp_path, "step-1", "weights.bin").read_bytes() == b"new!"
+    assert sorted(os.listdir(tmp_path)) == ["step-1"]
+
+
+def test_prune_keeps_the_newest_and_the_pinned(tmp_path):
+    for step in range(1, 7):
+        _write(str(tmp_path), step)
+    Path(tmp_path, "step-2", checkpoint_files.PIN_FILE).write_text("")
+    removed = checkpoint_files.prune(str(tmp_path), keep=2)
+    assert sorted(os.path.basename(p) for p in removed) == ["step-1", "step-3", "step-4"]
+    assert sorted(os.listdir(tmp_path)) == ["step-2", "step-5", "step-6"]
+    assert checkpoint_files.prune(str(tmp_path), keep=0) == []
+
+
+# ----- run folders --------------------------------------------------------------------------------
+def _cfg(out, resume=None, overwrite=False, steps=5, lora_rank=4):
+    config = {"model": {"model": "flux", "model_path": None, "preset": "tiny"},
+              "optim": {"lora_rank": lora_rank, "lora_alpha": None, "lora_targets": "attn"},
+              "rl": {"algorithm": "flow_grpo", "steps": steps}, "sampling": {"sde_type": "sde"}}
+    return SimpleNamespace(output=SimpleNamespace(output_dir=str(out), resume=resume and str(resume),
+                                                  overwrite=overwrite),
+                           rl=SimpleNamespace(steps=steps), to_dict=lambda: config)
+
+
+def _run_folder(folder, steps_done, saved):
+    folder.mkdir()
+    rows = [{"step": s, "time": 0, "reward/mean": s} for s in range(steps_done)]
+    rows += [{"step": s, "time": 0, "eval/reward": s} for s in range(0, steps_done + 1, 2)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tor')
+    (folder / "samples").mkdir()
+    for s in range(steps_done):
+        (folder / "samples" / f"step-{s:06d}.png").write_bytes(b"png")
+    for s in saved:
+        checkpoint_files.write_atomic(str(folder / "checkpoints" / f"step-{s}"),
+                                      lambda tmp: Path(tmp, "w").write_text("w"),
+                                      {"step": s, "config": _cfg(folder).to_dict()})
+    (folder / "slurm-123.out").write_text("a launcher's log")
+
+
+def test_a_folder_that_holds_a_run_is_refused_unless_resumed_in_place_or_overwritten(tmp_path):
+    run = tmp_path / "run"
+    _run_folder(run, 4, [2, 4])
+    with pytest.raises(ValueError, match="already holds a run .*continue its run with --resume"):
+        runfolder.check(_cfg(run))
+    assert runfolder.check(_cfg(run, overwrite=True)) is None
+    point = runfolder.check(_cfg(run, resume=run, steps=6))
+    assert point.step == 4 and point.same_folder
+    with pytest.raises(ValueError, match="--lora-rank 4 \\(this run: 8\\)"):
+        runfolder.check(_cfg(run, resume=run, lora_rank=8))
+    with pytest.raises(ValueError, match="--steps 4 is not above the step of the checkpoint"):
+        runfolder.check(_cfg(run, resume=run, steps=4))
+    only_logs = tmp_path / "logs"
+    only_logs.mkdir()
+    (only_logs / "slurm-1.out").write_text("x")
+    assert runfolder.check(_cfg(only_logs)) is None  # a launcher's log is not a run
+    runfolder.prepare(_cfg(run, overwrite=True), None, say=lambda line: None)
+    assert sorted(os.listdir(run)) == ["config.json", "slurm-123.out"]
+
+
+def test_resuming_in_place_cuts_the_run_back_to_the_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    _run_folder(run, 5, [2, 4])
+    with open(run / "checkpoints" / "step-4" / "w", "w") as f:
+        f.write("torn")  # the newest checkpoint no longer verifies
+    point = runfolder.check(_cfg(run, resume=run, steps=6))
+    assert point.step == 2 and point.skipped[0][0].endswith("step-4")
+    lines = []
+    runfolder.prepare(_cfg(run, resume=run, steps=6), point, say=lines.append)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "eval/reward" in r) for r in rows] == [(0, False), (1, False), (0, True), (2, True)]
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-2"]
+    assert sorted(os.listdir(run / "samples")) == ["step-000000.png", "step-000001.png"]
+    (aside,) = (run / "discarded").iterdir()
+    assert len((aside / "metrics.jsonl").read_text().splitlines()) == 5  # steps 2-4, eval 4, the torn line
+    assert (aside / "checkpoints" / "step-4").is_dir()
+    assert any("skipped" in line and "step-4" in line for line in lines)
+    assert [r["step"] for r in runfolder.rows_to_replay(str(run), 2)] == [2]
+
+
+# ----- safe loading, real checks --------------------------------------------------------------------
+def _project_modules():
+    out = subprocess.run(["git", "-C", ROOT, "ls-files", "*.py"], capture_output=True, text=True, check=True)
+    return [Path(ROOT, p) for p in out.stdout.split() if not p.startswith("tests/")]
+
+
+def test_no_unsafe_loads_and_no_asserts_in_project_code():
+    problems = []
+    for path in _project_modules():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Assert):
+                problems.append(f"{where}: assert (python -O removes it)")
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                kwargs = {k.arg: k.value for k in node.keywords}
+                if name.endswith("torch.load") or name == "load" and "weights_only" in kwargs:
+                    value = kwargs.get("weights_only")
+                    if not (isinstance(value, ast.Constant) and value.value is True):
+                        problems.append(f"{where}: {ast.unparse(node)} without weights_only=True")
+                if name in ("pickle.load", "pickle.loads", "np.load", "numpy.load") and not (
+                        name.endswith("np.load") and "allow_pickle" not in kwargs):
+                    problems.append(f"{where}: {ast.unparse(node)}")
+    assert not problems, "\n".join(problems)
+
+
+def test_trainer_state_loads_safely_and_a_crafted_file_is_rejected(tmp_path):
+    params = [torch.nn.Parameter(torch.randn(3, 2))]
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999))
+    params[0].grad = torch.randn(3, 2)
+    opt.step()
+    state = {"optimizer": opt.state_dict(), "num_updates": 1, "running_std": {"n": 2, "mean": 0.1, "m2": 0.3},
+             "torch_rng": torch.get_rng_state(), "step": 1, "skips": SkipTracker(3).state_dict(),
+             "std_history": {0: 0.25, 1: None}}
+    torch.save(state, tmp_path / "trainer_state.pt")
+    back = torch.load(tmp_path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    assert back["std_history"] == {0: 0.25, 1: None} and back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    with open(tmp_path / "crafted.pt", "wb") as f:
+        pickle.dump({"optimizer": Payload()}, f)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(tmp_path / "crafted.pt", map_location="cpu", weights_only=True)
+    assert not (tmp_path / "pwned").exists()
+
+
+# ----- nothing non-finite reaches the weights -------------------------------------------------------
+def test_skip_tracker_counts_and_stops_after_n_in_a_row():
+    t = SkipTracker(2)
+    assert not t.record(0, []) and t.record(1, ["loss"]) and not t.record(2, [])
+    assert t.total == 1 and t.in_row == []
+    assert t.record(3, ["gradients"])
+    with pytest.raises(RunAbort, match="non-finite gradients, loss in 2 steps in a row \\(steps 3, 4\\)"):
+        t.record(4, ["loss"])
+    assert SkipTracker.nonfinite({"a": 1.0, "b": float("nan"), "c": float("-inf")}) == ["b", "c"]
+
+
+def test_a_step_with_non_finite_advantages_is_skipped_before_the_update_and_the_ema():
+    from test_trainer import _trainer_and_chunk
+
+    trainer, chunk = _trainer_and_chunk(**{"optim.ema_decay": 0.9, "optim.max_skipped_steps": 2})
+    before = {n: p.detach().clone() for n, p in trainer.adapter.transformer.named_parameters()}
+    ema = [e.clone() for e in trainer.ema]
+    chunk.advantages = torch.tensor([float("nan"), 1.0])
+    trainer.current_step = 0
+    trainer.train(chunk)
+    stats = trainer.finish_step()
+    assert stats["train/skipped_steps"] == 1.0 and trainer.num_updates == 0 and not trainer.optimizer.state
+    assert all(torch.equal(before[n], p) for n, p in trainer.adapter.transformer.named_parameters())
+    assert all(torch.equal(a, b) for a, b in zip(ema, trainer.ema))
+    assert all(p.grad is None for p in trainer.params)
+    chunk.advantages = torch.tensor([1.0, -1.0])
+    trainer.current_step = 1
+    trainer.train(chunk)
+    assert trainer.finish_step()["train/skipped_steps"] == 1.0 and trainer.num_updates == 1
+    for step in (2, 3):
+        chunk.advantages = torch.tensor([float("inf"), -1.0])
+        trainer.current_step = step
+        trainer.train(chunk)
+        if step == 3:
+            with pytest.raises(RunAbort, match="advantages \\(non-finite rewards\\).*steps 2, 3"):
+                trainer.finish_step()
+        else:
+            trainer.finish_step()
+
+
+# ----- sizes checked without loading a model ---------------------------------------------------------
+def test_size_factors_without_weights_match_the_loaded_models():
+    from models import adapter_class, load_model
+
+    for family in ("flux", "wan", "qwen_image", "hunyuan_video", "sd3"):
+        cls = adapter_class(family)
+        adapter = load_model(family, preset="tiny")
+        from_configs = cls.geometry(dict(adapter.transformer.config), dict(adapter.pipe.vae.config))
+        assert adapter.own_geometry() == from_configs == cls.geometry_presets["tiny"], family
+    shipped = os.path.join(ROOT, "assets", "shapes-flux")
+    configs = [json.loads(Path(shipped, c, "config.json").read_text()) for c in ("transformer", "vae")]
+    assert adapter_class("flux").geometry(*configs) == load_model("flux", shipped).own_geometry()
