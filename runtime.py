@@ -28,7 +28,7 @@ import sampler
 from algorithm import RunningStd
 from config import RunConfig, RunFacts
 from metrics import MetricsLogger
-from models import DiTAdapter, autocast, load_model, resolve_device, set_attention
+from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, set_attention
 from models.lora import apply_lora
 from parallel import publish
 from parallel.fsdp import full_tensor
@@ -78,7 +78,7 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
         cfg.save(os.path.join(out_dir, "config.json"))
     # Every rank builds version 0 identically: same weights, same seeded LoRA init.
     adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
-                         device=device)
+                         dtype=model_dtypes(cfg.model.dtype, device), device=device)
     set_attention(adapter, cfg.model.attention)
     lora_config = None
     if facts.lora:
