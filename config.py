@@ -16,7 +16,7 @@ import sampler
 from parallel.plan import StepPlan, plan_step
 from parallel.topology import SHARDINGS, Topology
 from prompts import eval_records, load_prompts
-from rewards import parse_reward_specs, reward_model_paths
+from rewards import VIDEO_REWARDS, parse_reward_specs, reward_model_paths
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -24,6 +24,7 @@ SHIPPED_MODEL = os.path.join(ROOT, "assets", "shapes-flux")
 DATA_DIR = os.path.join(ROOT, "data")
 PRESETS = ("auto", "tiny", "mid")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+VIDEO_MODELS = ("hunyuan_video", "wan")  # the families whose samples are videos (models/)
 LORA_LR, FULL_LR = 3e-4, 1e-5  # docs/ALGORITHMS.md: LoRA 3e-4, full fine-tuning 1e-5
 
 
@@ -408,7 +409,10 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
         raise ValueError(f"--tag needs --mode disagg (got {topo.mode}): colocated ranks all generate already")
     if t.tcss and topo.mode != "disagg":
         raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
-    parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))
+    names = [n for n, _ in parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))]
+    if cfg.model.model not in VIDEO_MODELS and VIDEO_REWARDS & set(names):
+        raise ValueError(f"reward(s) {sorted(VIDEO_REWARDS & set(names))} score videos; {cfg.model.model!r} makes "
+                         f"images (video models: {VIDEO_MODELS})")
     num_prompts = len(load_prompts(rl.prompts))  # a missing or empty prompt file raises here
     if o.eval_every:
         eval_records(o.eval_prompts, o.eval_num_prompts, o.eval_samples_per_prompt)

@@ -184,7 +184,8 @@ def test_split_runs_the_released_transformers_on_meta(adapters):
     with parameters outside the skipped blocks runs."""
     for name, adapter in adapters.items():
         tr = adapter.transformer
-        lists = [getattr(tr, a) for a in ("transformer_blocks", "single_transformer_blocks", "blocks") if hasattr(tr, a)]
+        lists = [getattr(tr, a) for a in ("transformer_blocks", "single_transformer_blocks", "blocks")
+                 if hasattr(tr, a)]
         assert adapter.blocks == [b for blocks in lists for b in blocks] and len(adapter.blocks) == BLOCKS[name]
         d = adapter.defaults
         shape = adapter.latent_shape(d.height, d.width, d.num_frames)
