@@ -231,3 +231,15 @@ def test_memory_estimate_can_refuse_a_recipe(adapters):
     lora = estimate(cfg, facts, shape)
     cfg.optim.lora_rank, cfg.model.dtype = 32, "bfloat16"
     assert estimate(cfg, facts, shape)["generator"] < lora["generator"] / 2
+
+
+def test_check_recipe_script_reports_a_misfit():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "check_recipe.py"),
+                          os.path.join(ROOT, "recipes", "dance_grpo", "flux_dev.toml"), "--gpu", "h100"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "4 generators + 4 trainers (fsdp), full fine-tuning" in out.stdout and "11.90B parameters" in out.stdout
+    assert "error: a generator needs about 102.3 GiB, above the 71.7 GiB usable on a h100" in out.stderr
