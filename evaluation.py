@@ -15,10 +15,11 @@ EVAL_STEP = -1  # the noise key of evaluation samples: never a training step
 
 def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, batch_size: int = 8,
              first_sample_id: int = 0, negative_prompt: str = "", keep_images: int | None = None,
-             progress: bool = False):
+             thumbnail=None, progress: bool = False):
     """Returns (scores by reward name plus "combined", each a list of floats; the first `keep_images`
-    images [n, 3, H, W] or videos [n, 3, F, H, W], all by default). Batch by batch, with a progress bar
-    when `progress`; a sample does not depend on its batch, so the batch size changes no score."""
+    images [n, 3, H, W] or videos [n, 3, F, H, W], all by default, each batch's passed through
+    `thumbnail` when given). Batch by batch, with a progress bar when `progress`; a sample does not
+    depend on its batch, so the batch size changes no score."""
     ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None)
     keep = len(records) if keep_images is None else keep_images
     parts: dict[str, list[float]] = {}
@@ -31,7 +32,7 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
                                   batch_size=batch_size, negative_prompt=negative_prompt)
         for k, v in rewards.score_combined(images, prompts, [r.metadata for r in batch]).items():
             parts.setdefault(k, []).extend(v.tolist())
-        kept.append(images[:max(0, keep - lo)])
+        kept.append(images[:max(0, keep - lo)] if thumbnail is None else thumbnail(images[:max(0, keep - lo)]))
     return parts, torch.cat(kept)
 
 

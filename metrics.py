@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
@@ -45,6 +46,28 @@ def image_grid(images: Tensor, nrow: int = 8, padding: int = 2) -> Image.Image:
         grid[:, y:y + h, x:x + w] = images[i]
     pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous()  # (H, W, 3)
     return Image.fromarray(pixels.numpy())
+
+
+THUMBNAIL_PX = 256
+LOGGED_IMAGES, LOGGED_VIDEOS, LOGGED_FRAMES = 64, 8, 16
+"""A logged grid shows at most LOGGED_IMAGES images, or LOGGED_VIDEOS videos of LOGGED_FRAMES frames,
+at most THUMBNAIL_PX pixels a side: what the runtime sends to the logging rank."""
+
+
+def thumbnails(images: Tensor, limit: int = LOGGED_IMAGES) -> Tensor:
+    """What a logged grid shows: the first `limit` images [B, 3, H, W] (videos [B, 3, F, H, W]: at most
+    LOGGED_VIDEOS, LOGGED_FRAMES evenly spaced frames), scaled down to at most THUMBNAIL_PX a side."""
+    video = images.dim() == 5
+    images = images[:min(limit, LOGGED_VIDEOS) if video else limit]
+    if video:
+        frames = images.shape[2]
+        images = images[:, :, torch.linspace(0, frames - 1, min(frames, LOGGED_FRAMES)).round().long().unique()]
+    size = max(images.shape[-2:])
+    if size <= THUMBNAIL_PX or images.shape[0] == 0:
+        return images
+    flat = images.transpose(1, 2).flatten(0, 1) if video else images  # video: (B * F, 3, H, W)
+    flat = F.interpolate(flat.float(), scale_factor=THUMBNAIL_PX / size, mode="bilinear", antialias=True)
+    return flat.unflatten(0, (images.shape[0], -1)).transpose(1, 2) if video else flat
 
 
 def frame_strip(videos: Tensor, max_frames: int = 8, padding: int = 2) -> Image.Image:
@@ -161,4 +184,4 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-__all__ = ["MetricsLogger", "frame_strip", "image_grid", "read_metrics", "video_grid", "write_grid"]
+__all__ = ["MetricsLogger", "frame_strip", "image_grid", "read_metrics", "thumbnails", "video_grid", "write_grid"]

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import checkpoint
@@ -27,7 +26,7 @@ import evaluation
 import sampler
 from algorithm import RunningStd
 from config import RunConfig, RunFacts
-from metrics import MetricsLogger
+from metrics import LOGGED_IMAGES, MetricsLogger, thumbnails
 from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, set_attention
 from models.lora import apply_lora
 from parallel import publish
@@ -45,8 +44,6 @@ from rollout import Generator, VersionSync, generator_step
 from tracing import Tracer, summarize_step
 from trainer import Trainer, trainer_step
 
-THUMBNAIL_PX = 256  # sample grids travel to the logging rank at most this large
-LOGGED_IMAGES, LOGGED_VIDEOS, LOGGED_FRAMES = 64, 8, 16  # at most this many in a logged grid
 
 
 @dataclass
@@ -208,27 +205,10 @@ def _samples(cfg: RunConfig, step: int, gen_out: list) -> dict | None:
     every = cfg.output.log_images_every
     if not (gen_out and every and step % every == 0 and gen_out[0].chunks[0].fragment == 0):
         return None
-    images = _thumbnails(gen_out[0].images, 16)
+    images = thumbnails(gen_out[0].images, 16)
     pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).contiguous()  # what the grid keeps anyway
     return {"shape": list(pixels.shape), "pixels": base64.b64encode(pixels.numpy().tobytes()).decode(),
             "prompts": gen_out[0].prompts[:len(images)]}  # the store carries JSON
-
-
-def _thumbnails(images: torch.Tensor, limit: int) -> torch.Tensor:
-    """What a logged grid shows, small enough to send to the logging rank: the first `limit` images
-    [B, 3, H, W] (videos [B, 3, F, H, W]: at most LOGGED_VIDEOS, LOGGED_FRAMES evenly spaced frames),
-    scaled to at most THUMBNAIL_PX per side."""
-    video = images.dim() == 5
-    images = images[:min(limit, LOGGED_VIDEOS) if video else limit]
-    if video:
-        frames = images.shape[2]
-        images = images[:, :, torch.linspace(0, frames - 1, min(frames, LOGGED_FRAMES)).round().long().unique()]
-    size = max(images.shape[-2:])
-    if size <= THUMBNAIL_PX or images.shape[0] == 0:
-        return images
-    flat = images.transpose(1, 2).flatten(0, 1) if video else images  # video: (B * F, 3, H, W)
-    flat = F.interpolate(flat.float(), scale_factor=THUMBNAIL_PX / size, mode="bilinear", antialias=True)
-    return flat.unflatten(0, (images.shape[0], -1)).transpose(1, 2) if video else flat
 
 
 def _log_step(store: StepStore, logger: MetricsLogger, progress, running: RunningStd, plan, world_size: int,
@@ -393,17 +373,17 @@ def _evaluate(cfg: RunConfig, adapter, sampling, topo: Topology, rank: int, done
     with tracer.span("evaluate", "eval", done):
         scores, images = evaluation.evaluate(adapter, sampling, padded, rewards, batch_size=cfg.rl.micro_batch,
                                              first_sample_id=lo, negative_prompt=cfg.sampling.negative_prompt,
-                                             keep_images=min(len(mine), LOGGED_IMAGES),
+                                             keep_images=min(len(mine), LOGGED_IMAGES), thumbnail=thumbnails,
                                              progress=rank == evaluators[0])
-    images = _thumbnails(images, LOGGED_IMAGES)  # only what the grid shows travels
+    images = (thumbnails(images).clamp(0, 1) * 255).round().to(torch.uint8)  # only what the grid shows travels
     result = ({k: v[:len(mine)] for k, v in scores.items()}, images, [r.prompt for r in mine[:len(images)]])
     everyone = [None] * len(evaluators)
     dist.all_gather_object(everyone, result, group=group)  # sync point: the trainer ranks
     if rank == evaluators[0]:
         parts = [r for r in everyone if r is not None]
         scores = {k: sum((p[0][k] for p in parts), []) for k in parts[0][0]}
-        images = torch.cat([p[1] for p in parts])
+        images = torch.cat([p[1] for p in parts]).float() / 255
         prompts = sum((p[2] for p in parts), [])
         logger.log(done, evaluation.summarize(scores))
-        shown = _thumbnails(images, LOGGED_IMAGES)
+        shown = thumbnails(images, LOGGED_IMAGES)
         logger.log_images(done, "eval", shown, prompts[:len(shown)])

@@ -8,10 +8,10 @@ import torch
 from PIL import Image
 
 from config import VIDEO_MODELS, parse_config
-from metrics import MetricsLogger, frame_strip, image_grid, video_grid
+from metrics import LOGGED_FRAMES, LOGGED_VIDEOS, THUMBNAIL_PX, MetricsLogger, frame_strip, image_grid, thumbnails
+from metrics import video_grid
 from models import adapter_class, model_names
 from rewards import RewardSet, build_reward
-from runtime import LOGGED_FRAMES, LOGGED_VIDEOS, THUMBNAIL_PX, _thumbnails
 
 
 def _video(b=3, f=5, h=6, w=4):
@@ -51,13 +51,13 @@ def test_logger_writes_videos_as_gif_and_strip(tmp_path):
 
 def test_thumbnails_bound_what_travels():
     images = torch.rand(20, 3, 2 * THUMBNAIL_PX, THUMBNAIL_PX)
-    small = _thumbnails(images, 16)
+    small = thumbnails(images, 16)
     assert small.shape == (16, 3, THUMBNAIL_PX, THUMBNAIL_PX // 2)
     videos = torch.rand(10, 3, 33, 2 * THUMBNAIL_PX, 8)
-    small = _thumbnails(videos, 16)
+    small = thumbnails(videos, 16)
     assert small.shape == (LOGGED_VIDEOS, 3, LOGGED_FRAMES, THUMBNAIL_PX, 4)
-    torch.testing.assert_close(small[:, :, 0], _thumbnails(videos[:LOGGED_VIDEOS, :, 0], 16))  # first frame kept
-    assert _thumbnails(torch.rand(2, 3, 5, 8, 8), 16).shape == (2, 3, 5, 8, 8)  # already small: untouched
+    torch.testing.assert_close(small[:, :, 0], thumbnails(videos[:LOGGED_VIDEOS, :, 0], 16))  # first frame kept
+    assert thumbnails(torch.rand(2, 3, 5, 8, 8), 16).shape == (2, 3, 5, 8, 8)  # already small: untouched
 
 
 @pytest.mark.parametrize("name", ["jpeg_compressibility", "rule_aesthetic"])
