@@ -20,15 +20,6 @@ TOPOLOGIES = [os.path.join(ROOT, "recipes", "topology", f"{n}gpus.toml") for n i
 PROMPTS = os.path.join(ROOT, "data", "shapes_train.txt")
 
 
-def _needs(recipe: dict) -> list[str]:
-    """Flags that satisfy a recipe's needs with stand-in values (nothing is loaded)."""
-    values = {"--model-path": "/weights/model", "--prompts": PROMPTS, "--eval-prompts": PROMPTS}
-    out = []
-    for flag in recipe.get("needs", {}):
-        out += [flag, values.get(flag, "")] if flag != "--reward-model" else []
-    return out
-
-
 def _loaded(*paths: str) -> tuple[RunConfig, dict]:
     cfg, recipe = load_config_files(list(paths))
     cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights/reward" for spec in cfg.rl.reward]
@@ -122,6 +113,13 @@ def test_recipes_carry_the_published_settings():
     assert sorted(os.path.relpath(p, os.path.join(ROOT, "recipes")) for p in RECIPES) == sorted(PUBLISHED)
     for rel, expected in PUBLISHED.items():
         cfg, recipe = _loaded(os.path.join(ROOT, "recipes", rel))
+        assert set(recipe["needs"]) == {"--model-path", "--reward-model", "--prompts", "--eval-prompts"}, rel
+        reward_models = [flag for r in cfg.rl.reward_model for flag in ("--reward-model", r)]
+        given = parse_config(["--config", os.path.join(ROOT, "recipes", rel), "--model-path", "/w/model",
+                              "--prompts", PROMPTS, "--eval-prompts", PROMPTS, *reward_models])
+        given.resolve_defaults()
+        cfg.model.model_path = "/w/model"
+        assert given == cfg, rel  # what the recipe needs is all it lacks
         s, rl, o = cfg.sampling, cfg.rl, cfg.optim
         got = (s.height, s.width, s.num_frames, s.sample_steps, s.sde_type, s.noise_level, s.guidance, s.cfg_scale,
                rl.group_size, o.lora_rank, o.lr, rl.beta)
