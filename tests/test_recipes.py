@@ -24,6 +24,7 @@ def _loaded(*paths: str) -> tuple[RunConfig, dict]:
     cfg, recipe = load_config_files(list(paths))
     cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights/reward" for spec in cfg.rl.reward]
     cfg.rl.prompts = cfg.output.eval_prompts = PROMPTS
+    cfg.model.model_path = "/w/model"  # stand-ins for what a recipe needs: nothing is loaded
     cfg.resolve_defaults()
     return cfg, recipe
 
@@ -118,7 +119,6 @@ def test_recipes_carry_the_published_settings():
         given = parse_config(["--config", os.path.join(ROOT, "recipes", rel), "--model-path", "/w/model",
                               "--prompts", PROMPTS, "--eval-prompts", PROMPTS, *reward_models])
         given.resolve_defaults()
-        cfg.model.model_path = "/w/model"
         assert given == cfg, rel  # what the recipe needs is all it lacks
         s, rl, o = cfg.sampling, cfg.rl, cfg.optim
         got = (s.height, s.width, s.num_frames, s.sample_steps, s.sde_type, s.noise_level, s.guidance, s.cfg_scale,
