@@ -13,8 +13,8 @@ What a rank holds, as the runtime allocates it:
   the stored trajectories of one fragment (K+1 float32 latents per sample);
 - a trainer: LoRA runs keep the adapters' weights, gradients, two AdamW moments, the summed
   gradient buffer and the EMA in float32; full fine-tuning keeps weights, gradients and both
-  moments in the weight dtype, sharded over the trainers with FSDP, plus the whole transformer once
-  more while a version is gathered for publication (Trainer.full_weights), plus an unsharded frozen
+  moments in the weight dtype, sharded over the trainers with FSDP, plus (FSDP) the whole transformer
+  once more while a version is gathered for publication (Trainer.full_weights), plus an unsharded frozen
   reference copy when beta > 0; training activations for one forward of `micro_batch` samples
   (twice with CFG): with --grad-checkpointing every block's float32 input plus one block's
   recomputed activations, else every block's activations.
@@ -78,15 +78,15 @@ def model_shape(name: str, cfg: RunConfig, adapter=None) -> Shape:
 
 
 def _lora_params(shape: Shape, rank: int, targets: str) -> float:
-    """Adapter parameters: rank x (in + out) per adapted projection; about 4 attention projections per
-    stream and block (8 in two-stream blocks), twice that with the feed-forward layers."""
+    """Adapter parameters, an upper bound: rank x (in + out) per adapted projection of width `hidden`,
+    8 attention projections a block (q, k, v, out of both streams), 16 with the feed-forward layers."""
     per_block = 8 if targets == "attn" else 16
     return shape.num_blocks * per_block * rank * 2 * shape.hidden
 
 
 def estimate(cfg: RunConfig, facts: RunFacts, shape: Shape) -> dict[str, float]:
     """Peak bytes per role ("generator", "trainer") of a disaggregated run (see the module docstring)."""
-    if facts.disagg is False:
+    if not facts.disagg:
         raise ValueError("the memory estimate models disaggregated runs only")
     p, o, rl = shape.params, cfg.optim, cfg.rl
     weight_bytes = 4 if cfg.model.dtype in ("auto", "float32") else 2
@@ -95,7 +95,9 @@ def estimate(cfg: RunConfig, facts: RunFacts, shape: Shape) -> dict[str, float]:
     rewards = sum(REWARD_PARAMS.get(parse_reward_spec(spec)[0], 0) for spec in rl.reward)
     frozen = sum(v for k, v in p.items() if k.startswith("text_encoder")) * text_bytes + p["vae"] * 4 + rewards * 4
     branches = 2 if (cfg.sampling.cfg_scale or 1.0) > 1 else 1
-    token_bytes = shape.tokens * shape.hidden * rl.micro_batch * branches  # one forward's (token, unit) pairs
+    token_bytes = shape.tokens * shape.hidden * rl.micro_batch * branches  # a generation forward's (token, unit)s
+    train_batch = facts.train_micro_batch if facts.tsp else rl.micro_batch  # TSP: transitions per forward
+    train_bytes = shape.tokens * shape.hidden * train_batch * branches
     lora = _lora_params(shape, o.lora_rank, o.lora_targets) if o.lora_rank > 0 else 0
     published = lora * 4 if lora else transformer
     group_samples = (cfg.topology.fragment_groups or rl.prompts_per_step) * rl.group_size
@@ -103,9 +105,9 @@ def estimate(cfg: RunConfig, facts: RunFacts, shape: Shape) -> dict[str, float]:
     generator = (frozen + transformer + published + ACT_BYTES * token_bytes
                  + group_samples * (steps + 1) * shape.latent_elems * 4)
     if o.grad_checkpointing:
-        activations = shape.num_blocks * 4 * token_bytes + ACT_BYTES * token_bytes
+        activations = shape.num_blocks * 4 * train_bytes + ACT_BYTES * train_bytes
     else:
-        activations = shape.num_blocks * ACT_BYTES * token_bytes
+        activations = shape.num_blocks * ACT_BYTES * train_bytes
     if lora:
         state = transformer + lora * (4 + 4 + 8 + 4 + (4 if o.ema_decay > 0 else 0))
         trainer = frozen + state + activations
@@ -114,7 +116,8 @@ def estimate(cfg: RunConfig, facts: RunFacts, shape: Shape) -> dict[str, float]:
         moments = 4 * weight_bytes + (weight_bytes if o.ema_decay > 0 else 0)
         state = p["transformer"] * moments / shards + (transformer if rl.beta > 0 else 0)
         gathered = 2 * transformer / shape.num_blocks if shards > 1 else 0  # a unit in use, the next prefetched
-        trainer = frozen + state + max(transformer, activations + gathered)
+        publication = transformer if shards > 1 else 0  # FSDP: the whole transformer gathered to publish
+        trainer = frozen + state + max(publication, activations + gathered)
     return {"generator": generator, "trainer": trainer}
 
 
