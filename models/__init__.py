@@ -51,7 +51,8 @@ def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny"
         table = dtype if isinstance(dtype, dict) else {"default": dtype}
         for component, module in adapter.pipe.components.items():
             wanted = table.get(component, table.get("default", torch.float32))
-            if isinstance(module, torch.nn.Module) and next(module.parameters()).dtype != wanted:
+            first = next(module.parameters(), None) if isinstance(module, torch.nn.Module) else None
+            if first is not None and first.dtype != wanted:
                 module.to(dtype=wanted)
     else:
         known = [p for p in ("tiny", "mid") if hasattr(cls, p)]
