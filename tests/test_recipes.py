@@ -258,7 +258,8 @@ def test_precision_per_component():
     assert set(model_dtypes("float32", cuda).values()) == {torch.float32}
     adapter = load_model("flux", preset="tiny", dtype={"transformer": torch.bfloat16, "text_encoder": torch.bfloat16,
                                                        "default": torch.float32})
-    dtypes = {n: next(m.parameters()).dtype for n, m in adapter.pipe.components.items() if isinstance(m, torch.nn.Module)}
+    dtypes = {n: next(m.parameters()).dtype for n, m in adapter.pipe.components.items()
+              if isinstance(m, torch.nn.Module)}
     assert dtypes == {"transformer": torch.bfloat16, "text_encoder": torch.bfloat16, "text_encoder_2": torch.float32,
                       "vae": torch.float32}
     apply_lora(adapter.transformer, 4, None)
