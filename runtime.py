@@ -83,6 +83,7 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
         apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
         lora_config = adapter.transformer.peft_config["default"]
     sampling = _sampling(cfg, adapter)
+    adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails alike on every rank
     records = load_prompts(cfg.rl.prompts)
     groups = ProcessGroups.create(topo, cfg.topology.dist_timeout_s)
     tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
