@@ -3,12 +3,14 @@ field is a flag (`--prompts-per-step`), the resolved tree is written to DIR/conf
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 
 import algorithm
+import configfile
 import preflight
 import runfolder
 import sampler
@@ -16,13 +18,15 @@ from parallel import compress
 from parallel.plan import StepPlan, plan_step
 from parallel.topology import SHARDINGS, Topology
 from prompts import eval_records, load_prompts
-from rewards import parse_reward_specs, reward_model_paths
+from rewards import VIDEO_REWARDS, parse_reward_specs, reward_model_paths
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_MODEL = os.path.join(ROOT, "assets", "shapes-flux")
 DATA_DIR = os.path.join(ROOT, "data")
 PRESETS = ("auto", "tiny", "mid")
+VIDEO_MODELS = ("hunyuan_video", "wan")  # the families whose samples are videos (models/)
+LORA_LR, FULL_LR = 3e-4, 1e-5  # docs/ALGORITHMS.md: LoRA 3e-4, full fine-tuning 1e-5
 
 
 def _f(default, help: str, **kw):
@@ -40,7 +44,8 @@ class ModelConfig:
                                       "shapes model (flux) if present, else the offline tiny preset")
     preset: str = _f("auto", "without --model-path: auto (the shipped shapes model for flux, else tiny), tiny "
                              "(a random offline model, for tests) or mid (random, ~42M parameters, for benchmarks)")
-    dtype: str = _f("auto", "model dtype: float32, bfloat16, float16, auto (bf16 autocast on CUDA, fp32 on CPU)")
+    dtype: str = _f("auto", "transformer weights: float32, bfloat16, float16 or auto (float32 weights, bf16 autocast "
+                            "on CUDA); on CUDA the frozen text encoders are half precision unless float32")
     attention: str = _f("sdpa", "attention kernel through diffusers' dispatcher: sdpa, flash, flash_varlen, sage")
     device: str = _f("auto", "cpu, cuda or auto (each rank uses cuda:LOCAL_RANK when CUDA is available)")
 
@@ -86,7 +91,7 @@ class RLConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(3e-4, "learning rate (3e-4 for LoRA, 1e-5 for full fine-tuning)")
+    lr: float | None = _f(None, f"learning rate (default: {LORA_LR:g} with LoRA, {FULL_LR:g} for full fine-tuning)")
     lora_rank: int = _f(32, "LoRA rank on the attention projections; 0 = full fine-tuning")
     lora_alpha: float | None = _f(None, "LoRA alpha (default 2 x rank)")
     lora_targets: str = _f("attn", "LoRA targets: attn (to_q/k/v/out) or attn+ff (also the feed-forward)")
@@ -98,6 +103,12 @@ class OptimConfig:
     grad_checkpointing: bool = _f(False, "activation checkpointing of every DiT block during training")
     max_skipped_steps: int = _f(3, "a step whose rewards, advantages, loss or gradients are not finite is skipped "
                                    "(train/skipped_steps); the run stops after N such steps in a row")
+
+    def learning_rate(self) -> float:
+        """--lr, or the default of the fine-tuning kind: LoRA or full (--lora-rank 0)."""
+        if self.lr is not None:
+            return self.lr
+        return LORA_LR if self.lora_rank > 0 else FULL_LR
 
 
 @dataclass
@@ -172,25 +183,28 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def save(self, path: str) -> None:
+        """config.json: the resolved tree, and the commit and package versions that ran it."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
+            json.dump({**self.to_dict(), configfile.PROVENANCE: configfile.provenance()}, f, indent=2)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
-        """The inverse of to_dict (config.json): typed fields are parsed again (JSON has no tuples)."""
+        """The inverse of to_dict (config.json, a recipe): typed fields are parsed again (JSON has no
+        tuples), a value of the wrong type is a ValueError naming it; the provenance is skipped."""
         kwargs = {}
-        for name, value in d.items():
-            sub = _SECTIONS.get(name)
-            if sub is None:
-                kwargs[name] = value
+        for name, value in configfile.config_part(d).items():
+            if name == "seed":
+                kwargs[name] = configfile.typed("seed", dataclasses.fields(cls)[0], value)
                 continue
+            sub = _SECTIONS.get(name)
+            if sub is None or not isinstance(value, dict):
+                raise ValueError(f"config has no section {name!r}; sections: {['seed', *_SECTIONS]}")
             fields = {f.name: f for f in dataclasses.fields(sub)}
             unknown = sorted(set(value) - set(fields))
             if unknown:
                 raise ValueError(f"config section {name!r} has no field(s) {unknown}")
-            kwargs[name] = sub(**{k: (fields[k].metadata["parse"](v) if v is not None and "parse" in fields[k].metadata
-                                      else v) for k, v in value.items()})
+            kwargs[name] = sub(**{k: configfile.typed(f"{name}.{k}", fields[k], v) for k, v in value.items()})
         return cls(**kwargs)
 
     def resolve_defaults(self) -> None:
@@ -212,6 +226,7 @@ class RunConfig:
             self.rl.reward = ["shapes:1.0"]
         if self.output.save_every is None:
             self.output.save_every = max(1, self.rl.steps // 10)
+        self.optim.lr = self.optim.learning_rate()  # config.json records the value used
 
     def validate(self, world_size: int) -> "RunFacts":
         """Every user error that needs no process group, raised alike on every rank before any
@@ -234,6 +249,8 @@ def _parse_pair(text, sep: str, types, flag: str) -> tuple:
 
 _SECTIONS = {"model": ModelConfig, "sampling": SamplingArgs, "rl": RLConfig, "optim": OptimConfig,
              "topology": TopologyConfig, "output": OutputConfig}
+_FLAGS = {"--" + f.name.replace("_", "-"): (section, f.name) for section, cls in _SECTIONS.items()
+          for f in dataclasses.fields(cls)}
 
 
 def _arg_type(f: dataclasses.Field):
@@ -262,11 +279,15 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser(description: str, sections: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+def build_parser(description: str, sections: tuple[str, ...] | None = None,
+                 base: RunConfig | None = None) -> argparse.ArgumentParser:
     """One flag per field (`--prompts-per-step`); `sections` limits the parser to some sections
-    (scripts that share the model and sampling flags)."""
+    (scripts that share the model and sampling flags); `base` (read from --config files) gives
+    the defaults, so that flags override the files."""
+    base = base or RunConfig()
     parser = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
-    parser.add_argument("--seed", type=int, default=0, help=dataclasses.fields(RunConfig)[0].metadata["help"])
+    configfile.add_config_flag(parser)
+    parser.add_argument("--seed", type=int, default=base.seed, help=dataclasses.fields(RunConfig)[0].metadata["help"])
     for section, cls in _SECTIONS.items():
         if sections is not None and section not in sections:
             continue
@@ -274,7 +295,7 @@ def build_parser(description: str, sections: tuple[str, ...] | None = None) -> a
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             meta = f.metadata
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = getattr(getattr(base, section), f.name)
             common = dict(dest=f"{section}.{f.name}", help=meta["help"])
             metavar = meta.get("metavar", f.name.upper())
             if meta.get("action") == "append":
@@ -286,10 +307,12 @@ def build_parser(description: str, sections: tuple[str, ...] | None = None) -> a
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The RunConfig of parsed flags (`section.field` destinations; other attributes are ignored)."""
+def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
+    """The RunConfig of parsed flags (`section.field` destinations; other attributes are ignored)
+    over `base` (the --config files), whose lists a repeatable flag replaces when given."""
     ns = vars(args)
-    cfg = RunConfig(seed=ns["seed"])
+    cfg = copy.deepcopy(base) if base is not None else RunConfig()
+    cfg.seed = ns["seed"]
     for key, value in ns.items():
         if "." not in key:
             continue
@@ -301,7 +324,25 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def parse_config(argv: list[str] | None, description: str = "DigenRL") -> RunConfig:
-    return config_from_args(build_parser(description).parse_args(argv))
+    """Flags over --config files (read first, in order). A recipe's `[recipe.needs]` flags must be
+    given by then: ValueError naming the flag and what it names, before any rank waits."""
+    parser, base, recipe = config_parser(argv, description)
+    cfg = config_from_args(parser.parse_args(argv), base)
+    configfile.check_needs(recipe, lambda flag: getattr(getattr(cfg, _FLAGS[flag][0]), _FLAGS[flag][1]))
+    return cfg
+
+
+def config_parser(argv: list[str] | None, description: str, sections: tuple[str, ...] | None = None):
+    """(parser whose defaults are the --config files of argv, their config or None, their [recipe])."""
+    files = configfile.config_flag().parse_known_args(argv)[0].config
+    base, recipe = load_config_files(files) if files else (None, {})
+    return build_parser(description, sections, base), base, recipe
+
+
+def load_config_files(paths: list[str]) -> tuple[RunConfig, dict]:
+    """Recipes and config.json files merged in order (configfile.py) -> (config, [recipe] table)."""
+    tree, recipe = configfile.read_config_files(paths, RunConfig.from_dict, set(_FLAGS))
+    return RunConfig.from_dict(tree), recipe
 
 
 @dataclass(frozen=True)
@@ -410,7 +451,10 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
         raise ValueError(f"--tag needs --mode disagg (got {topo.mode}): colocated ranks all generate already")
     if t.tcss and topo.mode != "disagg":
         raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
-    parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))
+    names = [n for n, _ in parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))]
+    if cfg.model.model not in VIDEO_MODELS and VIDEO_REWARDS & set(names):
+        raise ValueError(f"reward(s) {sorted(VIDEO_REWARDS & set(names))} score videos; {cfg.model.model!r} makes "
+                         f"images (video models: {VIDEO_MODELS})")
     num_prompts = len(load_prompts(rl.prompts))  # a missing or empty prompt file raises here
     if o.eval_every:
         eval_records(o.eval_prompts, o.eval_num_prompts, o.eval_samples_per_prompt)

@@ -1,5 +1,7 @@
 """Run metrics: one JSON line per `log` call in `<output_dir>/metrics.jsonl`, the same scalars
-in TensorBoard (`<output_dir>/tb`), and image grids as PNG and in TensorBoard.
+in TensorBoard (`<output_dir>/tb`), and image grids as PNG and in TensorBoard. Videos are written as
+an animated GIF grid and a PNG frame strip; TensorBoard gets the video when moviepy (which its
+`add_video` needs) is installed, else the frame strip.
 
 Only rank 0 creates an enabled logger; every other rank may hold a disabled one, whose methods
 do nothing, so call sites need no rank checks. Keys are namespaced: `reward/mean`,
@@ -7,6 +9,7 @@ do nothing, so call sites need no rank checks. Keys are namespaced: `reward/mean
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -15,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
@@ -42,6 +46,59 @@ def image_grid(images: Tensor, nrow: int = 8, padding: int = 2) -> Image.Image:
         grid[:, y:y + h, x:x + w] = images[i]
     pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous()  # (H, W, 3)
     return Image.fromarray(pixels.numpy())
+
+
+THUMBNAIL_PX = 256
+LOGGED_IMAGES, LOGGED_VIDEOS, LOGGED_FRAMES = 64, 8, 16
+"""A logged grid shows at most LOGGED_IMAGES images, or LOGGED_VIDEOS videos of LOGGED_FRAMES frames,
+at most THUMBNAIL_PX pixels a side: what the runtime sends to the logging rank."""
+
+
+def thumbnails(images: Tensor, limit: int = LOGGED_IMAGES) -> Tensor:
+    """What a logged grid shows: the first `limit` images [B, 3, H, W] (videos [B, 3, F, H, W]: at most
+    LOGGED_VIDEOS, LOGGED_FRAMES evenly spaced frames), scaled down to at most THUMBNAIL_PX a side."""
+    video = images.dim() == 5
+    images = images[:min(limit, LOGGED_VIDEOS) if video else limit]
+    if video:
+        frames = images.shape[2]
+        images = images[:, :, torch.linspace(0, frames - 1, min(frames, LOGGED_FRAMES)).round().long().unique()]
+    size = max(images.shape[-2:])
+    if size <= THUMBNAIL_PX or images.shape[0] == 0:
+        return images
+    flat = images.transpose(1, 2).flatten(0, 1) if video else images  # video: (B * F, 3, H, W)
+    flat = F.interpolate(flat.float(), scale_factor=THUMBNAIL_PX / size, mode="bilinear", antialias=True)
+    return flat.unflatten(0, (images.shape[0], -1)).transpose(1, 2) if video else flat
+
+
+def frame_strip(videos: Tensor, max_frames: int = 8, padding: int = 2) -> Image.Image:
+    """Videos [B, 3, F, H, W] in [0, 1] as one image: a row per video, `max_frames` evenly spaced frames
+    (first and last included) left to right."""
+    if videos.dim() != 5 or videos.shape[1] != 3:
+        raise ValueError(f"frame_strip expects videos [B, 3, F, H, W], got {list(videos.shape)}")
+    frames = videos.shape[2]
+    picked = torch.linspace(0, frames - 1, min(frames, max_frames)).round().long().unique()
+    strip = videos[:, :, picked].permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B * n, 3, H, W), a video's frames adjacent
+    return image_grid(strip, nrow=len(picked), padding=padding)
+
+
+def video_grid(videos: Tensor, nrow: int = 8, padding: int = 2) -> list[Image.Image]:
+    """Videos [B, 3, F, H, W] in [0, 1] -> F grid images (image_grid of every video's frame f)."""
+    if videos.dim() != 5 or videos.shape[1] != 3:
+        raise ValueError(f"video_grid expects videos [B, 3, F, H, W], got {list(videos.shape)}")
+    return [image_grid(videos[:, :, f], nrow, padding) for f in range(videos.shape[2])]
+
+
+def write_grid(images: Tensor, path_stem: str, nrow: int = 8, fps: int = 8) -> str:
+    """Images [B, 3, H, W] -> `path_stem`.png (image_grid); videos [B, 3, F, H, W] -> `path_stem`.gif (the
+    grid, animated) and `path_stem`.png (frame_strip). Returns the PNG's path."""
+    os.makedirs(os.path.dirname(os.path.abspath(path_stem)), exist_ok=True)
+    if images.dim() == 5:
+        frames = video_grid(images, nrow)
+        frames[0].save(path_stem + ".gif", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
+        frame_strip(images).save(path_stem + ".png")
+    else:
+        image_grid(images, nrow).save(path_stem + ".png")
+    return path_stem + ".png"
 
 
 def _to_float(value: Any) -> float:
@@ -85,21 +142,22 @@ class MetricsLogger:
         self._writer.flush()
 
     def log_images(self, step: int, tag: str, images: Tensor, captions: list[str] | None = None,
-                   nrow: int = 8) -> str | None:
-        """Write a grid of images [B, 3, H, W] in [0, 1] to TensorBoard under `tag` and as
-        `<output_dir>/<tag>/step-{step:06d}.png` (captions, one per line, beside it as .txt).
-        Returns the PNG path (None when disabled)."""
+                   nrow: int = 8, fps: int = 8) -> str | None:
+        """Write a grid of images [B, 3, H, W] (or videos [B, 3, F, H, W]) in [0, 1] to TensorBoard under
+        `tag` and as `<output_dir>/<tag>/step-{step:06d}.png` (videos: also `.gif`, `write_grid`;
+        captions, one per line, beside it as .txt). Returns the PNG path (None when disabled)."""
         if not self.enabled:
             return None
         if captions is not None and len(captions) != images.shape[0]:
             raise ValueError(f"{len(captions)} captions for {images.shape[0]} images")
-        grid = image_grid(images, nrow)
-        directory = os.path.join(self.output_dir, tag)
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"step-{int(step):06d}.png")
-        grid.save(path)
-        pixels = torch.from_numpy(np.array(grid)).permute(2, 0, 1)  # (3, H, W) uint8
-        self._writer.add_image(tag, pixels, global_step=int(step), dataformats="CHW")
+        path = write_grid(images, os.path.join(self.output_dir, tag, f"step-{int(step):06d}"), nrow, fps)
+        if images.dim() == 5 and importlib.util.find_spec("moviepy") is not None:
+            video = (images.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
+            self._writer.add_video(tag, video.permute(0, 2, 1, 3, 4), global_step=int(step), fps=fps)  # (B, F, 3, H, W)
+        else:
+            with Image.open(path) as grid:
+                pixels = torch.from_numpy(np.array(grid.convert("RGB"))).permute(2, 0, 1)  # (3, H, W) uint8
+            self._writer.add_image(tag, pixels, global_step=int(step), dataformats="CHW")
         if captions is not None:
             with open(path[:-len(".png")] + ".txt", "w") as f:
                 f.write("\n".join(captions) + "\n")
@@ -133,4 +191,4 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-__all__ = ["MetricsLogger", "image_grid", "read_metrics"]
+__all__ = ["MetricsLogger", "frame_strip", "image_grid", "read_metrics", "thumbnails", "video_grid", "write_grid"]

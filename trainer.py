@@ -58,7 +58,7 @@ class Trainer:
         if cfg.optim.grad_checkpointing:
             self._checkpoint_blocks()
         self.params = [p for _, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=tuple(cfg.optim.adam_betas),
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.learning_rate(), betas=tuple(cfg.optim.adam_betas),
                                            weight_decay=cfg.optim.weight_decay)
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
         self.num_updates = 0

@@ -39,16 +39,21 @@ def model_names() -> list[str]:
 
 
 def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny", seed: int = 0,
-               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DiTAdapter:
-    """A local diffusers folder when `model_path` is given, else the named preset (built offline)."""
+               dtype: torch.dtype | dict = torch.float32, device: str | torch.device = "cpu") -> DiTAdapter:
+    """A local diffusers folder when `model_path` is given, else the named preset (built offline).
+    `dtype` is one dtype for every component, or {component: dtype, "default": dtype} (`model_dtypes`)."""
     cls = adapter_class(name)
     _quiet_loading()
     if model_path:
         adapter = cls.from_pretrained(model_path, dtype=dtype)
     elif preset in ("tiny", "mid") and hasattr(cls, preset):
         adapter = getattr(cls, preset)(seed=seed)
-        if dtype != adapter.dtype:
-            adapter.to(dtype=dtype)
+        table = dtype if isinstance(dtype, dict) else {"default": dtype}
+        for component, module in adapter.pipe.components.items():
+            wanted = table.get(component, table.get("default", torch.float32))
+            first = next(module.parameters(), None) if isinstance(module, torch.nn.Module) else None
+            if first is not None and first.dtype != wanted:
+                module.to(dtype=wanted)
     else:
         known = [p for p in ("tiny", "mid") if hasattr(cls, p)]
         raise ValueError(f"unknown preset {preset!r} for model {name!r}; use --model-path DIR or one of {known}")
@@ -66,7 +71,7 @@ def autocast(device: torch.device, dtype_name: str):
 
 
 __all__ = ["Conditioning", "DiTAdapter", "SamplingDefaults", "State", "adapter_class", "autocast", "load_model",
-           "model_names", "resolve_device", "resolve_dtype", "set_attention"]
+           "model_dtypes", "model_names", "resolve_device", "resolve_dtype", "set_attention"]
 
 
 def _quiet_loading() -> None:
@@ -97,6 +102,19 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def model_dtypes(name: str, device: torch.device) -> dict[str, torch.dtype]:
+    """The dtype of each pipeline component for training (--dtype): the transformer in the named dtype
+    (auto: float32, trained under bf16 autocast on CUDA), the frozen text encoders in half precision
+    on CUDA (auto, bfloat16, float16: they only run inference) and the VAE in float32."""
+    weights = torch.float32 if name == "auto" else resolve_dtype(name, device)
+    half = device.type == "cuda" and name != "float32"
+    text = (torch.bfloat16 if name == "auto" else weights) if half else weights
+    return {"transformer": weights, **{n: text for n in TEXT_ENCODERS}, "default": torch.float32}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

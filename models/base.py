@@ -69,6 +69,12 @@ class DiTAdapter:
         """A randomly initialised model of this family small enough for CPU tests, built offline."""
         raise NotImplementedError
 
+    def with_sampling(self, **overrides) -> "DiTAdapter":
+        """This adapter with sampling defaults of its own: the random presets take a size, frame
+        count and step count that run in seconds on a CPU, not the family's full-scale ones."""
+        self.defaults = dataclasses.replace(self.defaults, **overrides)
+        return self
+
     def save_pretrained(self, path: str) -> None:
         self.pipe.save_pretrained(path)
 
@@ -156,6 +162,9 @@ class DiTAdapter:
 
 
 DEFAULTS_FILE = "digenrl.json"
+TINY_SAMPLING = {"height": 32, "width": 32, "num_steps": 4}
+"""Sampling defaults of every family's `tiny` preset (video families add TINY_FRAMES frames)."""
+TINY_FRAMES = 5
 
 
 def read_folder_defaults(path: str, defaults: SamplingDefaults) -> SamplingDefaults:

@@ -6,7 +6,8 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from torch import Tensor
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames, to_unit_range
+from models.base import (TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames,
+                         to_unit_range)
 
 
 class FluxAdapter(DiTAdapter):
@@ -132,14 +133,14 @@ class FluxAdapter(DiTAdapter):
     @classmethod
     def tiny(cls, seed: int = 0):
         return cls._random(seed, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-                           axes_dims_rope=(4, 6, 6))
+                           axes_dims_rope=(4, 6, 6)).with_sampling(**TINY_SAMPLING)
 
     @classmethod
     def mid(cls, seed: int = 0):
         """About 42M transformer parameters (4 double + 8 single blocks, width 384): big enough that
         compute, not Python overhead, dominates a CPU benchmark."""
         return cls._random(seed, num_layers=4, num_single_layers=8, attention_head_dim=64, num_attention_heads=6,
-                           axes_dims_rope=(16, 24, 24))
+                           axes_dims_rope=(16, 24, 24)).with_sampling(height=64, width=64, num_steps=8)
 
     @classmethod
     def _random(cls, seed: int, **transformer_config):

@@ -16,7 +16,8 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaModel
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range
+from models.base import (TINY_FRAMES, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
+                         to_unit_range)
 
 # The Llama chat template needs Llama 3's header tokens, and its crop_start (95) counts the real
 # tokenizer's tokens. A tokenizer without those tokens (the tiny preset's byte vocabulary) gets the
@@ -196,7 +197,7 @@ class HunyuanVideoAdapter(DiTAdapter):
             transformer=transformer, vae=vae.eval(), scheduler=hunyuan_video_scheduler(),
             text_encoder_2=tiny_text.clip_text_encoder(tokenizer_2, hidden=8, projection_dim=8, seed=seed + 2),
             tokenizer_2=tokenizer_2)
-        return cls(pipe)
+        return cls(pipe).with_sampling(**TINY_SAMPLING, num_frames=TINY_FRAMES)
 
 
 def llama_encoder(tok, hidden: int = 16, seed: int = 0) -> LlamaModel:

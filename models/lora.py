@@ -35,6 +35,9 @@ def apply_lora(transformer: nn.Module, rank: int, alpha: float | None, which: st
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # identical lora_A on every rank
         transformer.add_adapter(config)
+    for p in transformer.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()  # the trained weights stay float32 on a half-precision base (AdamW's updates)
 
 
 def trainable_names(transformer: nn.Module) -> list[str]:

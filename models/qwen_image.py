@@ -13,7 +13,8 @@ from torch import Tensor
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames, to_unit_range
+from models.base import (TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames,
+                         to_unit_range)
 
 # Special tokens of Qwen2.5-VL's vocabulary that the prompt template and the model config refer to.
 _QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -183,7 +184,7 @@ class QwenImageAdapter(DiTAdapter):
             scheduler=qwen_image_scheduler(), vae=vae.eval(),
             text_encoder=tiny_qwen_vl_encoder(tokenizer, hidden=16, seed=seed + 1), tokenizer=tokenizer,
             transformer=transformer)
-        return cls(pipe)
+        return cls(pipe).with_sampling(**TINY_SAMPLING)
 
 
 def tiny_qwen_vl_encoder(tokenizer, hidden: int = 16, seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:

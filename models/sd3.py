@@ -10,7 +10,8 @@ from torch import Tensor
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames, to_unit_range
+from models.base import (TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames,
+                         to_unit_range)
 
 
 class SD3Adapter(DiTAdapter):
@@ -160,7 +161,7 @@ class SD3Adapter(DiTAdapter):
             text_encoder=clip_with_projection(tokenizer, hidden=16, seed=seed + 1), tokenizer=tokenizer,
             text_encoder_2=clip_with_projection(tokenizer_2, hidden=24, seed=seed + 2), tokenizer_2=tokenizer_2,
             text_encoder_3=tiny_text.t5_encoder(d_model=48, seed=seed + 3), tokenizer_3=tokenizer_3)
-        return cls(pipe)
+        return cls(pipe).with_sampling(**TINY_SAMPLING)
 
 
 def clip_with_projection(tokenizer: CLIPTokenizer, hidden: int, seed: int) -> CLIPTextModelWithProjection:

@@ -9,7 +9,8 @@ from torch import Tensor
 from transformers import UMT5Config, UMT5EncoderModel
 
 from models import tiny_text
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range
+from models.base import (TINY_FRAMES, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
+                         to_unit_range)
 
 
 class WanAdapter(DiTAdapter):
@@ -162,7 +163,7 @@ class WanAdapter(DiTAdapter):
         pipe = WanPipeline(
             tokenizer=tokenizer, text_encoder=umt5_encoder(d_model=16, seed=seed + 1), vae=vae.eval(),
             scheduler=wan_scheduler(), transformer=transformer)
-        return cls(pipe)
+        return cls(pipe).with_sampling(**TINY_SAMPLING, num_frames=TINY_FRAMES)
 
 
 def umt5_encoder(d_model: int = 16, num_layers: int = 1, seed: int = 0) -> UMT5EncoderModel:

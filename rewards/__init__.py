@@ -25,12 +25,15 @@ _REWARDS = {
     "laion_aesthetic": "rewards.clip:LaionAesthetic",
     "image_reward": "rewards.image_reward:ImageReward",
     "ocr": "rewards.ocr:OcrReward",
+    "temporal_consistency": "rewards.video:TemporalConsistency",
 }
 
 MAX_WEIGHT = 1e6  # reward weights are O(1); the bound keeps every weighted sum finite in float32
 
 # Rewards that load weights and so need `--reward-model NAME=DIR`.
 MODEL_REWARDS = frozenset({"pickscore", "clip_score", "hpsv2", "laion_aesthetic", "image_reward", "ocr"})
+# Rewards of whole videos, which image models cannot take (every other reward scores video frame by frame).
+VIDEO_REWARDS = frozenset({"temporal_consistency"})
 
 
 def reward_names() -> list[str]:
@@ -148,5 +151,5 @@ class RewardSet:
         return "RewardSet(" + ", ".join(f"{n}:{w:g}" for n, w in zip(self.names, self.weights)) + ")"
 
 
-__all__ = ["MODEL_REWARDS", "RewardSet", "build_reward", "parse_reward_spec", "parse_reward_specs",
+__all__ = ["MODEL_REWARDS", "VIDEO_REWARDS", "RewardSet", "build_reward", "parse_reward_spec", "parse_reward_specs",
            "reward_class", "reward_model_paths", "reward_names"]

@@ -4,8 +4,8 @@
     python scripts/eval.py --model-path assets/shapes-flux --checkpoint runs/default/checkpoints/step-20 \\
         --prompts data/shapes_eval.txt --out eval/step-20
 
-Writes OUT/metrics.json (mean of every reward, and per-prompt scores) and OUT/grid.png, so runs
-can be compared before and after training.
+Writes OUT/metrics.json (mean of every reward, and per-prompt scores) and OUT/grid.png (videos: a
+frame strip, and the animated grid OUT/grid.gif), so runs can be compared before and after training.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sampler  # noqa: E402
 from evaluation import evaluate, summarize  # noqa: E402
 from prompts import eval_records  # noqa: E402
-from metrics import image_grid  # noqa: E402
+from metrics import LOGGED_IMAGES, thumbnails, write_grid  # noqa: E402
 from models import load_model, model_names, resolve_device  # noqa: E402
 from rewards import RewardSet, reward_model_paths  # noqa: E402
 
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = sampler.SamplingConfig.for_adapter(adapter, height=args.height, width=args.width,
                                              num_steps=args.sample_steps, guidance=args.guidance,
                                              cfg_scale=args.cfg_scale, seed=args.seed, num_frames=args.num_frames)
-    scores, images = evaluate(adapter, cfg, records, rewards, batch_size=args.batch_size)
+    scores, images = evaluate(adapter, cfg, records, rewards, batch_size=args.batch_size, keep_images=LOGGED_IMAGES,
+                              thumbnail=thumbnails, progress=True)
     os.makedirs(args.out, exist_ok=True)
     summary = summarize(scores)
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                    "num_prompts": len(records) // args.samples_per_prompt,
                    "samples_per_prompt": args.samples_per_prompt, "per_prompt": per_image},
                   f, indent=1)
-    image_grid(images[:64], nrow=8).save(os.path.join(args.out, "grid.png"))
+    write_grid(thumbnails(images), os.path.join(args.out, "grid"))
     print(json.dumps(summary))
     return 0
 

@@ -1,8 +1,11 @@
 """Sample images (and trajectories) with the flow-matching SDE sampler, from a base model or a
-training checkpoint. The model and sampling flags are the training run's own (config.py):
+training checkpoint. The model and sampling flags are the training run's own (config.py), and
+`--config runs/default/config.json` takes them from the run:
 
     python scripts/sample.py --model-path assets/shapes-flux --checkpoint runs/default/checkpoints/step-20 \\
         --prompt "a red circle" --sample-steps 20 --out-dir out/
+    python scripts/sample.py --config runs/default/config.json --checkpoint runs/default/checkpoints/step-20 \\
+        --prompt "a red circle" --out-dir out/
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 import sampler  # noqa: E402
 from checkpoint import load_trained_weights  # noqa: E402
-from config import build_parser, config_from_args  # noqa: E402
+from config import config_from_args, config_parser  # noqa: E402
 from models import load_model, resolve_device, resolve_dtype, set_attention  # noqa: E402
 from prompts import load_prompts  # noqa: E402
 from rollout import sample_images  # noqa: E402
@@ -44,7 +47,7 @@ def save_trajectory(traj: sampler.Trajectory, path: str) -> None:
 
 
 def parse_args(argv: list[str] | None):
-    p = build_parser(__doc__.strip().splitlines()[0], sections=("model", "sampling"))
+    p, base, _ = config_parser(argv, __doc__.strip().splitlines()[0], sections=("model", "sampling"))
     p.add_argument("--checkpoint", default=None,
                    help="a training checkpoint folder (checkpoints/step-N) whose trained weights to load")
     src = p.add_mutually_exclusive_group(required=True)
@@ -55,7 +58,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--save-trajectory", default=None,
                    help="write a safetensors file with latents [B,K+1,C,H,W], sigmas [K+1], log_probs [B,K]")
     args = p.parse_args(argv)
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, base)
     cfg.resolve_defaults()
     return cfg, args
 
