@@ -5,8 +5,10 @@ Plans:
 - colocated (ours, built well): replicate (a bf16 rollout copy beside the training state), fsdp
   (generation gathers the shards every forward), sleepwake (rollout copy and training state take
   turns through host memory). Samples are split evenly over the GPUs (in proportion to speed on
-  mixed pools) and training transitions are packed (TSP). They pay their real costs: gathers,
-  switch copies, the memory of text encoders, VAE and reward models.
+  mixed pools) and training transitions are packed (TSP, after an exchange of the trajectories).
+  They pay their real costs: gathers, host copies, refreshing the bf16 rollout copy from the
+  training shards at the measured staging rate (`systems.sync_s`, ~5.6 GB/s), the memory of text
+  encoders, VAE and reward models.
 - disaggregated: G generator GPUs as replicas of S GAP stages, T trainer GPUs (FSDP, or HSDP over
   nodes) with TSP micro-batches of m transitions, fragments of F groups; simulator modes gap
   (streaming), tag (TAG with BTS), tcss (one step stale) and naive disagg for reference. With two
@@ -25,10 +27,12 @@ from parallel.tsp import pack
 from planner import phases as ph
 from planner.engine import Costs
 from planner.hardware import GPU, LINK_LATENCY_S, Sharding, allgather_s, allreduce_s, p2p_bytes_s
+from planner.hardware import busbw as hw_busbw
 from planner.memory import colocated_memory, generator_memory, max_micro_batch, trainer_memory
 from planner.simulator import simulate_run
 from planner.specs import block_flops, hidden_bytes, lora_params
 from planner.systems import BUSY_KINDS, Prediction, Segment, lockstep
+from planner.systems import sync_s as staging_s
 from planner.workload import Workload, ceil_div
 
 TRAIN_MICROS = (4, 8, 16, 32)
@@ -48,35 +52,40 @@ class Pool:
 # ---------------------------------------------------------------------------------------------
 
 def colocated(wl: Workload, pools: list[Pool], variant: str) -> Prediction:
-    """Our colocated mode on every GPU of `pools` (lockstep phases, work split by speed)."""
+    """Our colocated mode on every GPU of `pools` (lockstep phases). On mixed pools a phase without
+    collectives (replicated rollout, replicated LoRA training) splits its work by GPU speed; a phase
+    of FSDP collectives runs every rank in lockstep, so it splits evenly and goes at the slowest GPU."""
     gpus = [p.gpu for p in pools for _ in range(p.count)]
     n = len(gpus)
     slow = min(gpus, key=lambda g: g.peak_flops)
     speed = sum(g.peak_flops for g in gpus) / (n * slow.peak_flops)  # average speed in units of the slowest
-    per_gpu = ceil_div(wl.samples, n * speed)
-    trans = ceil_div(wl.transitions, n * speed)
+    full = wl.finetune == "full"
+    sharded_gen = variant == "fsdp"
+    train_shard_on = full or variant != "replicate"
+    per_gpu = ceil_div(wl.samples, n if sharded_gen else n * speed)
+    trans = ceil_div(wl.transitions, n if train_shard_on else n * speed)
     shard = Sharding.fsdp(n)
     m_roll = min(wl.rollout_micro_batch, per_gpu)
     fits_train = lambda m: colocated_memory(wl, slow, num_gpus=n, variant=variant, rollout_micro=m_roll,
                                             train_micro=m, samples_per_gpu=per_gpu).fits
     m = max_micro_batch(fits_train, wl.train_micro_batch) or 1
-    sharded_gen = variant == "fsdp"
     roll_kw = {"sharding": shard} if sharded_gen else {}
-    full = wl.finetune == "full"
     steps = [("text encode", "score", ph.text_s(wl, slow, ceil_div(wl.prompts_per_step, n * speed))),
              ("rollout", "generate", ph.denoise_s(wl, slow, per_gpu, m_roll, **roll_kw)),
              ("VAE decode + reward", "score", ph.decode_s(wl, slow, per_gpu) + ph.reward_s(wl, slow, per_gpu))]
-    train_shard = shard if (full or variant != "replicate") else None
+    train_shard = shard if train_shard_on else None
+    steps.append(("TSP exchange of transitions", "comm",
+                  ph.trajectory_bytes(wl, per_gpu) * (n - 1) / n / hw_busbw(slow, n)))
     steps.append(("train (TSP packed)", "train", ph.train_s(wl, slow, trans, m, sharding=train_shard)))
     grad = allreduce_s(slow, 4 * lora_params(wl.spec, wl.lora_rank), n) if train_shard is None else 0.0
     steps.append(("optimizer", "optimizer", wl.optimizer_steps * (ph.optimizer_s(wl, slow, n if full else 1) + grad)))
     if variant == "replicate" and full:
-        steps.append(("gather bf16 rollout copy", "switch", allgather_s(slow, ph.weight_bytes(wl), n)))
+        steps.append(("stage bf16 rollout copy", "switch", staging_s(ph.weight_bytes(wl))))
     if variant == "sleepwake":
         state = (16 * wl.spec.params if full else 2 * wl.spec.params) / (n if full else 1)
         steps.append(("offload / restore training state", "switch", 2 * ph.host_copy_s(slow, state)))
-        steps.append(("gather + stage rollout copy", "switch", allgather_s(slow, ph.weight_bytes(wl), n)
-                      if full else ph.host_copy_s(slow, ph.weight_bytes(wl))))
+        steps.append(("stage rollout copy", "switch", staging_s(ph.weight_bytes(wl))
+                      if full else 2 * ph.host_copy_s(slow, ph.weight_bytes(wl))))
     mem = colocated_memory(wl, slow, num_gpus=n, variant=variant, rollout_micro=m_roll, train_micro=m,
                            samples_per_gpu=per_gpu)
     label = f"colocated {variant}"
@@ -84,7 +93,8 @@ def colocated(wl: Workload, pools: list[Pool], variant: str) -> Prediction:
                  {"variant": variant, "rollout_micro": m_roll, "train_micro": m}, [])
     p.pools = [(pl.gpu, pl.count) for pl in pools]
     if len(pools) > 1:
-        p.notes.append("mixed GPUs: work split by peak speed, collectives at the slowest GPU's links")
+        p.notes.append("mixed GPUs: phases without collectives split by speed; FSDP phases run in lockstep at the "
+                       "slowest GPU")
     return p
 
 
@@ -131,10 +141,12 @@ def train_fragment_s(wl: Workload, g: GPU, trainers: int, samples: int, micro: i
 
 
 def publish_s(wl: Workload, gen: GPU, trn: GPU, generators: int, stages: int, trainers: int, same_pool: bool) -> float:
-    """As the runtime publishes: every trainer gathers the full tensors, then trainer 0 sends each
-    generator rank the weights of its stage, one generator after the other."""
+    """As the runtime publishes: every trainer gathers the full tensors (for full fine-tuning at the
+    measured staging rate of FSDP shards into full bf16 tensors, `systems.sync_s`, the same price a
+    colocated plan pays to refresh its rollout copy), then trainer 0 sends each generator rank the
+    weights of its stage, one generator after the other."""
     bytes_ = ph.publish_bytes(wl)
-    gather = allgather_s(trn, bytes_, trainers)
+    gather = staging_s(bytes_) if wl.finetune == "full" else allgather_s(trn, bytes_, trainers)
     per_node = trn.gpus_per_node
     t0 = generators  # trainer 0's rank
     send = 0.0
@@ -146,8 +158,10 @@ def publish_s(wl: Workload, gen: GPU, trn: GPU, generators: int, stages: int, tr
 
 
 def disagg_plan(wl: Workload, gen: Pool, trn: Pool, generators: int, trainers: int, stages: int, groups: int,
-                mode: str, same_pool: bool, hsdp: bool = False, naive: bool = False) -> Prediction:
-    """One disaggregated plan, simulated."""
+                mode: str, same_pool: bool, hsdp: bool = False, naive: bool = False, extra: int = 0) -> Prediction:
+    """One disaggregated plan, simulated. `extra`: GPUs of the trainer pool that generate too (two
+    pools only), as replicas of the same stage count; replicas of different speeds are planned by
+    speed (plan_step's replica_speeds)."""
     ggpu, tgpu = gen.gpu, trn.gpu
     replicas = generators // stages
     frag_samples = groups * wl.group_size
@@ -161,6 +175,10 @@ def disagg_plan(wl: Workload, gen: Pool, trn: Pool, generators: int, trainers: i
     g0mem = generator_memory(wl, ggpu, stages=stages, stage=0, micro=max(micro, 1), fragment_samples=frag_samples)
     if not micro or not g0mem.fits:
         why.append((gmem if not gmem.fits else g0mem).why())
+    if extra:
+        xmem = generator_memory(wl, trn.gpu, stages=stages, stage=0, micro=max(micro, 1), fragment_samples=frag_samples)
+        if not xmem.fits:
+            why.append(xmem.why())
     buffered = 2 * ceil_div(frag_samples, trainers)
     tag = mode == "tag"
     m = max_micro_batch(lambda b: trainer_memory(wl, tgpu, shard=shard.shard, micro=b, buffered_samples=buffered,
@@ -180,22 +198,28 @@ def disagg_plan(wl: Workload, gen: Pool, trn: Pool, generators: int, trainers: i
     grad = allreduce_s(tgpu, 4 * lora_params(wl.spec, wl.lora_rank), trainers) if wl.finetune == "lora" else 0.0
     update = wl.optimizer_steps * (ph.optimizer_s(wl, tgpu, shard.shard) + grad)
     pub = publish_s(wl, ggpu, tgpu, generators, stages, trainers, same_pool)
-    costs = Costs([rep] * replicas, trainer_gen, train, transfer_s=transfer, update_s=update, publish_s=pub)
+    reps = [rep] * replicas
+    if extra:
+        reps += [replica_fragment_s(wl, tgpu, stages, frag_samples, micro, groups)] * (extra // stages)
+        pub = publish_s(wl, ggpu, tgpu, generators + extra, stages, trainers, False)
+    costs = Costs(reps, trainer_gen, train, transfer_s=transfer, update_s=update, publish_s=pub)
     sim_mode = "disagg" if naive else {"gap": "gap", "tag": "tag", "tcss": "tcss"}[mode]
     steps = 4 if mode == "tcss" else 1
     res = simulate_run(sim_mode, steps, num_fragments, costs, trainers, "bts" if tag else None,
-                       stages_per_replica=stages)
+                       stages_per_replica=stages, plan_speeds=[1 / r for r in reps] if extra else None)
     step_s = res.steady_step_s
-    label = (f"{'naive ' if naive else ''}{mode} G={generators}{'x' + ggpu.key if not same_pool else ''} "
+    label = (f"{'naive ' if naive else ''}{mode} G={generators}{'x' + ggpu.key if not same_pool else ''}"
+             f"{f'+{extra}x{tgpu.key}' if extra else ''} "
              f"T={trainers}{'x' + tgpu.key if not same_pool else ''}"
              f"{f' S={stages}' if stages > 1 else ''} F={groups} m={m}{' hsdp' if hsdp else ''}")
-    pred = Prediction("digenrl", label, wl, [(ggpu, generators), (tgpu, trainers)] if not same_pool
+    pred = Prediction("digenrl", label, wl, [(ggpu, generators), (tgpu, trainers + extra)] if not same_pool
                       else [(ggpu, generators + trainers)], step_s, res.bubble_fraction,
                       {"generator": g0mem if g0mem.total > gmem.total else gmem, "trainer": tmem},
                       _segments(res.events, replicas * stages, steps - 1 if steps > 1 else 0),
                       {"mode": "naive" if naive else mode, "generators": generators, "trainers": trainers,
                        "stages": stages, "fragment_groups": groups, "rollout_micro": micro, "train_micro": m,
-                       "hsdp": hsdp, "stale": mode == "tcss", "costs": costs.to_dict()}, [], why)
+                       "hsdp": hsdp, "extra_generators": extra, "stale": mode == "tcss", "costs": costs.to_dict()},
+                      [], why)
     if mode == "tcss":
         pred.notes.append("TCSS: generators run one version stale (staleness <= 1)")
     if tag:
@@ -251,15 +275,17 @@ def enumerate_plans(wl: Workload, pools: list[Pool], *, modes: tuple[str, ...] =
         for stages in sorted({s_min, 2 * s_min} & {1, 2, 4, 8}):
             counts = (range(stages, total, stages) if same else [gen.count - gen.count % stages])
             counts = _thin([c for c in counts if c > 0], max_generator_counts)
-            for g_count in counts:
-                t_count = (total - g_count) if same else trn.count
+            extras = [0] if same else _thin(list(range(0, trn.count, stages)), 6)
+            for g_count, extra in ((c, x) for c in counts for x in extras):
+                t_count = ((total - g_count) if same else trn.count) - extra
                 if t_count < 1:
                     continue
                 for groups in groups_options:
                     can_hsdp = (t_count > trn.gpu.gpus_per_node and t_count % trn.gpu.gpus_per_node == 0
                                 and wl.finetune == "full")
                     for hsdp in ((False, True) if can_hsdp else (False,)):
-                        p = disagg_plan(wl, gen, trn, g_count, t_count, stages, groups, "gap", same, hsdp)
+                        p = disagg_plan(wl, gen, trn, g_count, t_count, stages, groups, "gap", same, hsdp,
+                                        extra=extra)
                         if p.feasible:
                             streaming.append((gen, trn, same, p))
                         else:
@@ -270,14 +296,14 @@ def enumerate_plans(wl: Workload, pools: list[Pool], *, modes: tuple[str, ...] =
         k = p.knobs
         if i == 0:  # naive disaggregation of the best split, for reference
             naive = disagg_plan(wl, gen, trn, k["generators"], k["trainers"], k["stages"],
-                                k["fragment_groups"], "gap", same, k["hsdp"], naive=True)
+                                k["fragment_groups"], "gap", same, k["hsdp"], naive=True, extra=k["extra_generators"])
             if naive.feasible:
                 out.append(naive)
         for mode in modes:
             if mode == "gap":
                 continue
             q = disagg_plan(wl, gen, trn, k["generators"], k["trainers"], k["stages"], k["fragment_groups"], mode,
-                            same, k["hsdp"])
+                            same, k["hsdp"], extra=k["extra_generators"])
             if q.feasible:
                 out.append(q)
             else:
