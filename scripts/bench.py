@@ -79,6 +79,20 @@ MODES: dict[str, Mode] = {
                      "1 generator with plain inference weights + 2 FSDP2 trainers (3 ranks on 2 cores: contention)"),
     "gap-fsdp+tag": Mode(3, ["--generators", "1", "--trainers", "2", "--fragment-groups", "1",
                              "--train-sharding", "fsdp", "--tag"], "the same with TAG: the FSDP trainers generate together"),
+    # The measured runs behind the planner's out-of-sample fit (scripts/make_plan_fixtures.py runs
+    # them with --no-packing: each mode states its own TSP flags).
+    "gap-stream": Mode(2, [*G1T1, "--fragment-groups", "1"], "GAP fragment streaming (the planner's fit run)"),
+    "gap-frag2": Mode(2, [*G1T1, "--fragment-groups", "2"], "GAP fragment streaming with fragments of two groups"),
+    "gap-2rep": Mode(3, ["--generators", "2", "--trainers", "1", "--fragment-groups", "1"],
+                     "two generator replicas + 1 trainer, fragments of one group (3 ranks on 2 cores: contention)"),
+    "gap+tsp": Mode(2, [*G1T1, "--fragment-groups", "1", "--tsp", "--train-micro-batch", "16"],
+                    "GAP + TSP, training forwards of 16 transitions"),
+    "gap+tsp8": Mode(2, [*G1T1, "--fragment-groups", "1", "--tsp", "--train-micro-batch", "8"],
+                     "GAP + TSP, training forwards of 8 transitions"),
+    "gap+tsp+tag+tcss": Mode(2, [*G1T1, "--fragment-groups", "1", "--tsp", "--train-micro-batch", "16", "--tag",
+                                 "--tcss"], "GAP + TSP + TAG + TCSS"),
+    "slow-gen": Mode(2, [*G1T1, "--fragment-groups", "1", "--debug-slow-rank", "0:3"],
+                     "GAP with the generator slowed 3x, TAG off"),
 }
 
 BASELINES = ("colocated-replicate", "colocated-fsdp")

@@ -6,12 +6,12 @@
         fraction (medians over the steps after the first) with their relative errors.
 
     python scripts/simulate.py --cluster flux-12b --gpus 16 [--gpu h100]
-        A FLOP and bandwidth model of a GPU cluster: the costs of every colocated and
-        disaggregated topology of N GPUs, each simulated in the simulator's modes; prints the
-        predicted step times, the throughput ratio to colocated and the recommended topology.
-        These are predictions of a model whose assumptions are printed with them, not measurements.
+        The planner of scripts/plan.py on one pool of N GPUs (`plan.py --model flux --gpus h100:16`):
+        every feasible colocated and disaggregated plan, ranked, with a recommendation. Predictions
+        of the calibrated cost model of docs/calibration.md, not measurements.
 
-Models: flux-12b, wan2.1-14b, qwen-image-20b, hunyuanvideo-13b. GPUs: h100, h200, a100.
+--run replays a run from the costs measured in that same run (in sample: a check of the
+simulator's structure). Out-of-sample prediction of other runs: scripts/plan.py --fit-run.
 """
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from planner import cluster  # noqa: E402
-from planner import costs as cm  # noqa: E402
-from planner.simulator import simulate_run  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CLUSTER_MODES = (("naive disagg", "disagg"), ("gap", "gap"), ("gap+tag", "tag"), ("tcss", "tcss"))
+import plan  # noqa: E402
+from planner import costs as cm  # noqa: E402
+from planner.hardware import GPUS  # noqa: E402
+from planner.simulator import simulate_run  # noqa: E402
+from planner.specs import MODELS  # noqa: E402
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -93,64 +95,23 @@ def print_run_report(out: dict, skip: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# --cluster
+# --cluster: the planner (scripts/plan.py) on one pool of N GPUs
 # ---------------------------------------------------------------------------------------------
 
-def print_cluster_report(model_name: str, gpu_name: str, num_gpus: int, wl: cluster.Workload,
-                         predictions: list[cluster.Prediction], skipped: list[str]) -> cluster.Prediction:
-    model, gpu = cluster.MODELS[model_name], cluster.GPUS[gpu_name]
-    print(f"PREDICTIONS of a cost model (not measurements): {model.name} on {num_gpus} x {gpu.name}")
-    print(f"  workload: {wl.prompts_per_step} prompts x {wl.group_size} samples per step, K={wl.steps_of(model)} "
-          f"({wl.trained_steps(model)} trained), {model.setting}")
-    print(f"  {wl.finetune} fine-tuning{f' (LoRA rank {wl.lora_rank})' if wl.finetune == 'lora' else ''}, "
-          f"MFU {wl.mfu:.2f}, micro-batch {model.micro_batch}, fragment = {wl.fragment_groups} group(s), "
-          f"KL {'on' if wl.kl else 'off'}")
-    frag = wl.fragment_groups * wl.group_size
-    print(f"  one GPU, one fragment ({frag} samples): generation {cluster.generation_s(model, gpu, wl, frag):.1f} s, "
-          f"training {cluster.training_s(model, gpu, wl, frag, 1):.1f} GPU-s (compute only); publication "
-          f"{cluster.published_bytes(model, wl) / 1e9:.2f} GB")
-    colocated = [p for p in predictions if p.candidate.mode == "colocated"]
-    base = min(p.step_s for p in colocated) if colocated else None
-    for p in colocated:
-        ratio = f"{base / p.step_s:.2f}x" if base else "-"
-        print(f"  {p.candidate.label:30s} step {p.step_s:8.1f} s  bubble {p.bubble_fraction:.2f}  {ratio}"
-              + (f"  ({p.candidate.note})" if p.candidate.note else ""))
-    rows: dict[tuple[int, int, int], dict[str, cluster.Prediction]] = {}
-    for p in predictions:
-        c = p.candidate
-        if c.mode != "colocated":
-            rows.setdefault((c.generators, c.trainers, c.stages), {})[c.mode] = p
-    header = f"  {'topology':16s}" + "".join(f"{name:>14s}" for name, _ in CLUSTER_MODES) + "   best vs colocated"
-    print("predicted step time, s (throughput ratio vs the faster colocated variant: colocated step / step)")
-    print(header)
-    for (g, t, s), by_mode in rows.items():
-        cells = "".join(f"{by_mode[mode].step_s:14.1f}" if mode in by_mode else f"{'n/a':>14s}"
-                        for _, mode in CLUSTER_MODES)
-        best = min(by_mode.values(), key=lambda p: p.step_s)
-        ratio = f"{base / best.step_s:.2f}x" if base else "-"
-        name = dict((m, n) for n, m in CLUSTER_MODES)[best.candidate.mode]
-        print(f"  {f'G={g} T={t}' + (f' S={s}' if s > 1 else ''):16s}{cells}   {ratio} ({name})")
-    best = cluster.recommend(predictions)
-    ratio = f", {base / best.step_s:.2f}x the colocated throughput" if base else ""
-    print(f"recommended: {best.candidate.label}: predicted {best.step_s:.1f} s per step, "
-          f"{best.samples_per_s:.2f} samples/s{ratio}")
-    for p in predictions:
-        if p.candidate.mode == "tag" and p.candidate.note:
-            print(f"  gap+tag: {p.candidate.note}")
-            break
-    if skipped:
-        print(f"left out: {'; '.join(skipped)}")
-    print("assumptions:")
-    for a in cluster.CLUSTER_ASSUMPTIONS:
-        print(f"  - {a}")
-    return best
+CLUSTER_MODELS = {"flux-12b": "flux", "wan2.1-14b": "wan", "qwen-image-20b": "qwen_image",
+                  "hunyuanvideo-13b": "hunyuan_video", **{m: m for m in MODELS}}
 
 
-def workload_from_args(args) -> cluster.Workload:
-    return cluster.Workload(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-                       sample_steps=args.sample_steps, mfu=args.mfu, finetune=args.finetune, lora_rank=args.lora_rank,
-                       kl=args.kl, score_overhead=args.score_overhead, fragment_groups=args.fragment_groups,
-                       state_fraction=args.state_fraction)
+def cluster_argv(args) -> list[str]:
+    """scripts/plan.py arguments for `--cluster MODEL --gpus N --gpu TYPE` and the workload flags."""
+    argv = ["--model", CLUSTER_MODELS[args.cluster], "--gpus", f"{args.gpu}:{args.gpus}",
+            "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
+            "--finetune", args.finetune, "--lora-rank", str(args.lora_rank)]
+    if args.sample_steps:
+        argv += ["--sampling-steps", str(args.sample_steps)]
+    if args.kl:
+        argv.append("--kl")
+    return argv
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,24 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--run", help="a training run folder (config.json, trace/rank*.json, metrics.jsonl)")
-    what.add_argument("--cluster", choices=sorted(cluster.MODELS), help="predict topologies for this model")
+    what.add_argument("--cluster", choices=sorted(CLUSTER_MODELS),
+                      help="predict plans for this model (the planner of scripts/plan.py, one GPU pool)")
     p.add_argument("--skip-steps", type=int, default=1, help="--run: leading (warm-up) steps left out")
     p.add_argument("--trace-out", help="--run: write the simulated Chrome trace here")
     p.add_argument("--gpus", type=int, default=16, help="--cluster: number of GPUs N")
-    p.add_argument("--gpu", choices=sorted(cluster.GPUS), default="h100", help="--cluster: GPU type")
-    d = cluster.Workload()
-    p.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step, help="B")
-    p.add_argument("--group-size", type=int, default=d.group_size, help="G, samples per prompt")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="--cluster: GPU type")
+    p.add_argument("--prompts-per-step", type=int, default=24, help="B")
+    p.add_argument("--group-size", type=int, default=24, help="G, samples per prompt")
     p.add_argument("--sample-steps", type=int, default=None, help="K (default: the model's)")
-    p.add_argument("--mfu", type=float, default=d.mfu, help="assumed model FLOP utilisation")
-    p.add_argument("--finetune", choices=("full", "lora"), default=d.finetune)
-    p.add_argument("--lora-rank", type=int, default=d.lora_rank)
+    p.add_argument("--finetune", choices=("full", "lora"), default="full")
+    p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--kl", action="store_true", help="a KL term (one reference forward per transition)")
-    p.add_argument("--score-overhead", type=float, default=d.score_overhead,
-                   help="decode + rewards as a fraction of denoising time")
-    p.add_argument("--fragment-groups", type=int, default=d.fragment_groups, help="groups per fragment (disagg)")
-    p.add_argument("--state-fraction", type=float, default=d.state_fraction,
-                   help="fraction of GPU memory for weights and optimizer state")
     return p
 
 
@@ -186,13 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gpus < 2:
         raise ValueError(f"--gpus must be >= 2 (a generator and a trainer), got {args.gpus}")
-    if not 0 < args.mfu <= 1:
-        raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
-    wl = workload_from_args(args)
-    model, gpu = cluster.MODELS[args.cluster], cluster.GPUS[args.gpu]
-    candidates, skipped = cluster.cluster_candidates(model, gpu, args.gpus, wl)
-    print_cluster_report(args.cluster, args.gpu, args.gpus, wl, cluster.predict(candidates, wl), skipped)
-    return 0
+    return plan.main(cluster_argv(args))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""scripts/simulate.py and parallel/costs.py: costs measured from a synthetic run folder, the mode a
-run's config maps to, and properties the cluster model has by construction."""
-import dataclasses
+"""scripts/simulate.py and planner/costs.py: costs measured from a synthetic run folder, the mode a
+run's config maps to, and properties the planner has by construction (simulate.py --cluster)."""
+import functools
 import json
 import os
 import sys
@@ -8,8 +8,10 @@ import sys
 import pytest
 
 from config import RunConfig
-from planner import cluster
 from planner import costs as cm
+from planner import plans
+from planner.hardware import gpu
+from planner.workload import Workload
 from tracing import Tracer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,81 +140,63 @@ def test_mode_mapping(world, topology, expected):
 
 
 # ---------------------------------------------------------------------------------------------
-# Cluster model
+# --cluster: the planner on one pool (planner/plans.py; more in tests/test_planner.py)
 # ---------------------------------------------------------------------------------------------
 
-FLUX, H100 = cluster.MODELS["flux-12b"], cluster.GPUS["h100"]
-WL = cluster.Workload()
+FLUX_FULL = Workload("flux", 512, 512, sampling_steps=10, trained_timesteps=9, prompts_per_step=8, group_size=16,
+                     finetune="full", gradient_checkpointing=True)
 
 
-def test_forward_flops_formula():
-    m = dataclasses.replace(FLUX, params=10.0, hidden=3, num_layers=2, tokens=5, forwards_per_step=2)
-    assert cluster.forward_flops(m, 4) == 4 * 2 * (2 * 10.0 * 5 + 4 * 2 * 3 * 25)
-
-
-def test_costs_shrink_with_more_gpus_on_the_same_interconnect():
-    samples = WL.prompts_per_step * WL.group_size
-    # Across nodes (both over InfiniBand): per-rank work halves, a gather grows by (n-1)/n only.
-    assert cluster.generation_s(FLUX, H100, WL, samples / 32, fsdp_group=32) < \
-        cluster.generation_s(FLUX, H100, WL, samples / 16, fsdp_group=16)
-    for lo, hi in ((2, 4), (4, 8), (9, 16), (16, 32)):
-        assert cluster.training_s(FLUX, H100, WL, 24, hi) < cluster.training_s(FLUX, H100, WL, 24, lo)
-    assert cluster.generation_s(FLUX, H100, WL, 24, stages=2) < cluster.generation_s(FLUX, H100, WL, 24)
-
-
-def _colocated_step(num_gpus: int) -> float:
-    candidates, _ = cluster.cluster_candidates(FLUX, H100, num_gpus, WL)
-    return min(p.step_s for p in cluster.predict([c for c in candidates if c.mode == "colocated"], WL))
+@functools.lru_cache(maxsize=None)
+def _plans(num_gpus: int):
+    preds, _ = plans.enumerate_plans(FLUX_FULL, [plans.Pool(gpu("h100"), num_gpus)], top_k=2)
+    return preds
 
 
 def test_more_gpus_shorter_predicted_step():
-    assert _colocated_step(32) < _colocated_step(16)
-    # Doubling generators and trainers (24 fragments split evenly both times) shortens every mode.
-    def step(mode, g, t):
-        candidates, _ = cluster.cluster_candidates(FLUX, H100, g + t, WL)
-        (c,) = [c for c in candidates if c.mode == mode and (c.generators, c.trainers) == (g, t)]
-        return cluster.predict([c], WL)[0].step_s
-
-    for mode in ("disagg", "gap", "tcss"):
-        assert step(mode, 8, 24) < step(mode, 4, 12)
-
-
-def test_candidates_add_up_and_fit():
-    candidates, skipped = cluster.cluster_candidates(FLUX, H100, 16, WL)
-    t_min = cluster.min_trainers(FLUX, H100, WL)
-    assert t_min == 4  # 16 bytes x 11.9e9 params / (0.6 x 80 GB) = 3.97
-    disagg = [c for c in candidates if c.mode != "colocated"]
-    assert {c.mode for c in disagg} == {"disagg", "gap", "tag", "tcss"}
-    for c in disagg:
-        assert c.generators + c.trainers == 16 and c.trainers >= t_min and c.num_fragments == 24
-        assert c.costs.num_replicas == c.generators // c.stages
-    assert any("fewer than 4 trainers" in s for s in skipped)
-    lora = dataclasses.replace(WL, finetune="lora")
-    assert cluster.published_bytes(FLUX, lora) < cluster.published_bytes(FLUX, WL) / 100
+    assert plans.best_colocated(_plans(32)).step_s < plans.best_colocated(_plans(16)).step_s
+    # Doubling generators and trainers shortens the streaming step with the same fragments.
+    small = plans.disagg_plan(FLUX_FULL, plans.Pool(gpu("h100"), 16), plans.Pool(gpu("h100"), 16), 4, 12, 1, 1,
+                              "gap", True)
+    large = plans.disagg_plan(FLUX_FULL, plans.Pool(gpu("h100"), 32), plans.Pool(gpu("h100"), 32), 8, 24, 1, 1,
+                              "gap", True)
+    assert small.feasible and large.feasible and large.step_s < small.step_s
 
 
 def test_gap_never_slower_than_naive_with_the_same_costs():
     """By construction: streaming the same fragments only lets trainers start earlier."""
-    candidates, _ = cluster.cluster_candidates(FLUX, H100, 16, WL)
-    by = {(c.mode, c.generators): c for c in candidates}
+    pool = plans.Pool(gpu("h100"), 16)
     for g in (2, 4, 8):
-        naive, gap = cluster.predict([by[("disagg", g)], by[("gap", g)]], WL)
+        gap = plans.disagg_plan(FLUX_FULL, pool, pool, g, 16 - g, 1, 1, "gap", True)
+        naive = plans.disagg_plan(FLUX_FULL, pool, pool, g, 16 - g, 1, 1, "gap", True, naive=True)
         assert gap.step_s <= naive.step_s + 1e-9
 
 
-def test_recommendation_is_the_minimum():
-    candidates, _ = cluster.cluster_candidates(FLUX, H100, 16, WL)
-    preds = cluster.predict([c for c in candidates if c.mode != "tag"], WL)
-    best = cluster.recommend(preds)
-    assert best.step_s == min(p.step_s for p in preds)
-    assert best.samples_per_s == pytest.approx(24 * 24 / best.step_s)
+def test_plans_add_up_and_fit():
+    preds = _plans(16)
+    disagg = [p for p in preds if p.system == "digenrl"]
+    assert {p.knobs["mode"] for p in disagg} >= {"gap", "tcss", "naive"}
+    for p in disagg:
+        k = p.knobs
+        assert k["generators"] + k["trainers"] == 16 and k["generators"] % k["stages"] == 0
+        assert all(m.fits for m in p.memory.values())
+        assert len(p.knobs["costs"]["replica_fragment_s"]) == k["generators"] // k["stages"]
+
+
+def test_recommendation_is_the_fastest_and_never_slower_than_colocated():
+    preds = _plans(16)
+    best = plans.recommend(preds)
+    on_policy = [p for p in preds if not p.knobs.get("stale")]
+    assert best.step_s == min(p.step_s for p in on_policy)
+    assert best.step_s <= plans.best_colocated(preds).step_s
+    assert best.samples_per_s == pytest.approx(8 * 16 / best.step_s)
     with pytest.raises(ValueError):
-        cluster.recommend([])
+        plans.recommend([])
 
 
-def test_cluster_cli_prints_table_and_assumptions(capsys):
+def test_cluster_cli_prints_table_and_recommendation(capsys):
     assert simulate.main(["--cluster", "qwen-image-20b", "--gpus", "8", "--gpu", "h200",
                           "--finetune", "lora", "--prompts-per-step", "4", "--group-size", "8"]) == 0
     text = capsys.readouterr().out
-    assert "PREDICTIONS" in text and "recommended:" in text and "assumptions:" in text
-    assert "G=4 T=4" in text
+    assert "PREDICTIONS" in text and "recommended:" in text and "colocated replicate" in text
+    assert "samples/$" in text and "peak GB per role" in text

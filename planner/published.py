@@ -1,0 +1,159 @@
+"""Published step times as data, and the planner's predictions of them (docs/calibration.md,
+"Validation against published runs").
+
+A row describes a run the way its authors ran it (schema in `FIELDS`). Rows with "fit": true were
+used to fit a constant of the model; every other row is held out. The only constant fitted on
+step times is VeRL-Omni's per-step overhead (`fit_overheads`): its mechanism model leaves a large
+part of the step unexplained (single-controller orchestration the model does not describe), and
+that remainder is estimated from the fit rows alone, then added to the held-out rows of the same
+system. DanceGRPO has no fitted constant.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from planner.hardware import gpu
+from planner.plans import Pool, best_colocated, enumerate_plans, recommend
+from planner.systems import Prediction, predict_system
+from planner.workload import Workload
+
+SYSTEM_NAMES = ("verl-omni", "dance-grpo", "flow-grpo", "genrl", "colocated", "digenrl")
+FIELDS = {"name": str, "system": str, "model": str, "gpu": str, "num_gpus": int, "height": int, "width": int,
+          "frames": int, "sampling_steps": int, "trained_timesteps": int, "prompts_per_step": int, "group_size": int,
+          "cfg_scale": (int, float), "finetune": str, "lora_rank": int, "gradient_checkpointing": bool,
+          "published_step_s": (int, float)}
+OPTIONAL = {"tolerance": (int, float, type(None)), "fit": bool, "source": str, "note": str, "reward": str,
+            "text_tokens": int, "reward_gpus": int, "param_offload": bool, "accumulation": int}
+SYSTEM_KWARGS = {"reward_gpus": ("verl-omni",), "param_offload": ("verl-omni",), "accumulation": ("dance-grpo",)}
+FITTED_OVERHEAD = ("verl-omni",)
+
+
+@dataclass
+class RowResult:
+    name: str
+    system: str
+    predicted_step_s: float
+    published_step_s: float
+    fit: bool
+    tolerance: float | None
+    mechanism_step_s: float
+    overhead_s: float
+
+    @property
+    def rel_error(self) -> float:
+        return (self.predicted_step_s - self.published_step_s) / self.published_step_s
+
+    @property
+    def within_tolerance(self) -> bool | None:
+        return None if self.tolerance is None else abs(self.rel_error) <= self.tolerance
+
+    def record(self) -> dict[str, Any]:
+        return {"name": self.name, "predicted_step_s": round(self.predicted_step_s, 3),
+                "published_step_s": self.published_step_s, "rel_error": round(self.rel_error, 4)}
+
+
+def check_row(row: dict[str, Any]) -> None:
+    """ValueError naming the row and the field when a row does not follow the schema."""
+    name = row.get("name", "<unnamed>")
+    for key, typ in FIELDS.items():
+        if key not in row:
+            raise ValueError(f"published row {name!r}: missing field {key!r}")
+        if not isinstance(row[key], typ) or (typ is int and isinstance(row[key], bool)):
+            raise ValueError(f"published row {name!r}: field {key!r} must be {typ}, got {row[key]!r}")
+    for key in row:
+        if key not in FIELDS and key not in OPTIONAL:
+            raise ValueError(f"published row {name!r}: unknown field {key!r}")
+        if key in OPTIONAL and not isinstance(row[key], OPTIONAL[key]):
+            raise ValueError(f"published row {name!r}: field {key!r} must be {OPTIONAL[key]}, got {row[key]!r}")
+    if row["system"] not in SYSTEM_NAMES:
+        raise ValueError(f"published row {name!r}: system must be one of {SYSTEM_NAMES}, got {row['system']!r}")
+    if row["finetune"] not in ("lora", "full"):
+        raise ValueError(f"published row {name!r}: finetune must be lora or full")
+    gpu(row["gpu"])
+    if row["published_step_s"] <= 0 or row["num_gpus"] < 1:
+        raise ValueError(f"published row {name!r}: published_step_s and num_gpus must be positive")
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        rows = json.load(f)
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path}: expected a non-empty JSON list of rows")
+    for row in rows:
+        check_row(row)
+    names = [r["name"] for r in rows]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: row names repeat: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    return rows
+
+
+DEFAULT_REWARD = {"verl-omni": "ocr_vlm", "dance-grpo": "hpsv2", "flow-grpo": "pickscore", "genrl": "ocr_cpu",
+                  "colocated": "pickscore", "digenrl": "pickscore"}
+
+
+def workload_of(row: dict[str, Any]) -> Workload:
+    return Workload(row["model"], row["height"], row["width"], row["frames"], row["sampling_steps"],
+                    row["trained_timesteps"], row["prompts_per_step"], row["group_size"], float(row["cfg_scale"]),
+                    row["finetune"], row["lora_rank"] if row["finetune"] == "lora" else 32,
+                    row["gradient_checkpointing"], text_tokens=row.get("text_tokens"),
+                    rewards=(row.get("reward") or DEFAULT_REWARD[row["system"]],))
+
+
+def mechanism_prediction(row: dict[str, Any]) -> Prediction:
+    """The model's prediction of a row without any fitted step-time constant."""
+    wl, g, n = workload_of(row), gpu(row["gpu"]), row["num_gpus"]
+    if row["system"] in ("colocated", "digenrl"):
+        preds, _ = enumerate_plans(wl, [Pool(g, n)])
+        best = best_colocated(preds) if row["system"] == "colocated" else recommend(preds)
+        if best is None:
+            raise ValueError(f"published row {row['name']!r}: no feasible {row['system']} plan")
+        return best
+    kwargs = {k: row[k] for k in SYSTEM_KWARGS if k in row and row["system"] in SYSTEM_KWARGS[k]}
+    return predict_system(row["system"], wl, g, n, **kwargs)
+
+
+def fit_overheads(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per system in FITTED_OVERHEAD: the mean of (published - mechanism) over its fit rows."""
+    out = {}
+    for system in FITTED_OVERHEAD:
+        gaps = [r["published_step_s"] - mechanism_prediction(r).step_s for r in rows
+                if r["system"] == system and r.get("fit")]
+        if gaps:
+            out[system] = sum(gaps) / len(gaps)
+    return out
+
+
+def validate(rows: list[dict[str, Any]]) -> list[RowResult]:
+    overheads = fit_overheads(rows)
+    out = []
+    for r in rows:
+        mech = mechanism_prediction(r).step_s
+        extra = overheads.get(r["system"], 0.0)
+        out.append(RowResult(r["name"], r["system"], mech + extra, float(r["published_step_s"]), bool(r.get("fit")),
+                             r.get("tolerance"), mech, extra))
+    return out
+
+
+def summary(results: list[RowResult]) -> str:
+    lines = [f"{'row':46s} {'system':10s} {'published':>9s} {'predicted':>9s} {'error':>8s}  use"]
+    for r in results:
+        use = "fit" if r.fit else ("held out" if r.tolerance is not None else "held out, unmatched")
+        ok = "" if r.within_tolerance is None else (" ok" if r.within_tolerance else " OUTSIDE")
+        lines.append(f"{r.name:46s} {r.system:10s} {r.published_step_s:9.1f} {r.predicted_step_s:9.1f} "
+                     f"{100 * r.rel_error:+7.1f}%  {use}{'' if r.tolerance is None else f' (tol {r.tolerance:.0%})'}{ok}")
+    held = [abs(r.rel_error) for r in results if not r.fit]
+    if held:
+        lines.append(f"held-out rows: {len(held)}, median |error| {100 * sorted(held)[len(held) // 2]:.1f}%, "
+                     f"max {100 * max(held):.1f}%")
+    return "\n".join(lines)
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+__all__ = ["FIELDS", "OPTIONAL", "RowResult", "check_row", "fit_overheads", "load_rows", "mechanism_prediction",
+           "summary", "validate", "workload_of"]

@@ -1,0 +1,146 @@
+"""One RL step's workload, as the planner and the peer-system models see it: model and resolution,
+the sampling and training settings, the reward models, and the kernel settings of the run."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from planner.hardware import Kernels
+from planner.specs import AuxModel, ModelSpec, Resolution, attention_share, forward_flops, image_tokens, model_spec
+
+REWARDS: dict[str, AuxModel] = {r.name: r for r in (
+    # CLIP-H/14 scorers: ~1B parameters, 257 image + 77 text tokens.
+    AuxModel("pickscore", 0.99e9, 334),
+    AuxModel("hpsv2", 0.99e9, 334),
+    # A generative OCR judge (VeRL-Omni: Qwen3-VL-8B through vLLM): ~330 image tokens of a 512^2
+    # image plus ~100 prompt tokens, ~32 generated tokens.
+    AuxModel("ocr_vlm", 8.2e9, 430, 32),
+    # VideoAlign (Qwen2-VL-2B) over a short clip: ~1500 visual tokens, one scoring pass.
+    AuxModel("videoalign", 2.2e9, 1500),
+    # PaddleOCR runs on the CPU in Flow-GRPO / GenRL: no GPU time, no GPU memory.
+    AuxModel("ocr_cpu", 0.0, 0),
+)}
+
+
+def reward_model(name: str) -> AuxModel:
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward model {name!r}; known: {sorted(REWARDS)}")
+    return REWARDS[name]
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    height: int
+    width: int
+    frames: int = 1
+    sampling_steps: int = 10
+    trained_timesteps: int = 9
+    """timesteps trained per sample (Flow-GRPO floor(0.99 K), DanceGRPO 0.6 K, a window of 2)"""
+    prompts_per_step: int = 24
+    group_size: int = 24
+    cfg_scale: float = 1.0
+    """> 1: classifier-free guidance, two branches per forward in rollout and in training"""
+    finetune: str = "lora"
+    lora_rank: int = 32
+    gradient_checkpointing: bool = False
+    kl: bool = False
+    """a KL term: one reference forward per trained transition"""
+    text_tokens: int | None = None
+    rewards: tuple[str, ...] = ("pickscore",)
+    kernels: Kernels = field(default_factory=Kernels)
+    rollout_micro_batch: int = 8
+    """samples per rollout forward (DigenRL generators; peer systems use their own)"""
+    train_micro_batch: int = 16
+    """transitions per training forward (TSP; peer systems use their own)"""
+    optimizer_steps: int = 1
+    """optimizer updates per step (mini-batches)"""
+
+    def __post_init__(self):
+        model_spec(self.model)
+        Resolution(self.height, self.width, self.frames)
+        if self.finetune not in ("lora", "full"):
+            raise ValueError(f"finetune must be lora or full, got {self.finetune!r}")
+        if not 1 <= self.trained_timesteps <= self.sampling_steps:
+            raise ValueError(f"trained_timesteps {self.trained_timesteps} must be in 1..sampling_steps "
+                             f"{self.sampling_steps}")
+        for name in ("prompts_per_step", "group_size", "rollout_micro_batch", "train_micro_batch",
+                     "optimizer_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.finetune == "lora" and self.lora_rank < 1:
+            raise ValueError(f"LoRA needs lora_rank >= 1, got {self.lora_rank}")
+        for r in self.rewards:
+            reward_model(r)
+
+    # -- derived quantities -------------------------------------------------------------------
+    @property
+    def spec(self) -> ModelSpec:
+        return model_spec(self.model)
+
+    @property
+    def resolution(self) -> Resolution:
+        return Resolution(self.height, self.width, self.frames)
+
+    @property
+    def n_img(self) -> int:
+        return image_tokens(self.resolution)
+
+    @property
+    def n_txt(self) -> int:
+        return self.spec.text_tokens if self.text_tokens is None else self.text_tokens
+
+    @property
+    def seq(self) -> int:
+        return self.n_img + self.n_txt
+
+    @property
+    def branches(self) -> int:
+        return 2 if self.cfg_scale > 1.0 else 1
+
+    @property
+    def samples(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def transitions(self) -> int:
+        return self.samples * self.trained_timesteps
+
+    @property
+    def fwd_flops(self) -> float:
+        """One sample, one denoising step, one branch."""
+        return forward_flops(self.spec, self.n_img, self.n_txt)
+
+    @property
+    def attn_share(self) -> float:
+        return attention_share(self.spec, self.n_img, self.n_txt)
+
+    @property
+    def train_factor(self) -> int:
+        """Physical forward-equivalents of one trained transition: forward + activation gradients
+        (+ weight gradients for full fine-tuning) (+ the recomputed forward with checkpointing)."""
+        return (3 if self.finetune == "full" else 2) + (1 if self.gradient_checkpointing else 0)
+
+    def model_flops(self) -> float:
+        """The step's model FLOPs as MFU counts them: every rollout forward, 3 forwards per trained
+        transition, a reference forward per transition with KL (recomputation not counted)."""
+        per = self.fwd_flops * self.branches
+        return self.samples * (self.sampling_steps * per + self.trained_timesteps * per * (3 + (1 if self.kl else 0)))
+
+    def describe(self) -> str:
+        frames = f"x{self.frames}" if self.frames > 1 else ""
+        return (f"{self.spec.name} {self.height}x{self.width}{frames}, K={self.sampling_steps} "
+                f"({self.trained_timesteps} trained), {self.prompts_per_step}x{self.group_size} samples, "
+                f"{'CFG ' + format(self.cfg_scale, 'g') if self.branches == 2 else 'no CFG'}, "
+                f"{'LoRA r' + str(self.lora_rank) if self.finetune == 'lora' else 'full FT'}"
+                f"{', checkpointing' if self.gradient_checkpointing else ''}{', KL' if self.kl else ''}")
+
+    def with_(self, **kw) -> "Workload":
+        return replace(self, **kw)
+
+
+def ceil_div(a: float, b: float) -> int:
+    return int(math.ceil(a / b - 1e-12))
+
+
+__all__ = ["REWARDS", "Workload", "ceil_div", "reward_model"]

@@ -1,0 +1,152 @@
+"""The paper-scale table (README, "Paper-scale predictions"): 4 models x {16, 32} GPUs x three
+testbeds (H100; H800 with its slower NVLink; a mixed pool of H20 and H100), each cell the best
+on-policy DigenRL plan against the modelled peers (as they run) and our own best colocated plan.
+
+    python scripts/paper_table.py --out docs/planner [--readme README.md] [--quick]
+
+Writes OUT/paper-table.md and .json, one step timeline per mode (OUT/timeline-*.png) for the
+reference cell, and with --readme replaces the README section between its markers. Every number is
+a prediction of the cost model of docs/calibration.md.
+
+Peers on the mixed testbed run in lockstep, so they are modelled on N GPUs of the slower type;
+VeRL-Omni is its mechanism model without the per-step overhead fitted on its published runs (so
+its column understates VeRL-Omni's measured step times; see docs/calibration.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import plot_timeline  # noqa: E402
+from planner.hardware import gpu  # noqa: E402
+from planner.plans import Pool, best_colocated, enumerate_plans, recommend  # noqa: E402
+from planner.systems import predict_system  # noqa: E402
+from planner.workload import Workload  # noqa: E402
+
+WORKLOADS = {
+    # DanceGRPO's FLUX setting, scaled to 24 prompts x 16 images.
+    "flux": Workload("flux", 720, 720, 1, 16, 9, 24, 16, 1.0, "full", 32, True, rewards=("hpsv2",)),
+    # Flow-GRPO's Wan setting (240x416x33, 20 steps, CFG 4.5), LoRA, 16 prompts x 8 videos.
+    "wan": Workload("wan", 240, 416, 33, 20, 19, 16, 8, 4.5, "lora", 32, True, rewards=("videoalign",)),
+    # VeRL-Omni's Qwen-Image setting (512^2, 10 steps, CFG 4, an SDE window of 2, 32 x 16).
+    "qwen_image": Workload("qwen_image", 512, 512, 1, 10, 2, 32, 16, 4.0, "lora", 64, True, rewards=("ocr_vlm",)),
+    # DanceGRPO's HunyuanVideo setting (480^2 x 53, 16 steps, 60% of them trained), 16 x 8 videos.
+    "hunyuan_video": Workload("hunyuan_video", 480, 480, 53, 16, 9, 16, 8, 1.0, "full", 32, True,
+                              rewards=("videoalign",)),
+}
+TESTBEDS = ("h100", "h800", "mixed")
+PEERS = ("verl-omni", "dance-grpo", "genrl", "flow-grpo")
+BEGIN, END = "<!-- paper-table:begin -->", "<!-- paper-table:end -->"
+
+
+def pools_of(testbed: str, n: int) -> list[Pool]:
+    if testbed == "mixed":
+        return [Pool(gpu("h20"), n // 2), Pool(gpu("h100"), n // 2)]
+    return [Pool(gpu(testbed), n)]
+
+
+def cell(model: str, testbed: str, n: int, top_k: int) -> dict:
+    wl = WORKLOADS[model]
+    preds, _ = enumerate_plans(wl, pools_of(testbed, n), top_k=top_k)
+    ours = recommend(preds)
+    col = best_colocated(preds)
+    best_disagg = next((p for p in preds if p.system == "digenrl" and not p.knobs.get("stale")), None)
+    slow = gpu("h20") if testbed == "mixed" else gpu(testbed)
+    peers = {s: predict_system(s, wl, slow, n) for s in PEERS}
+    return {"model": model, "testbed": testbed, "gpus": n, "workload": wl.describe(), "plan": ours.label,
+            "plan_gpus": ours.gpu_label(), "step_s": ours.step_s, "bubble": ours.bubble, "mfu": ours.mfu,
+            "samples_per_dollar": ours.samples_per_dollar,
+            "best_disagg": None if best_disagg is None else {"label": best_disagg.label, "step_s": best_disagg.step_s,
+                                                           "bubble": best_disagg.bubble, "mfu": best_disagg.mfu},
+            "colocated": {"label": col.label, "step_s": col.step_s, "bubble": col.bubble, "mfu": col.mfu},
+            "peers": {s: {"step_s": p.step_s, "bubble": p.bubble, "mfu": p.mfu, "fits": p.feasible}
+                      for s, p in peers.items()},
+            "_preds": (ours, col, best_disagg, peers)}
+
+
+def ratio(peer: dict, ours: float) -> str:
+    return f"{peer['step_s'] / ours:.2f}x" + ("" if peer.get("fits", True) else "*")
+
+
+def markdown(cells: list[dict]) -> str:
+    head = ("| model | testbed | GPUs | recommended plan | step s | bubble | MFU | vs VeRL-Omni | vs DanceGRPO "
+            "| vs GenRL | vs best colocated (ours) | best disagg vs colocated |")
+    lines = [head, "|" + "---|" * 12]
+    for c in cells:
+        p, d = c["peers"], c["best_disagg"]
+        dvc = f"{c['colocated']['step_s'] / d['step_s']:.2f}x" if d else "-"
+        lines.append(f"| {c['model']} | {c['testbed']} | {c['gpus']} | {c['plan']} | {c['step_s']:.0f} | "
+                     f"{c['bubble']:.2f} | {100 * c['mfu']:.0f}% | {ratio(p['verl-omni'], c['step_s'])} | "
+                     f"{ratio(p['dance-grpo'], c['step_s'])} | {ratio(p['genrl'], c['step_s'])} | "
+                     f"{c['colocated']['step_s'] / c['step_s']:.2f}x ({c['colocated']['label']}) | {dvc} |")
+    return "\n".join(lines)
+
+
+def timelines(c: dict, out: str) -> list[str]:
+    ours, col, best_disagg, peers = c["_preds"]
+    wl = WORKLOADS[c["model"]]
+    preds, _ = enumerate_plans(wl, pools_of(c["testbed"], c["gpus"]), top_k=2)
+    by_mode = {}
+    for p in preds:
+        mode = p.knobs.get("mode") or p.knobs.get("variant")
+        key = f"colocated-{mode}" if p.system == "colocated" else mode
+        by_mode.setdefault(key, p)
+    for s, p in peers.items():
+        by_mode[s] = p
+    paths = []
+    for mode, p in by_mode.items():
+        paths.append(plot_timeline.draw([p], os.path.join(out, f"timeline-{mode}.png"),
+                                        f"{mode}: {wl.describe()}, {c['gpus']} GPUs ({c['testbed']})"))
+    return paths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "planner"))
+    ap.add_argument("--readme", default=None, help="replace the README section between the paper-table markers")
+    ap.add_argument("--quick", action="store_true", help="one model and one size (a smoke test)")
+    ap.add_argument("--tag-candidates", type=int, default=2)
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    models = ["flux"] if a.quick else list(WORKLOADS)
+    sizes = [16] if a.quick else [16, 32]
+    cells = []
+    for model in models:
+        for testbed in TESTBEDS:
+            for n in sizes:
+                c = cell(model, testbed, n, a.tag_candidates)
+                cells.append(c)
+                print(f"{model:14s} {testbed:6s} {n:3d}: {c['plan']:36s} {c['step_s']:8.1f} s  "
+                      f"colocated {c['colocated']['step_s']:8.1f}  VeRL-Omni {c['peers']['verl-omni']['step_s']:8.1f}  "
+                      f"DanceGRPO {c['peers']['dance-grpo']['step_s']:8.1f}  GenRL {c['peers']['genrl']['step_s']:8.1f}",
+                      flush=True)
+    table = markdown(cells)
+    with open(os.path.join(a.out, "paper-table.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(a.out, "paper-table.json"), "w") as f:
+        json.dump([{k: v for k, v in c.items() if k != "_preds"} for c in cells], f, indent=1)
+    ref = next(c for c in cells if c["model"] == "flux" and c["testbed"] == "h100" and c["gpus"] == 16)
+    for path in timelines(ref, a.out):
+        print(f"wrote {path}")
+    if a.readme:
+        with open(a.readme) as f:
+            text = f.read()
+        if BEGIN not in text or END not in text:
+            raise ValueError(f"{a.readme} has no {BEGIN} ... {END} section")
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        with open(a.readme, "w") as f:
+            f.write(head + BEGIN + "\n" + table + "\n" + END + tail)
+        print(f"updated {a.readme}")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
