@@ -20,9 +20,25 @@ from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
 
-def image_grid(images: Tensor, nrow: int = 8, padding: int = 2) -> Image.Image:
+def pad_to_largest(images: list[Tensor]) -> Tensor:
+    """Images [C, H, W] of different sizes (prompts of several shapes) as one [B, C, H, W] batch:
+    each centred on a black canvas of the largest height and width."""
+    if not images:
+        raise ValueError("image_grid got no images")
+    h, w = max(int(i.shape[-2]) for i in images), max(int(i.shape[-1]) for i in images)
+    out = torch.zeros(len(images), images[0].shape[0], h, w)
+    for b, image in enumerate(images):
+        y, x = (h - image.shape[-2]) // 2, (w - image.shape[-1]) // 2
+        out[b, :, y:y + image.shape[-2], x:x + image.shape[-1]] = image.detach().float().cpu()
+    return out
+
+
+def image_grid(images: Tensor | list[Tensor], nrow: int = 8, padding: int = 2) -> Image.Image:
     """Tile images [B, 3, H, W] (or [B, 1, H, W]) with values in [0, 1] into one RGB image,
-    `nrow` images per row, separated by `padding` black pixels."""
+    `nrow` images per row, separated by `padding` black pixels. A list of [3, H, W] images of
+    different sizes is padded to the largest first (`pad_to_largest`)."""
+    if isinstance(images, (list, tuple)):
+        images = pad_to_largest(list(images))
     if images.dim() != 4 or images.shape[1] not in (1, 3):
         raise ValueError(f"image_grid expects [B, 3, H, W] or [B, 1, H, W], got {list(images.shape)}")
     if images.shape[0] == 0:
@@ -79,13 +95,13 @@ class MetricsLogger:
 
     def log_images(self, step: int, tag: str, images: Tensor, captions: list[str] | None = None,
                    nrow: int = 8) -> str | None:
-        """Write a grid of images [B, 3, H, W] in [0, 1] to TensorBoard under `tag` and as
+        """Write a grid of images [B, 3, H, W] in [0, 1] (or a list of [3, H, W]) to TensorBoard under `tag` and as
         `<output_dir>/<tag>/step-{step:06d}.png` (captions, one per line, beside it as .txt).
         Returns the PNG path (None when disabled)."""
         if not self.enabled:
             return None
-        if captions is not None and len(captions) != images.shape[0]:
-            raise ValueError(f"{len(captions)} captions for {images.shape[0]} images")
+        if captions is not None and len(captions) != len(images):
+            raise ValueError(f"{len(captions)} captions for {len(images)} images")
         grid = image_grid(images, nrow)
         directory = os.path.join(self.output_dir, tag)
         os.makedirs(directory, exist_ok=True)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import buckets
 import capacity
 import checkpoint
 import evaluation
@@ -89,6 +90,10 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
         lora_config = adapter.transformer.peft_config["default"]
     sampling = _sampling(cfg, adapter)
     records = load_prompts(cfg.rl.prompts)
+    shapes = buckets.shape_table(adapter, records, sampling, cfg.rl.prompts)  # before any wait: names a bad line
+    if cfg.output.eval_every:
+        buckets.check_shapes(adapter, eval_records(cfg.output.eval_prompts, cfg.output.eval_num_prompts), sampling,
+                             cfg.output.eval_prompts)
     capacity.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts)  # before any wait
     groups = ProcessGroups.create(topo, cfg.topology.dist_timeout_s)
     tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
@@ -151,7 +156,7 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
         if cfg.output.eval_every and start == 0:
             _evaluate(cfg, adapter, sampling, topo, rank, 0, logger, tracer, groups.trainers)  # the base model
         for step in range(start, rl.steps):
-            plan = facts.plan(cfg, step, shares)
+            plan = facts.plan(cfg, step, shares, shapes)
             step_start = time.time()
             local: dict = {}
             gen_out = []
@@ -394,28 +399,28 @@ def _summary_line(step: int, s: dict) -> str:
 def _evaluate(cfg: RunConfig, adapter, sampling, topo: Topology, rank: int, done: int, logger, tracer,
               group) -> None:
     """Trainer ranks hold the newest version (k+1 right after update k) and the whole model, so they
-    evaluate: the held-out prompts are split evenly over them (equal counts, so FSDP ranks run
-    equally many forwards); results are gathered on the first trainer, which logs."""
+    evaluate: the held-out prompts of each shape are split evenly over them (equal counts, so FSDP
+    ranks run equally many forwards); results are gathered on the first trainer, which logs."""
     out = cfg.output
     records = eval_records(out.eval_prompts, out.eval_num_prompts, out.eval_samples_per_prompt)
     evaluators = list(topo.trainer_ranks)
-    per = -(-len(records) // len(evaluators))
     if rank not in evaluators:
         return
-    lo = evaluators.index(rank) * per
-    mine = records[lo:lo + per]
-    padded = mine + [records[-1]] * (per - len(mine))  # equal forward counts on every evaluator
+    default = buckets.default_shape(sampling)
+    names = [buckets.shape_name(buckets.record_shape(r, default)) for r in records]
+    share = buckets.evaluation_share(names, len(evaluators), evaluators.index(rank))
+    rows = [j for j, _ in share]  # record j is sample j: its fixed seed
     rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model))
     with tracer.span("evaluate", "eval", done):
-        scores, images = evaluation.evaluate(adapter, sampling, padded, rewards, batch_size=cfg.rl.micro_batch,
-                                             first_sample_id=lo, negative_prompt=cfg.sampling.negative_prompt)
-    result = ({k: v[:len(mine)] for k, v in scores.items()}, images[:len(mine)], [r.prompt for r in mine])
+        scores, images = evaluation.evaluate(adapter, sampling, [records[j] for j in rows], rewards,
+                                             batch_size=cfg.rl.micro_batch, sample_ids=rows,
+                                             negative_prompt=cfg.sampling.negative_prompt)
+    real = [n for n, (_, keep) in enumerate(share) if keep]
+    result = [(rows[n], {k: v[n] for k, v in scores.items()}, images[n]) for n in real]
     everyone = [None] * len(evaluators)
     dist.all_gather_object(everyone, result, group=group)  # sync point: the trainer ranks
     if rank == evaluators[0]:
-        parts = [r for r in everyone if r is not None]
-        scores = {k: sum((p[0][k] for p in parts), []) for k in parts[0][0]}
-        images = torch.cat([p[1] for p in parts])
-        prompts = sum((p[2] for p in parts), [])
-        logger.log(done, evaluation.summarize(scores))
-        logger.log_images(done, "eval", images[:64], prompts[:64])
+        got = sorted((item for part in everyone for item in part), key=lambda item: item[0])  # record order
+        scores = {k: [item[1][k] for item in got] for k in got[0][1]}
+        logger.log(done, evaluation.summarize(scores, names))
+        logger.log_images(done, "eval", [item[2] for item in got[:64]], [records[j].prompt for j, _, _ in got[:64]])
