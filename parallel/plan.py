@@ -126,10 +126,9 @@ def assign_lpt(costs: Sequence[float], replica_speeds: Sequence[float]) -> list[
     LPT on machines of different speeds: each fragment goes to the replica that would finish it
     first (ties to the lower replica). Then a local search: while moving one fragment of the
     replica that finishes last to another replica, or swapping it with a shorter fragment of
-    another replica, makes the finish times sorted in decreasing order lexicographically smaller
-    (the makespan first), take the best such change. Deterministic. With equal costs the first
-    pass is already optimal (earliest finish is for equal jobs) and the result is
-    `assign_fragments` exactly."""
+    another replica, shortens the makespan, or keeps it and leaves fewer replicas finishing at it,
+    take the best such change. Deterministic. With equal costs the first pass is already optimal
+    (earliest finish is, for equal jobs) and the result is `assign_fragments` exactly."""
     if not replica_speeds or min(replica_speeds) <= 0:
         raise ValueError(f"replica speeds must be positive, got {list(replica_speeds)}")
     if any(not c >= 0 for c in costs):
@@ -144,13 +143,15 @@ def assign_lpt(costs: Sequence[float], replica_speeds: Sequence[float]) -> list[
         return owners
     tol = 1e-9 * max((sum(costs) / min(speeds), 1e-300))
 
-    def smaller(a: list[float], b: list[float]) -> bool:  # a < b lexicographically, beyond rounding
-        for x, y in zip(a, b):
-            if abs(x - y) > tol:
-                return x < y
-        return False
+    def objective(own) -> tuple[float, int]:  # (makespan, replicas finishing at it)
+        finish = replica_finish(costs, own, speeds)
+        top = max(finish)
+        return top, sum(f >= top - tol for f in finish)
 
-    best = sorted(replica_finish(costs, owners, speeds), reverse=True)
+    def smaller(a: tuple[float, int], b: tuple[float, int]) -> bool:  # beyond rounding
+        return a[0] < b[0] - tol or (abs(a[0] - b[0]) <= tol and a[1] < b[1])
+
+    best = objective(owners)
     for _ in range(len(costs) * n):  # every accepted change is a strict improvement; this bounds the loop
         finish = replica_finish(costs, owners, speeds)
         slow = min(range(n), key=lambda r: (-finish[r], r))
@@ -163,7 +164,7 @@ def assign_lpt(costs: Sequence[float], replica_speeds: Sequence[float]) -> list[
             trial = list(owners)
             for f, r in change:
                 trial[f] = r
-            got = sorted(replica_finish(costs, trial, speeds), reverse=True)
+            got = objective(trial)
             if smaller(got, best if found is None else found[0]):
                 found = (got, trial)
         if found is None:
