@@ -95,3 +95,31 @@ def evaluation_share(keys: list, num_evaluators: int, me: int) -> list[tuple[int
         part = rows[me * per:(me + 1) * per]
         out += [(j, True) for j in part] + [(rows[-1], False)] * (per - len(part))
     return out
+
+
+def measured_table(table: ShapeTable | None, seconds_by_rank: list[dict[str, float]]) -> ShapeTable | None:
+    """The table calibrated by measurement: each generator rank timed a chunk at every shape
+    (capacity.probe_shapes, keyed by shape_name); their mean seconds are fitted by least squares as
+    a + b x the analytic cost (a >= 0: the fixed cost of a chunk that FLOPs do not see; b > 0), and
+    each shape's cost becomes a + b x its analytic cost, relative to the largest. The order of the
+    shapes stays the model's (more tokens never cost less), so measurement noise moves only the
+    balance; every rank fits the same gathered numbers and plans alike. A fit with no positive
+    slope (fixed costs dominate, or noise) makes the shapes cost about the same: still ordered by
+    the model, balanced by count."""
+    if table is None:
+        return None
+    names = {shape_name(k): k for k in table.costs}
+    if not seconds_by_rank or any(set(s) != set(names) for s in seconds_by_rank):
+        raise ValueError(f"every generator rank must measure the shapes {sorted(names)}")
+    xs = [float(table.costs[names[n]]) for n in names]
+    ys = [sum(s[n] for s in seconds_by_rank) / len(seconds_by_rank) for n in names]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    a = my - b * mx
+    if a < 0:  # through the origin: no fixed cost
+        a, b = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    if not b > 0:
+        a, b = my, 1e-6 * my / max(xs)
+    top = a + b * max(xs)
+    return ShapeTable(table.keys, {names[n]: (a + b * x) / top for n, x in zip(names, xs)})

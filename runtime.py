@@ -105,7 +105,9 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> None:
     slow = cfg.output.debug_slow_rank
     slowdown = Slowdown(slow[1] if slow and slow[0] == rank else 1.0)
     ctx = RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown)
-    speeds = _probe_speeds(ctx, out_dir)  # sync point: every rank's speed, before FSDP shards the model
+    speeds = _probe_speeds(ctx, out_dir, shapes)  # sync point: every rank's speed, before FSDP shards the model
+    if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
+        shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     trainer = Trainer(cfg, adapter, sampling, groups.trainers, facts.train_sharding, slowdown) if is_train else None
 
     def reward_set():
@@ -300,13 +302,18 @@ def _publisher(cfg: RunConfig, trainer: Trainer, names: list[str], sends: bool) 
                                    link_mbps=cfg.output.debug_link_bandwidth)
 
 
-def _probe_speeds(ctx: RankContext, out_dir: str) -> list[dict | None]:
+def _probe_speeds(ctx: RankContext, out_dir: str, shapes=None) -> list[dict | None]:
     """Every rank's start-up speed probe (capacity.probe_speed; scorer ranks: None), gathered on
-    every rank; the first rank writes them to DIR/speeds.json."""
+    every rank; the first rank writes them to DIR/speeds.json. With prompts of several shapes,
+    generator ranks also time a chunk at each shape ("shape_s", for the dispatch's costs)."""
     mine = None
     if not ctx.topo.is_scorer(ctx.rank):
-        mine = capacity.probe_speed(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch, ctx.slowdown,
-                                    lambda: autocast(ctx.device, ctx.cfg.model.dtype))
+        amp = lambda: autocast(ctx.device, ctx.cfg.model.dtype)  # noqa: E731
+        mine = capacity.probe_speed(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch, ctx.slowdown, amp)
+        if shapes is not None and ctx.topo.is_generator(ctx.rank):
+            seconds = capacity.probe_shapes(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch, sorted(shapes.costs,
+                                            key=buckets.shape_name), ctx.slowdown, amp)
+            mine["shape_s"] = {buckets.shape_name(k): s for k, s in seconds.items()}
     everyone = [None] * ctx.topo.world_size
     dist.all_gather_object(everyone, mine)  # sync point
     if ctx.rank == 0:

@@ -192,7 +192,8 @@ def plan_step(step: int, *, seed: int, num_prompts: int, prompts_per_step: int, 
     """Colocated: replica r is rank r and also trains its own chunks. Disagg: chunks go round-robin
     over the trainers in step order. `shapes`: each prompt's shape; fragments never mix shapes.
     `dispatch`: lpt orders fragments by predicted cost, longest first, and assigns them with
-    `assign_lpt`; round-robin keeps step order and `assign_fragments`. One shape: both plans agree."""
+    `assign_lpt`; round-robin keeps step order and `assign_fragments`. One shape and equal replica
+    speeds (or fragments of equal size): both plans agree."""
     b, g = prompts_per_step, group_size
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown --dispatch {dispatch!r}; choose one of {DISPATCHES}")

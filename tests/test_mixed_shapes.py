@@ -56,6 +56,22 @@ def test_shapes_are_checked_against_the_model_naming_file_and_line(tmp_path):
     assert buckets.shape_table(adapter, load_prompts(plain), sampling, plain) is None  # one shape: plans as before
 
 
+def test_measured_costs_calibrate_the_model():
+    table = ShapeTable((S16, S48, S16, S32), {S16: 17.0, S32: 70.0, S48: 252.0})  # FLOPs: 48x48 costs 15x 16x16
+    seconds = [{"16x16": 0.04, "32x32": 0.05, "48x48": 0.06}, {"16x16": 0.06, "32x32": 0.06, "48x48": 0.06}]
+    got = buckets.measured_table(table, seconds)  # measured: 1.2x, a fixed cost per forward dominates
+    assert got.keys == table.keys
+    assert got.costs[S48] == 1.0 and 0.8 < got.costs[S16] < got.costs[S32] < 0.9  # the model's order, measured scale
+    noisy = [{"16x16": 0.05, "32x32": 0.045, "48x48": 0.06}]  # noise inverts two shapes: the order stays the model's
+    assert sorted(table.costs, key=buckets.measured_table(table, noisy).costs.get) == [S16, S32, S48]
+    falling = [{"16x16": 0.06, "32x32": 0.05, "48x48": 0.04}]  # no positive slope: about equal, in the model's order
+    flat = buckets.measured_table(table, falling).costs
+    assert flat[S48] == 1.0 and 1 - 1e-5 < flat[S16] < flat[S32] < 1.0
+    assert buckets.measured_table(None, []) is None
+    with pytest.raises(ValueError, match=r"must measure the shapes \['16x16', '32x32', '48x48'\]"):
+        buckets.measured_table(table, [{"16x16": 0.04}])
+
+
 def test_bad_shape_fails_every_rank_before_any_wait(tmp_path):
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "a red circle"}, {"prompt": "two blue squares", "width": 30}])
     proc = torchrun(2, [*TINY, "--steps", "1", "--prompts", bad, "--output-dir", str(tmp_path / "run")], check=False,
@@ -146,6 +162,22 @@ def test_assign_lpt_is_near_the_optimum():
         _plan(0, None, "fifo")
 
 
+def test_dispatch_flag_is_validated_and_reaches_the_plan():
+    from config import parse_config
+
+    cfg = parse_config(["--dispatch", "fifo"])
+    cfg.resolve_defaults()
+    with pytest.raises(ValueError, match=r"unknown --dispatch 'fifo'; choose one of \('lpt', 'round-robin'\)"):
+        cfg.validate(2)
+    table = _table(1500)
+    for dispatch in ("lpt", "round-robin"):
+        cfg = parse_config(["--dispatch", dispatch, "--generators", "1", "--trainers", "1"])
+        cfg.resolve_defaults()
+        plan = cfg.validate(2).plan(cfg, 0, None, table)
+        assert plan == plan_step(0, seed=0, num_prompts=1500, prompts_per_step=8, group_size=8, micro_batch=8,
+                                 num_replicas=1, num_trainers=1, fragment_groups=1, shapes=table, dispatch=dispatch)
+
+
 def test_evaluation_shares_every_shape_evenly():
     keys = ["16x16", "32x32", "16x16", "48x48", "16x16", "32x32", "16x16"]
     shares = [buckets.evaluation_share(keys, 3, me) for me in range(3)]
@@ -231,8 +263,9 @@ def test_mixed_shape_gradients_equal_the_per_sample_loop():
 
 # ----- through torchrun: mixed shapes train the colocated run's weights ------------------------------
 def test_mixed_shapes_placement_invariance(tmp_path):
-    """Prompts of three sizes: colocated (2 ranks, lpt), 2 generator replicas + 1 TSP trainer (lpt)
-    and 1 generator + 1 trainer with round-robin dispatch end with the same weights."""
+    """Prompts of three sizes: colocated (2 ranks, lpt), 2 generator replicas + 1 TSP trainer (lpt,
+    evaluating every shape) and a 2-stage GAP replica + 1 trainer with round-robin dispatch (micro-
+    batches of different shapes in flight) end with the same weights."""
     sizes = [8, 16, 24, 24]
     prompts = _jsonl(tmp_path / "mixed.jsonl", [{"prompt": f"prompt {i}", "height": sizes[i % 4], "width": sizes[i % 4]}
                                                 for i in range(8)])
@@ -240,7 +273,8 @@ def test_mixed_shapes_placement_invariance(tmp_path):
     runs = {"colocated": (2, ["--mode", "colocated"]),
             "2g1t-lpt-tsp": (3, ["--generators", "2", "--trainers", "1", "--tsp", "--train-micro-batch", "3",
                                  "--eval-every", "2", "--eval-prompts", prompts, "--eval-num-prompts", "5"]),
-            "1g1t-rr": (2, ["--generators", "1", "--trainers", "1", "--dispatch", "round-robin"])}
+            "gap2stage-rr": (3, ["--generators", "2", "--gap-stages", "2", "--trainers", "1",
+                                 "--dispatch", "round-robin"])}
     weights, metrics = {}, {}
     for name, (nproc, placement) in runs.items():
         torchrun(nproc, [*args, *placement, "--output-dir", str(tmp_path / name)])
