@@ -8,10 +8,12 @@ emulated slow device is seen as slow, as a real one would be.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
+import sampler
 from tracing import Slowdown
 
 ADAMW_BYTES = 8  # two float32 moments per trainable parameter
@@ -60,6 +62,42 @@ def probe_speed(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocas
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):  # whatever the model draws (dropout) leaves the run's RNG as it was
         return {"generate_s": _timed(generate, slowdown, device), "train_s": _timed(train, slowdown, device)}
+
+
+def probe_shapes(adapter, sampling, micro_batch: int, shapes, slowdown: Slowdown, autocast) -> dict:
+    """{shape: seconds} to generate one chunk of `micro_batch` samples at each shape (height, width,
+    frames): encoding its prompts, K denoising steps (one step timed, counted K times: the forward,
+    the seeded noise and the SDE step) and decoding. The measured cost of the run's prompt shapes
+    (buckets.measured_table). Like probe_speed, it leaves the run's RNG as it was."""
+    device = adapter.device
+    prompts = [""] * micro_batch
+
+    def encode():
+        return adapter.encode_prompts(prompts)
+
+    out = {}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        cond = encode()
+        encode_s = _timed(encode, slowdown, device)
+        for shape in shapes:
+            cfg = dataclasses.replace(sampling, height=shape[0], width=shape[1], num_frames=shape[2], num_steps=1,
+                                      sde_window=None)
+            sigmas = sampler.sigmas_for(adapter, cfg)
+            neg = cond if cfg.cfg_scale != 1.0 else None
+            latents = []
+
+            def step():
+                with torch.no_grad(), autocast():
+                    latents[:] = [sampler.denoise(adapter, cond, neg, list(range(micro_batch)), 0, cfg,
+                                                  sigmas=sigmas).latents[:, -1]]
+
+            def decode():
+                with torch.no_grad(), autocast():
+                    adapter.decode(latents[0])
+
+            step_s = _timed(step, slowdown, device)
+            out[shape] = encode_s + sampling.num_steps * step_s + _timed(decode, slowdown, device)
+    return out
 
 
 def state_bytes(transformer: torch.nn.Module) -> dict[str, float]:

@@ -15,7 +15,7 @@ import preflight
 import runfolder
 import sampler
 from parallel import compress
-from parallel.plan import StepPlan, plan_step
+from parallel.plan import DISPATCHES, ShapeTable, StepPlan, plan_step
 from parallel.topology import SHARDINGS, Topology
 from prompts import eval_records, load_prompts
 from rewards import VIDEO_REWARDS, parse_reward_specs, reward_model_paths
@@ -131,6 +131,9 @@ class TopologyConfig:
     fragment_split: str = _f("auto", "how fragments are shared among generator replicas: even, speed (in proportion to "
                                      "each replica's speed, measured at start-up), or auto (speed when "
                                      "disaggregated; even when colocated, as colocated systems split)")
+    dispatch: str = _f("lpt", "how fragments are ordered and given to generator replicas: lpt (predicted cost from "
+                              "each prompt's shape, longest first, to the replica that finishes it first) or "
+                              "round-robin (step order)")
     memory_budget_gb: float | None = _f(None, "GPU memory per rank, in GB: a plan whose weights, gradients and "
                                               "optimizer state do not fit is refused (forces FSDP for large models)")
     publish_compression: str = _f("none", "what weight publication sends: none, bf16, delta (the difference to the "
@@ -376,15 +379,17 @@ class RunFacts:
         """Fragments are shared among replicas by measured speed (else evenly)."""
         return self.fragment_split == "speed" or (self.fragment_split == "auto" and self.disagg)
 
-    def plan(self, cfg: RunConfig, step: int, replica_speeds: list[float] | None = None) -> StepPlan:
-        """Step k's fragment plan: a pure function of (seed, k, config, replica speeds), the same on
-        every rank (the speeds are measured once at start-up and shared)."""
+    def plan(self, cfg: RunConfig, step: int, replica_speeds: list[float] | None = None,
+             shapes: ShapeTable | None = None) -> StepPlan:
+        """Step k's fragment plan: a pure function of (seed, k, config, replica speeds, prompt
+        shapes), the same on every rank (the speeds are measured once at start-up and shared)."""
         rl = cfg.rl
         return plan_step(step, seed=cfg.seed, num_prompts=self.num_prompts, prompts_per_step=rl.prompts_per_step,
                          group_size=rl.group_size, micro_batch=rl.micro_batch,
                          num_replicas=self.topology.num_replicas, num_trainers=self.num_trainers,
                          fragment_groups=cfg.topology.fragment_groups or None, colocated=not self.disagg,
-                         replica_speeds=replica_speeds if self.speed_split else None)
+                         replica_speeds=replica_speeds if self.speed_split else None, shapes=shapes,
+                         dispatch=cfg.topology.dispatch)
 
 
 def _choice(flag: str, value, choices) -> None:
@@ -421,6 +426,7 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
     _choice("--train-sharding", t.train_sharding, SHARDINGS)
     _choice("--lora-targets", cfg.optim.lora_targets, ("attn", "attn+ff"))
     _choice("--fragment-split", t.fragment_split, ("auto", "even", "speed"))
+    _choice("--dispatch", t.dispatch, DISPATCHES)
     compress.parse(t.publish_compression)
     if o.debug_link_bandwidth is not None and not o.debug_link_bandwidth > 0:
         raise ValueError(f"--debug-link-bandwidth must be > 0 MB/s, got {o.debug_link_bandwidth}")

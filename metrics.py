@@ -24,9 +24,25 @@ from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
 
-def image_grid(images: Tensor, nrow: int = 8, padding: int = 2) -> Image.Image:
+def pad_to_largest(images: list[Tensor]) -> Tensor:
+    """Images [C, H, W] of different sizes (prompts of several shapes) as one [B, C, H, W] batch:
+    each centred on a black canvas of the largest height and width."""
+    if not images:
+        raise ValueError("image_grid got no images")
+    h, w = max(int(i.shape[-2]) for i in images), max(int(i.shape[-1]) for i in images)
+    out = torch.zeros(len(images), images[0].shape[0], h, w)
+    for b, image in enumerate(images):
+        y, x = (h - image.shape[-2]) // 2, (w - image.shape[-1]) // 2
+        out[b, :, y:y + image.shape[-2], x:x + image.shape[-1]] = image.detach().float().cpu()
+    return out
+
+
+def image_grid(images: Tensor | list[Tensor], nrow: int = 8, padding: int = 2) -> Image.Image:
     """Tile images [B, 3, H, W] (or [B, 1, H, W]) with values in [0, 1] into one RGB image,
-    `nrow` images per row, separated by `padding` black pixels."""
+    `nrow` images per row, separated by `padding` black pixels. A list of [3, H, W] images of
+    different sizes is padded to the largest first (`pad_to_largest`)."""
+    if isinstance(images, (list, tuple)):
+        images = pad_to_largest(list(images))
     if images.dim() != 4 or images.shape[1] not in (1, 3):
         raise ValueError(f"image_grid expects [B, 3, H, W] or [B, 1, H, W], got {list(images.shape)}")
     if images.shape[0] == 0:
@@ -88,11 +104,12 @@ def video_grid(videos: Tensor, nrow: int = 8, padding: int = 2) -> list[Image.Im
     return [image_grid(videos[:, :, f], nrow, padding) for f in range(videos.shape[2])]
 
 
-def write_grid(images: Tensor, path_stem: str, nrow: int = 8, fps: int = 8) -> str:
-    """Images [B, 3, H, W] -> `path_stem`.png (image_grid); videos [B, 3, F, H, W] -> `path_stem`.gif (the
-    grid, animated) and `path_stem`.png (frame_strip). Returns the PNG's path."""
+def write_grid(images: Tensor | list[Tensor], path_stem: str, nrow: int = 8, fps: int = 8) -> str:
+    """Images [B, 3, H, W] (or a list of [3, H, W] of mixed sizes) -> `path_stem`.png (image_grid);
+    videos [B, 3, F, H, W] -> `path_stem`.gif (the grid, animated) and `path_stem`.png (frame_strip).
+    Returns the PNG's path."""
     os.makedirs(os.path.dirname(os.path.abspath(path_stem)), exist_ok=True)
-    if images.dim() == 5:
+    if isinstance(images, Tensor) and images.dim() == 5:
         frames = video_grid(images, nrow)
         frames[0].save(path_stem + ".gif", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
         frame_strip(images).save(path_stem + ".png")
@@ -148,10 +165,10 @@ class MetricsLogger:
         captions, one per line, beside it as .txt). Returns the PNG path (None when disabled)."""
         if not self.enabled:
             return None
-        if captions is not None and len(captions) != images.shape[0]:
-            raise ValueError(f"{len(captions)} captions for {images.shape[0]} images")
+        if captions is not None and len(captions) != len(images):
+            raise ValueError(f"{len(captions)} captions for {len(images)} images")
         path = write_grid(images, os.path.join(self.output_dir, tag, f"step-{int(step):06d}"), nrow, fps)
-        if images.dim() == 5 and importlib.util.find_spec("moviepy") is not None:
+        if isinstance(images, Tensor) and images.dim() == 5 and importlib.util.find_spec("moviepy") is not None:
             video = (images.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
             self._writer.add_video(tag, video.permute(0, 2, 1, 3, 4), global_step=int(step), fps=fps)  # (B, F, 3, H, W)
         else:

@@ -1,4 +1,5 @@
-"""Prompt sets: a .txt file (one prompt per line) or a .jsonl file (a `prompt` field plus free metadata)."""
+"""Prompt sets: a .txt file (one prompt per line) or a .jsonl file (a `prompt` field plus free metadata;
+`height`, `width` and `frames`, when present, give the prompt its own shape: buckets.py)."""
 from __future__ import annotations
 
 import io
@@ -7,10 +8,14 @@ import os
 from dataclasses import dataclass, field
 
 
+SHAPE_FIELDS = ("height", "width", "frames")
+
+
 @dataclass(frozen=True)
 class PromptRecord:
     prompt: str
     metadata: dict = field(default_factory=dict)
+    line: int = 0  # line in the prompt file (1-based; 0: not from a file), for error messages
 
 
 def load_prompts(path: str) -> list[PromptRecord]:
@@ -36,9 +41,13 @@ def load_prompts(path: str) -> list[PromptRecord]:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                 raise ValueError(f"{path}:{n}: each jsonl line needs a string field 'prompt'")
-            records.append(PromptRecord(obj["prompt"], {k: v for k, v in obj.items() if k != "prompt"}))
+            for key in SHAPE_FIELDS:
+                value = obj.get(key)
+                if key in obj and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"{path}:{n}: {key!r} must be a positive integer, got {value!r}")
+            records.append(PromptRecord(obj["prompt"], {k: v for k, v in obj.items() if k != "prompt"}, n))
     else:
-        records = [PromptRecord(line.strip()) for line in lines if line.strip()]
+        records = [PromptRecord(line.strip(), line=n) for n, line in enumerate(lines, 1) if line.strip()]
     if not records:
         raise ValueError(f"prompt file {path!r} holds no prompts")
     return records

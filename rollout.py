@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 import algorithm
+import buckets
 import sampler
 from parallel import p2p
 from parallel.intake import TrainChunk
@@ -36,14 +37,17 @@ def encode_batch(adapter, prompts: list[str], negative_prompt: str | None,
 
 
 def sample_images(adapter, prompts: list[str], cfg: sampler.SamplingConfig, *, step: int = 0,
-                  first_sample_id: int = 0, batch_size: int = 8, negative_prompt: str | None = None):
-    """Sample one image per prompt in micro-batches. Sample j gets the global id first_sample_id + j,
-    so the result does not depend on batch_size. Returns (trajectory, images [B,3,H,W] in [0,1])."""
+                  first_sample_id: int = 0, batch_size: int = 8, negative_prompt: str | None = None,
+                  sample_ids: list[int] | None = None):
+    """Sample one image per prompt in micro-batches. Sample j gets the global id first_sample_id + j
+    (or sample_ids[j]), so the result does not depend on batch_size. Returns (trajectory, images
+    [B,3,H,W] in [0,1])."""
     trajs, images = [], []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         cond, neg = encode_batch(adapter, chunk, negative_prompt, cfg)
-        ids = list(range(first_sample_id + start, first_sample_id + start + len(chunk)))
+        ids = (list(sample_ids[start:start + len(chunk)]) if sample_ids is not None
+               else list(range(first_sample_id + start, first_sample_id + start + len(chunk))))
         traj = sampler.denoise(adapter, cond, neg, ids, step, cfg)
         trajs.append(traj)
         images.append(adapter.decode(traj.latents[:, -1]).cpu())
@@ -99,7 +103,18 @@ class Generator:
         self.same_group_noise, self.adv_clip, self.drop_zero_std = same_group_noise, adv_clip, drop_zero_std
         self.autocast = autocast_ctx or contextlib.nullcontext
         self.sigmas = sampler.sigmas_for(adapter, sampling)
+        self.shapes: dict = {}  # shape key -> (its SamplingConfig, its sigmas): the dynamic shift depends on it
         self.slowdown = slowdown or Slowdown()
+
+    def sampling_for(self, shape) -> tuple[sampler.SamplingConfig, torch.Tensor]:
+        """The sampling config and sigmas of a fragment's shape (parallel.plan.Fragment.shape; None:
+        the run's own), computed once per shape."""
+        if shape is None:
+            return self.sampling, self.sigmas
+        if shape not in self.shapes:
+            cfg = buckets.sampling_for(self.sampling, shape)
+            self.shapes[shape] = (cfg, sampler.sigmas_for(self.adapter, cfg))
+        return self.shapes[shape]
 
     def records_of(self, plan: StepPlan, sample_ids) -> list:
         return [self.records[plan.prompt_indices[i // plan.group_size]] for i in sample_ids]
@@ -115,14 +130,14 @@ class Generator:
         return [-1 - i // g for i in chunk.sample_ids] if self.same_group_noise else list(chunk.sample_ids)
 
     def denoise(self, plan: StepPlan, fragment: Fragment) -> Denoised:
-        """Sample a fragment's K steps, one chunk (micro-batch) per batch."""
+        """Sample a fragment's K steps at its shape, one chunk (micro-batch) per batch."""
         out = Denoised(fragment, [], [], [])
+        cfg, sigmas = self.sampling_for(fragment.shape)
         for chunk in fragment.chunks:
             cond, neg = self.chunk_inputs(plan, chunk)
             with self.autocast(), self.slowdown():
                 out.trajectories.append(sampler.denoise(self.adapter, cond, neg, list(chunk.sample_ids), plan.step,
-                                                        self.sampling, init_ids=self.init_ids(plan, chunk),
-                                                        sigmas=self.sigmas))
+                                                        cfg, init_ids=self.init_ids(plan, chunk), sigmas=sigmas))
             out.conds.append(cond)
             out.negs.append(neg)
         return out

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import buckets
 import capacity
 import checkpoint
 import evaluation
@@ -98,6 +99,10 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
     sampling = _sampling(cfg, adapter)
     adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails alike on every rank
     records = load_prompts(cfg.rl.prompts)
+    shapes = buckets.shape_table(adapter, records, sampling, cfg.rl.prompts)  # before any wait: names a bad line
+    if cfg.output.eval_every:
+        buckets.check_shapes(adapter, eval_records(cfg.output.eval_prompts, cfg.output.eval_num_prompts), sampling,
+                             cfg.output.eval_prompts)
     capacity.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts)  # same on every rank
     tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
                     sync=torch.cuda.synchronize if device.type == "cuda" else None)
@@ -108,7 +113,9 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
     slow = cfg.output.debug_slow_rank
     slowdown = Slowdown(slow[1] if slow and slow[0] == rank else 1.0)
     ctx = RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown)
-    speeds = _probe_speeds(ctx, out_dir)  # sync point: every rank's speed, before FSDP shards the model
+    speeds = _probe_speeds(ctx, out_dir, shapes)  # sync point: every rank's speed, before FSDP shards the model
+    if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
+        shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     trainer = Trainer(cfg, adapter, sampling, groups.trainers, facts.train_sharding, slowdown) if is_train else None
 
     def reward_set():
@@ -181,7 +188,7 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
             if guard.stop_before(step):  # a signal on some rank: every rank stops before the same step
                 break
             guard.set_timeouts(relaxed=_saves_or_evaluates(cfg, step) or _saves_or_evaluates(cfg, step - 1))
-            plan = facts.plan(cfg, step, shares)
+            plan = facts.plan(cfg, step, shares, shapes)
             step_start = time.time()
             local: dict = {}
             gen_out = []
@@ -355,13 +362,18 @@ def _publisher(cfg: RunConfig, trainer: Trainer, names: list[str], sends: bool, 
                                    link_mbps=cfg.output.debug_link_bandwidth, keep=keep and sends)
 
 
-def _probe_speeds(ctx: RankContext, out_dir: str) -> list[dict | None]:
+def _probe_speeds(ctx: RankContext, out_dir: str, shapes=None) -> list[dict | None]:
     """Every rank's start-up speed probe (capacity.probe_speed; scorer ranks: None), gathered on
-    every rank; the first rank writes them to DIR/speeds.json."""
+    every rank; the first rank writes them to DIR/speeds.json. With prompts of several shapes,
+    generator ranks also time a chunk at each shape ("shape_s", for the dispatch's costs)."""
     mine = None
     if not ctx.topo.is_scorer(ctx.rank):
-        mine = capacity.probe_speed(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch, ctx.slowdown,
-                                    lambda: autocast(ctx.device, ctx.cfg.model.dtype))
+        amp = lambda: autocast(ctx.device, ctx.cfg.model.dtype)  # noqa: E731
+        mine = capacity.probe_speed(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch, ctx.slowdown, amp)
+        if shapes is not None and ctx.topo.is_generator(ctx.rank):
+            seconds = capacity.probe_shapes(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch, sorted(shapes.costs,
+                                            key=buckets.shape_name), ctx.slowdown, amp)
+            mine["shape_s"] = {buckets.shape_name(k): s for k, s in seconds.items()}
     everyone = [None] * ctx.topo.world_size
     dist.all_gather_object(everyone, mine)  # sync point
     if ctx.rank == 0:
@@ -445,32 +457,35 @@ def _summary_line(step: int, s: dict) -> str:
 def _evaluate(cfg: RunConfig, adapter, sampling, topo: Topology, rank: int, done: int, logger, tracer,
               group) -> None:
     """Trainer ranks hold the newest version (k+1 right after update k) and the whole model, so they
-    evaluate: the held-out prompts are split evenly over them (equal counts, so FSDP ranks run
-    equally many forwards); results are gathered on the first trainer, which logs."""
+    evaluate: the held-out prompts of each shape are split evenly over them (equal counts, so FSDP
+    ranks run equally many forwards); results are gathered on the first trainer, which logs."""
     out = cfg.output
     records = eval_records(out.eval_prompts, out.eval_num_prompts, out.eval_samples_per_prompt)
     evaluators = list(topo.trainer_ranks)
-    per = -(-len(records) // len(evaluators))
     if rank not in evaluators:
         return
-    lo = evaluators.index(rank) * per
-    mine = records[lo:lo + per]
-    padded = mine + [records[-1]] * (per - len(mine))  # equal forward counts on every evaluator
+    default = buckets.default_shape(sampling)
+    names = [buckets.shape_name(buckets.record_shape(r, default)) for r in records]
+    share = buckets.evaluation_share(names, len(evaluators), evaluators.index(rank))
+    rows = [j for j, _ in share]  # record j is sample j: its fixed seed
     rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model))
     with tracer.span("evaluate", "eval", done):
-        scores, images = evaluation.evaluate(adapter, sampling, padded, rewards, batch_size=cfg.rl.micro_batch,
-                                             first_sample_id=lo, negative_prompt=cfg.sampling.negative_prompt,
-                                             keep_images=min(len(mine), LOGGED_IMAGES), thumbnail=thumbnails,
+        scores, images = evaluation.evaluate(adapter, sampling, [records[j] for j in rows], rewards,
+                                             batch_size=cfg.rl.micro_batch, sample_ids=rows,
+                                             negative_prompt=cfg.sampling.negative_prompt, thumbnail=thumbnails,
                                              progress=rank == evaluators[0])
-    images = (thumbnails(images).clamp(0, 1) * 255).round().to(torch.uint8)  # only what the grid shows travels
-    result = ({k: v[:len(mine)] for k, v in scores.items()}, images, [r.prompt for r in mine[:len(images)]])
+    real = [n for n, (_, keep) in enumerate(share) if keep]
+    # Only what the grid shows travels, as uint8 thumbnails.
+    result = [(rows[n], {k: v[n] for k, v in scores.items()},
+               (images[n].clamp(0, 1) * 255).round().to(torch.uint8) if rows[n] < LOGGED_IMAGES else None)
+              for n in real]
     everyone = [None] * len(evaluators)
     dist.all_gather_object(everyone, result, group=group)  # sync point: the trainer ranks
     if rank == evaluators[0]:
-        parts = [r for r in everyone if r is not None]
-        scores = {k: sum((p[0][k] for p in parts), []) for k in parts[0][0]}
-        images = torch.cat([p[1] for p in parts]).float() / 255
-        prompts = sum((p[2] for p in parts), [])
-        logger.log(done, evaluation.summarize(scores))
-        shown = thumbnails(images, LOGGED_IMAGES)
-        logger.log_images(done, "eval", shown, prompts[:len(shown)])
+        got = sorted((item for part in everyone for item in part), key=lambda item: item[0])  # record order
+        scores = {k: [item[1][k] for item in got] for k in got[0][1]}
+        logger.log(done, evaluation.summarize(scores, names))
+        shown = [(j, image.float() / 255) for j, _, image in got if image is not None][:LOGGED_IMAGES]
+        same = len({tuple(image.shape) for _, image in shown}) == 1
+        grid = torch.stack([image for _, image in shown]) if same else [image for _, image in shown]
+        logger.log_images(done, "eval", grid, [records[j].prompt for j, _ in shown])

@@ -170,10 +170,10 @@ class PipelinedReplica:
             stream.close()
 
     def _act(self, st: "_StepState", a: Action, msg: dict | None) -> None:
-        lay, adapter, cfg, plan = self.layout, self.adapter, self.sampling, st.plan
+        lay, adapter, plan = self.layout, self.adapter, st.plan
         frag, chunk = st.chunks[a.mb]
         ids = list(chunk.sample_ids)
-        sigmas = self.gen.sigmas
+        cfg, sigmas = self.gen.sampling_for(frag.shape)  # the fragment's shape (one per fragment)
         shape = adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)
         dev = adapter.device
         next_rank = lay.ranks[(lay.stage + 1) % lay.num_stages]

@@ -77,6 +77,12 @@ MODES: dict[str, Mode] = {
                      "GAP, publication of the top 1% of each delta (error feedback)"),
     "gap-fsdp": Mode(3, ["--generators", "1", "--trainers", "2", "--fragment-groups", "1", "--train-sharding", "fsdp"],
                      "1 generator with plain inference weights + 2 FSDP2 trainers (3 ranks on 2 cores: contention)"),
+    "colocated-replicate3": Mode(3, ["--mode", "colocated"], "colocated over 3 ranks (3 ranks on 2 cores: contention)"),
+    "gap2x1-rr": Mode(3, ["--generators", "2", "--trainers", "1", "--fragment-groups", "1", "--dispatch", "round-robin"],
+                      "2 generator replicas + 1 trainer, fragments in step order, round-robin (3 ranks on 2 cores)"),
+    "gap2x1-lpt": Mode(3, ["--generators", "2", "--trainers", "1", "--fragment-groups", "1", "--dispatch", "lpt"],
+                       "2 generator replicas + 1 trainer, skew-aware dispatch: predicted cost, longest first, LPT "
+                       "(3 ranks on 2 cores)"),
     "gap-fsdp+tag": Mode(3, ["--generators", "1", "--trainers", "2", "--fragment-groups", "1",
                              "--train-sharding", "fsdp", "--tag"], "the same with TAG: the FSDP trainers generate together"),
     # The measured runs behind the planner's out-of-sample fit (scripts/make_plan_fixtures.py runs
@@ -174,6 +180,10 @@ SCENARIOS: dict[str, Scenario] = {
                        "DigenRL puts generation on the slow rank"),
     "window": Scenario(("colocated-replicate", "gap+tag", "gap+tag+tcss"), ("--algorithm", "window", "--sde-window", "0:2"),
                        "a 2-timestep SDE window: training is cheap, rollout dominates"),
+    "skew": Scenario(("colocated-replicate3", "gap2x1-rr", "gap2x1-lpt"),
+                     ("--prompts", "data/shapes_mixed.jsonl", "--prompts-per-step", "8", "--group-size", "2"),
+                     "prompts of mixed cost (16x16, 32x32, 48x48 at 1:1:2): round-robin against skew-aware (LPT) "
+                     "dispatch over 2 generator replicas; 3 ranks on 2 cores time-share them (contention)"),
     "link": Scenario(("colocated-replicate", "gap", "gap+bf16", "gap+topk"),
                      ("--lora-rank", "0", "--debug-link-bandwidth", "100"),
                      "full fine-tuning with generators behind a 100 MB/s link: compressed publication"),

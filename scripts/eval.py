@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import buckets  # noqa: E402
 import sampler  # noqa: E402
 from evaluation import evaluate, summarize  # noqa: E402
 from prompts import eval_records  # noqa: E402
@@ -57,10 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = sampler.SamplingConfig.for_adapter(adapter, height=args.height, width=args.width,
                                              num_steps=args.sample_steps, guidance=args.guidance,
                                              cfg_scale=args.cfg_scale, seed=args.seed, num_frames=args.num_frames)
+    buckets.check_shapes(adapter, records, cfg, args.prompts)  # prompts of their own shape: each must fit the model
     scores, images = evaluate(adapter, cfg, records, rewards, batch_size=args.batch_size, keep_images=LOGGED_IMAGES,
                               thumbnail=thumbnails, progress=True)
     os.makedirs(args.out, exist_ok=True)
-    summary = summarize(scores)
+    default = buckets.default_shape(cfg)
+    summary = summarize(scores, [buckets.shape_name(buckets.record_shape(r, default)) for r in records])
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         per_image = [{"prompt": r.prompt, **{k: v[i] for k, v in scores.items()}} for i, r in enumerate(records)]
         json.dump({"summary": summary, "model_path": args.model_path, "checkpoint": args.checkpoint,

@@ -1,5 +1,6 @@
-"""Write the shapes-world prompt sets: data/shapes_train.txt, the held-out data/shapes_eval.txt, and
-data/shapes_objects.txt (the 18 single-object prompts without a position, for quick probes).
+"""Write the shapes-world prompt sets: data/shapes_train.txt, the held-out data/shapes_eval.txt,
+data/shapes_objects.txt (the 18 single-object prompts without a position, for quick probes) and
+data/shapes_mixed.jsonl (training prompts with their own image size, for mixed-cost runs).
 
 The grammar (rewards/shapes_world.py) has exactly 1800 distinct prompts. One sixth of every template kind
 (one object, two, three, a pair of different objects), drawn with a fixed seed, is held out for
@@ -10,6 +11,7 @@ evaluation (300 prompts); the train set is the other 1500. Re-running gives the 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -19,6 +21,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rewards import shapes_world  # noqa: E402
 
 EVAL_FRACTION_DENOMINATOR = 6  # 1/6 of each kind held out
+MIXED_SIZES = (16, 32, 48, 48)  # shapes_mixed.jsonl: 1:1:2 of 16x16, 32x32 and 48x48, in turn
+MIXED_PROMPTS = 400
+
+
+def mixed_shapes(train: list[str]) -> list[dict]:
+    """The first MIXED_PROMPTS training prompts, each with its own square size from MIXED_SIZES in
+    turn: multiples of the shipped model's factor 4 (VAE 2 x 2x2 packing), 144 tokens at 48x48
+    against 16 at 16x16."""
+    return [{"prompt": p, "height": MIXED_SIZES[i % len(MIXED_SIZES)], "width": MIXED_SIZES[i % len(MIXED_SIZES)]}
+            for i, p in enumerate(train[:MIXED_PROMPTS])]
 
 
 def split_prompts(seed: int = 0) -> tuple[list[str], list[str]]:
@@ -53,6 +65,11 @@ def main() -> None:
         with open(path, "w") as f:
             f.write("\n".join(prompts) + "\n")
         print(f"wrote {len(prompts)} prompts to {path}")
+    mixed = mixed_shapes(train)
+    path = os.path.join(args.out_dir, "shapes_mixed.jsonl")
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(record) + "\n" for record in mixed))
+    print(f"wrote {len(mixed)} prompts to {path}")
 
 
 if __name__ == "__main__":
