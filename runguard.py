@@ -70,8 +70,8 @@ def write_error_file(line: str) -> None:
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    """'Type: the first line of the message', without a backend's source location and advice."""
+    return f"{type(exc).__name__}: {p2p.backend_detail(exc)}"
 
 
 def is_comm_error(exc: BaseException) -> bool:
@@ -300,8 +300,8 @@ class RunGuard:
         began = [self.beats.get_if_set(f"guard/began/{r}") for r in range(self.world)]
         at = max((int(b) for b in began if b is not None), default=self.start_step - 1) + 1
         self.beats.put("guard/stop/at", at)
-        say(f"{self.signal_name} on {self.me}: every rank finishes the steps before {at}, then the trainers write "
-            f"checkpoint step-{at} and the run exits (--stop-grace-s {self.grace_s:g}; a second signal exits now)")
+        say(f"{self.signal_name} on {self.me}: the run stops before step {at} (every rank finishes the steps before "
+            f"it, the trainers write checkpoint step-{at}; --stop-grace-s {self.grace_s:g}; a second signal exits now)")
 
     @property
     def signal_name(self) -> str | None:

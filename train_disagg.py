@@ -81,6 +81,8 @@ def cli(argv: list[str] | None = None) -> None:
             code, line, show_traceback = guard.explain(e)
         elif isinstance(e, ValueError):  # before any rank waits: the same user error on every rank
             code, line, show_traceback = runguard.EXIT_USER, f"error: {e}", False
+        elif isinstance(e, KeyboardInterrupt):  # Ctrl-C before the run started: nothing to save
+            code, line, show_traceback = 128 + signal.SIGINT, "error: interrupted before the run started", False
         else:
             code, line, show_traceback = runguard.EXIT_ERROR, f"error: {runguard.first_line(e)}", True
         if show_traceback:

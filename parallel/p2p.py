@@ -67,11 +67,11 @@ def wait(work, peer: int, what: str) -> None:
     try:
         work.wait(timedelta(seconds=_timeout_s))
     except RuntimeError as e:
-        raise PeerError(peer, f"{what} {_describe(peer)} failed: {_backend_detail(e)} (waits time out after "
+        raise PeerError(peer, f"{what} {_describe(peer)} failed: {backend_detail(e)} (waits time out after "
                               f"{_timeout_s:.0f} s)") from e
 
 
-def _backend_detail(e: BaseException) -> str:
+def backend_detail(e: BaseException) -> str:
     """The backend's message without its source location and boilerplate advice."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if text.startswith("[") and "] " in text:
@@ -285,7 +285,8 @@ def post_recv(src: int, group=None, device: torch.device | str | None = None) ->
 
 
 __all__ = [
-    "FRAME_HEADER_BYTES", "PeerError", "ProtocolError", "configure", "describe", "recv", "wait", "PostedRecv", "isend_framed", "post_recv",
+    "FRAME_HEADER_BYTES", "PeerError", "ProtocolError", "backend_detail", "configure", "describe", "recv", "wait",
+    "PostedRecv", "isend_framed", "post_recv",
     "SendHandle", "as_bytes", "comm_device", "dtype_from_name", "isend_payload", "pack_payload",
     "recv_payload", "send_payload", "unpack_payload",
 ]

@@ -58,10 +58,9 @@ def _cases(tmp_path):
     torn = tmp_path / "torn"
     _fake_run(str(torn), 1, lora4)
     _truncate(torn / "checkpoints" / "step-1" / "state.json", 3)
-    t_trunc = _model_copy(tmp_path, "t_trunc", lambda d: _truncate(d / "transformer" / "diffusion_pytorch_model.safetensors",
-                                                                      1_000_000))
-    v_trunc = _model_copy(tmp_path, "v_trunc", lambda d: _truncate(d / "vae" / "diffusion_pytorch_model.safetensors",
-                                                                      400_000))
+    weights = "diffusion_pytorch_model.safetensors"
+    t_trunc = _model_copy(tmp_path, "t_trunc", lambda d: _truncate(d / "transformer" / weights, 1_000_000))
+    v_trunc = _model_copy(tmp_path, "v_trunc", lambda d: _truncate(d / "vae" / weights, 400_000))
     bad_json = _model_copy(tmp_path, "bad_json", lambda d: (d / "transformer" / "config.json").write_text('{"_class_name": '))
     flux = ["--output-dir", out]
     tiny = [*TINY, "--output-dir", out]
