@@ -15,7 +15,7 @@ import torch
 
 import checkpoint
 from models import ATTENTION_BACKENDS, adapter_class
-from models.base import check_model_folder, read_folder_defaults
+from models.base import check_model_folder, preset_defaults, read_folder_defaults
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
 from prompts import load_prompts
 from rewards import parse_reward_spec, reward_class
@@ -149,7 +149,7 @@ def check_model(cfg) -> None:
         if m.preset not in cls.geometry_presets:
             raise ValueError(f"unknown preset {m.preset!r} for model {m.model!r}; use --model-path DIR or one of "
                              f"{sorted(cls.geometry_presets)}")
-        geometry, defaults = cls.geometry_presets[m.preset], cls.defaults
+        geometry, defaults = cls.geometry_presets[m.preset], preset_defaults(cls, m.preset)
     height = s.height if s.height is not None else defaults.height
     width = s.width if s.width is not None else defaults.width
     frames = s.num_frames if s.num_frames is not None else defaults.num_frames

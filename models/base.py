@@ -165,6 +165,16 @@ DEFAULTS_FILE = "digenrl.json"
 TINY_SAMPLING = {"height": 32, "width": 32, "num_steps": 4}
 """Sampling defaults of every family's `tiny` preset (video families add TINY_FRAMES frames)."""
 TINY_FRAMES = 5
+MID_SAMPLING = {"height": 64, "width": 64, "num_steps": 8}
+
+
+def preset_defaults(cls: type, preset: str) -> SamplingDefaults:
+    """The sampling defaults a random preset of family `cls` runs with (what its `tiny` / `mid`
+    constructor sets), known without building it."""
+    over = {"tiny": TINY_SAMPLING, "mid": MID_SAMPLING}.get(preset, {})
+    if preset == "tiny" and cls.defaults.num_frames is not None:
+        over = {**over, "num_frames": TINY_FRAMES}
+    return dataclasses.replace(cls.defaults, **over)
 
 
 def read_folder_defaults(path: str, defaults: SamplingDefaults) -> SamplingDefaults:

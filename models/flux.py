@@ -6,8 +6,8 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from torch import Tensor
 
 from models import tiny_text
-from models.base import (TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames,
-                         to_unit_range)
+from models.base import (MID_SAMPLING, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
+                         check_image_frames, to_unit_range)
 
 
 class FluxAdapter(DiTAdapter):
@@ -140,7 +140,7 @@ class FluxAdapter(DiTAdapter):
         """About 42M transformer parameters (4 double + 8 single blocks, width 384): big enough that
         compute, not Python overhead, dominates a CPU benchmark."""
         return cls._random(seed, num_layers=4, num_single_layers=8, attention_head_dim=64, num_attention_heads=6,
-                           axes_dims_rope=(16, 24, 24)).with_sampling(height=64, width=64, num_steps=8)
+                           axes_dims_rope=(16, 24, 24)).with_sampling(**MID_SAMPLING)
 
     @classmethod
     def _random(cls, seed: int, **transformer_config):
