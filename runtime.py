@@ -34,7 +34,6 @@ from metrics import MetricsLogger
 from models import DiTAdapter, autocast, load_model, resolve_device, set_attention
 from models.lora import apply_lora
 from parallel import publish
-from parallel.fsdp import full_tensor
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
 from parallel.intake import TrainingSpec, make_intake
