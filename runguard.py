@@ -235,7 +235,7 @@ class RunGuard:
 
     def _silent(self, peer: int, beat: str | None, age: float) -> str:
         step = beat.split()[1] if beat else "?"
-        phase = f", {beat.split()[2]}" if beat and len(beat.split()) > 2 else ""
+        phase = f"; last phase: {beat.split()[2]}" if beat and len(beat.split()) > 2 else ""
         return f"{self.topo.describe(peer)} stopped answering at step {step} (no heartbeat for {age:.0f} s{phase})"
 
     def _die(self, code: int, line: str) -> None:

@@ -36,7 +36,6 @@ from metrics import LOGGED_IMAGES, MetricsLogger, thumbnails
 from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, set_attention
 from models.lora import apply_lora
 from parallel import publish
-from parallel.fsdp import full_tensor
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
 from parallel.intake import TrainingSpec, make_intake
@@ -232,8 +231,10 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
         if guard.stopping and saved != last and last > start:
             save(last)  # a signal stopped the run: the steps it finished are kept
         if guard.stopping:
-            line = (f"stopped on a signal after step {last - 1}: checkpoint "
-                    f"{checkpoint.checkpoint_dir(out_dir, last)}; continue with --resume {out_dir} --output-dir {out_dir}")
+            path = checkpoint.checkpoint_dir(out_dir, last)
+            line = (f"stopped on a signal after step {last - 1}: checkpoint {path}; continue with --resume {out_dir} "
+                    f"--output-dir {out_dir}" if last > start else
+                    "stopped on a signal before this run's first step: nothing new to save")
             runguard.write_error_file(line)  # torchrun's summary shows why the exit code is 4
             if logging:
                 runguard.say(line)

@@ -240,3 +240,53 @@ def test_size_factors_without_weights_match_the_loaded_models():
     shipped = os.path.join(ROOT, "assets", "shapes-flux")
     configs = [json.loads(Path(shipped, c, "config.json").read_text()) for c in ("transformer", "vae")]
     assert adapter_class("flux").geometry(*configs) == load_model("flux", shipped).own_geometry()
+
+
+def test_tensorboard_shows_every_step_once_after_a_resume(tmp_path):
+    """The resumed logger purges the first run's events from the checkpoint's step on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from metrics import MetricsLogger
+
+    with MetricsLogger(tmp_path) as first:
+        for step in range(5):
+            first.log(step, {"reward/mean": float(step)})
+    with MetricsLogger(tmp_path, purge_step=2) as resumed:
+        for step in range(2, 4):
+            resumed.log(step, {"reward/mean": 10.0 + step})
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
+
+
+def test_timeouts_follow_the_slowest_step():
+    """5 x the slowest step, at least 60 s, at most --dist-timeout-s; the flat value when relaxed."""
+    from parallel import p2p
+    from parallel.topology import Topology
+    from runguard import RunGuard
+
+    class Store:
+        timeouts = []
+
+        def clone(self):
+            return self
+
+        def set_timeout(self, seconds):
+            self.timeouts.append(seconds)
+
+    store = Store()
+    guard = RunGuard(Topology.build(2), 0, store, heartbeat_timeout_s=30, stop_grace_s=25, dist_timeout_s=600,
+                     groups=[], start_step=0)
+    try:
+        guard.set_timeouts(relaxed=False)
+        assert store.timeouts == []  # no step measured yet: --dist-timeout-s
+        guard.step_done(3.0)
+        guard.set_timeouts(relaxed=False)
+        guard.step_done(40.0)
+        guard.set_timeouts(relaxed=False)
+        guard.set_timeouts(relaxed=True)
+        guard.step_done(500.0)
+        guard.set_timeouts(relaxed=False)
+        assert store.timeouts == [60.0, 200.0, 600.0]
+    finally:
+        p2p.configure(timeout_s=600)
