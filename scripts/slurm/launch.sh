@@ -13,7 +13,8 @@ shift
 python=${PYTHON:-.venv/bin/python}
 gpus_per_node=${GPUS_PER_NODE:-8}
 nodes=${SLURM_JOB_NUM_NODES:?run inside a SLURM allocation (sbatch scripts/slurm/*.sbatch)}
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")  # no pipe into head: SIGPIPE under pipefail
+head_node=${hosts[0]:?no host in SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST}
 topology=${TOPOLOGY:-recipes/topology/$((nodes * gpus_per_node))gpus.toml}
 configs=(--config "$recipe")
 if [ "$topology" != none ] && [ -f "$topology" ]; then
