@@ -249,8 +249,4 @@ def predict_run(run_dir: str, units: UnitCosts, profile: DeviceProfile, skip: in
             "in_sample": os.path.basename(os.path.normpath(run_dir)) == units.source}
 
 
-def is_finite(x) -> bool:
-    return isinstance(x, float) and math.isfinite(x)
-
-
 __all__ = ["UnitCosts", "fit_unit_costs", "predict_run", "simulate_config", "target_costs"]

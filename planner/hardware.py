@@ -7,7 +7,6 @@ on (`DeviceProfile`, read by planner/profile.py).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -237,10 +236,6 @@ def with_price(g: GPU, price: float | None) -> GPU:
     return g if price is None else replace(g, price_per_hour=price)
 
 
-def nodes_for(g: GPU, num_gpus: int) -> int:
-    return math.ceil(num_gpus / g.gpus_per_node)
-
-
 __all__ = ["ATTENTION_EFFICIENCY", "FSDP_OVERLAP", "GEMM_EFFICIENCY", "GPU", "GPUS", "Kernels", "Sharding",
            "TRAIN_EFFICIENCY", "allgather_s", "allreduce_s", "aux_s", "busbw", "compute_s", "efficiency", "gpu",
-           "memory_bound_s", "nodes_for", "overlapped_s", "p2p_bytes_s", "with_price"]
+           "memory_bound_s", "overlapped_s", "p2p_bytes_s", "with_price"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from planner.hardware import GPU, FSDP_OVERLAP, Sharding, aux_s, compute_s, memory_bound_s, overlapped_s
 from planner.specs import lora_params, text_encode_flops, vae_decode_flops
-from planner.workload import Workload, ceil_div, reward_model
+from planner.workload import Workload, reward_model
 
 TEXT_EMBED_DIM = 4096
 """Width of the stored prompt conditioning (T5 / umT5 / Llama 4096, Qwen2.5-VL 3584)."""
@@ -143,15 +143,7 @@ def publish_bytes(wl: Workload) -> float:
     return 2 * (wl.spec.params if wl.finetune == "full" else lora_params(wl.spec, wl.lora_rank))
 
 
-def rollout_flops(wl: Workload, samples: int) -> float:
-    return samples * wl.sampling_steps * wl.branches * wl.fwd_flops
-
-
-def num_forwards(samples: int, micro: int) -> int:
-    return ceil_div(samples, micro)
-
-
-__all__ = ["decode_s", "denoise_s", "grad_reduce_bytes", "host_copy_s", "num_forwards", "optimizer_s",
-           "publish_bytes", "reference_s", "reward_bytes", "reward_s", "rollout_flops", "rollout_forward_s",
+__all__ = ["decode_s", "denoise_s", "grad_reduce_bytes", "host_copy_s", "optimizer_s",
+           "publish_bytes", "reference_s", "reward_bytes", "reward_s", "rollout_forward_s",
            "split", "text_encoder_bytes", "text_s", "train_micro_batch_s", "train_s", "trajectory_bytes",
            "weight_bytes"]

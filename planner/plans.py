@@ -31,7 +31,7 @@ from planner.hardware import busbw as hw_busbw
 from planner.memory import colocated_memory, generator_memory, max_micro_batch, trainer_memory
 from planner.simulator import simulate_run
 from planner.specs import block_flops, hidden_bytes, lora_params
-from planner.systems import BUSY_KINDS, Prediction, Segment, lockstep
+from planner.systems import Prediction, Segment, lockstep
 from planner.systems import sync_s as staging_s
 from planner.workload import Workload, ceil_div
 
@@ -332,12 +332,6 @@ def recommend(preds: list[Prediction], allow_stale: bool = False) -> Prediction:
     if not ok:
         raise ValueError("no feasible plan: every candidate runs out of memory (see the exclusions)")
     return min(ok, key=lambda p: p.step_s)
-
-
-def busy_fraction(p: Prediction) -> float:
-    lanes = {s.lane for s in p.segments}
-    busy = sum(s.end_s - s.start_s for s in p.segments if s.kind in BUSY_KINDS)
-    return busy / (len(lanes) * p.step_s) if lanes else 0.0
 
 
 __all__ = ["Pool", "best_colocated", "colocated", "disagg_plan", "enumerate_plans", "publish_s", "recommend",

@@ -11,7 +11,6 @@ system. DanceGRPO has no fitted constant.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,10 +148,6 @@ def summary(results: list[RowResult]) -> str:
         lines.append(f"held-out rows: {len(held)}, median |error| {100 * sorted(held)[len(held) // 2]:.1f}%, "
                      f"max {100 * max(held):.1f}%")
     return "\n".join(lines)
-
-
-def is_number(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 __all__ = ["FIELDS", "OPTIONAL", "RowResult", "check_row", "fit_overheads", "load_rows", "mechanism_prediction",

@@ -125,7 +125,7 @@ def verl_omni(wl: Workload, g: GPU, n: int, *, reward_gpus: int = 0, rollout_bat
     """VeRL-Omni's FlowGRPO recipe (hybrid engine, sync trainer)."""
     full = wl.finetune == "full"
     k_actor = Kernels(wl.kernels.compiled, "fa3")
-    w = wl.with_(kernels=k_actor)
+    w = wl.with_(kernels=k_actor, gradient_checkpointing=True)  # its actor checkpoints by default
     rollout_batch = rollout_batch or (32 if full else 8)
     per_gpu = ceil_div(w.samples, n)
     trans = per_gpu * w.trained_timesteps

@@ -132,7 +132,10 @@ def run_plan(a) -> int:
     if a.timeline:
         import plot_timeline  # noqa: E402 - matplotlib only when a figure is asked for
         best_disagg = next((p for p in preds if p.system == "digenrl" and not p.knobs.get("stale")), None)
-        shown = [p for p in dict.fromkeys([rec, best_col, best_disagg]) if p is not None]
+        shown = []
+        for p in (rec, best_col, best_disagg):
+            if p is not None and all(p is not q for q in shown):
+                shown.append(p)
         plot_timeline.draw(shown, a.timeline, wl.describe())
         print(f"wrote {a.timeline}")
     return 0
