@@ -7,8 +7,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from rewards.base import Reward
 
-class TemporalConsistency:
+
+class TemporalConsistency(Reward):
     """1 - the mean absolute difference of consecutive frames, over pixels and channels of values in
     [0, 1]: 1 for a still video, lower the more it flickers or jumps. It is VBench's temporal-flickering
     score (mean absolute difference of consecutive frames, (255 - d) / 255 on 8-bit frames) on [0, 1]
