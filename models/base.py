@@ -197,6 +197,17 @@ def check_image_frames(family: str, num_frames: int | None) -> None:
         raise ValueError(f"num_frames {num_frames} given for {family!r}, an image model")
 
 
+def check_packed_image_size(family: str, vae_factor: int, height: int, width: int, num_frames=None) -> None:
+    """Image families that pack 2x2 latent patches (FLUX, Qwen-Image): both sides must be positive
+    multiples of the VAE factor times 2."""
+    check_image_frames(family, num_frames)
+    factor = vae_factor * 2  # VAE downsampling times the 2x2 packing
+    for name, size in (("height", height), ("width", width)):
+        if size <= 0 or size % factor:
+            raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {family!r} "
+                             f"(VAE factor {vae_factor} x 2x2 packing)")
+
+
 def to_unit_range(images: Tensor) -> Tensor:
     """VAE output in [-1, 1] -> float32 in [0, 1]."""
     return (images.float() / 2 + 0.5).clamp(0, 1)

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from models import tiny_text
 from models.base import (MID_SAMPLING, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
-                         check_image_frames, to_unit_range)
+                         check_image_frames, check_packed_image_size, to_unit_range)
 
 
 class FluxAdapter(DiTAdapter):
@@ -38,13 +38,7 @@ class FluxAdapter(DiTAdapter):
 
     @classmethod
     def check_size(cls, geometry, height, width, num_frames=None):
-        check_image_frames(cls.family, num_frames)
-        vsf = geometry["vae"]
-        factor = vsf * 2  # VAE downsampling times the 2x2 packing
-        for name, size in (("height", height), ("width", width)):
-            if size <= 0 or size % factor:
-                raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {cls.family!r} "
-                                 f"(VAE factor {vsf} x 2x2 packing)")
+        check_packed_image_size(cls.family, geometry["vae"], height, width, num_frames)
 
     def latent_shape(self, height, width, num_frames=None):
         self.check_size(self.own_geometry(), height, width, num_frames)

@@ -14,7 +14,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from models import tiny_text
 from models.base import (TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames,
-                         to_unit_range)
+                         check_packed_image_size, to_unit_range)
 
 # Special tokens of Qwen2.5-VL's vocabulary that the prompt template and the model config refer to.
 _QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -62,13 +62,7 @@ class QwenImageAdapter(DiTAdapter):
 
     @classmethod
     def check_size(cls, geometry, height, width, num_frames=None):
-        check_image_frames(cls.family, num_frames)
-        vsf = geometry["vae"]
-        factor = vsf * 2  # VAE downsampling times the 2x2 packing
-        for name, size in (("height", height), ("width", width)):
-            if size <= 0 or size % factor:
-                raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {cls.family!r} "
-                                 f"(VAE factor {vsf} x 2x2 packing)")
+        check_packed_image_size(cls.family, geometry["vae"], height, width, num_frames)
 
     def latent_shape(self, height, width, num_frames=None):
         self.check_size(self.own_geometry(), height, width, num_frames)
