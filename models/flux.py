@@ -7,7 +7,7 @@ from torch import Tensor
 
 from models import tiny_text
 from models.base import (MID_SAMPLING, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
-                         check_image_frames, check_packed_image_size, to_unit_range)
+                         check_packed_image_size, to_unit_range)
 
 
 class FluxAdapter(DiTAdapter):
