@@ -1,19 +1,29 @@
-"""Checkpoints in the layouts diffusers loads, plus the full run state for --resume.
+"""Checkpoints in the layouts diffusers loads, plus the run state of --resume, written by every
+trainer rank: nothing is gathered whole onto one rank.
 
 DIR/checkpoints/step-N/ holds the state after N optimizer updates (policy version N):
-- full fine-tuning: transformer/ (config.json + diffusion_pytorch_model.safetensors), loadable with
-  `<Family>Transformer.from_pretrained(DIR, subfolder="transformer")`;
-- LoRA: pytorch_lora_weights.safetensors, loadable with `pipe.load_lora_weights(DIR)`;
-- ema.safetensors (if --ema-decay > 0), trainer_state.pt (optimizer, update count, RNG, running
-  reward std and the std of the last steps, skipped-step counters), config.json (the run's
-  config), state.json (step, version);
+- the export, in --export-dtype (bfloat16 by default):
+  - full fine-tuning: transformer/ (config.json + diffusion_pytorch_model.safetensors, or with
+    several trainer ranks one file per rank, `diffusion_pytorch_model-0000i-of-0000W.safetensors`,
+    and diffusers' index.json), loadable with
+    `<Family>Transformer.from_pretrained(DIR, subfolder="transformer")`;
+  - LoRA: pytorch_lora_weights.safetensors, loadable with `pipe.load_lora_weights(DIR)`;
+  - ema/ (if --ema-decay > 0): the EMA weights in the same layout and naming, loadable with
+    `pipe.load_lora_weights(DIR/ema)` or `scripts/sample.py --checkpoint DIR/ema`;
+- state/: the run state of --resume in float32, saved with torch.distributed.checkpoint in
+  safetensors files (each trainer rank writes the shards it holds: under FSDP2 its slice of every
+  weight, AdamW moment and EMA tensor; replicated tensors are written once): `model.<name>`,
+  `ema.<name>`, `optim.<name>.<exp_avg|exp_avg_sq|step>`. It loads back into any sharding, and
+  whole (`read_state`);
+- trainer_state.pt (update count, RNG, running reward std and the std of the last steps,
+  skipped-step counters), config.json (the run's config), state.json (step, version);
 - with --tcss, stale.safetensors: the published tensors of version N-1, which the generators hold
   when the trainers reach version N (step N is generated with them), so a resume is exact;
 - manifest.json, written last: every file's size and SHA-256 (checkpoint_files.py writes the
   folder atomically and verifies it before anything loads).
 
 trainer_state.pt holds only containers, numbers and tensors and is read with
-`torch.load(weights_only=True)`: a crafted file cannot run code.
+`torch.load(weights_only=True)`; state/ is safetensors: a crafted checkpoint cannot run code.
 """
 from __future__ import annotations
 
@@ -23,18 +33,25 @@ import re
 import signal
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import distribute_tensor
 
 import checkpoint_files
+from parallel.fsdp import full_tensor
 
 # Adapters (models.DiTAdapter) are passed in: this module imports no model family.
 LORA_FILE = "pytorch_lora_weights.safetensors"
 ADAPTER = ".default"  # peft's adapter name inside parameter names
 STALE_FILE = "stale.safetensors"
+STATE_DIR = "state"
+EMA_DIR = "ema"
+WEIGHTS_NAME = "diffusion_pytorch_model"  # diffusers' file names: <name>.safetensors, <name>-i-of-n, index
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Test hook: the writer of checkpoint step N SIGKILLs itself after writing the files, before the
 # manifest (a crash in the middle of a checkpoint write). Unset in normal runs.
 KILL_ENV = "DIGENRL_DEBUG_KILL_IN_SAVE"
@@ -49,6 +66,7 @@ def find_checkpoint(run_dir: str) -> checkpoint_files.Found:
     return checkpoint_files.find_valid(os.path.join(run_dir, "checkpoints"))
 
 
+# ----- the export: diffusers layouts --------------------------------------------------------
 def to_diffusers_lora(weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """peft parameter names -> the names `save_lora_weights` expects (the adapter name dropped)."""
     return {n.replace(ADAPTER, ""): t for n, t in weights.items()}
@@ -62,64 +80,91 @@ def from_diffusers_lora(flat: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def save_weights(path: str, adapter: "DiTAdapter", weights: dict[str, Tensor], lora: bool, lora_config=None) -> None:
-    os.makedirs(path, exist_ok=True)
-    weights = {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in weights.items()}
+def _file_plan(tensors: dict[str, Tensor], ranks: int) -> dict[str, int]:
+    """name -> the index of the file (and of the trainer rank writing it) of a transformer export
+    over `ranks` files of about equal bytes, names kept in order. Files are numbered from 0 without
+    gaps (a huge tensor can leave fewer files than ranks)."""
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    total, before, slot = max(1, sum(sizes)), 0, {}
+    for name, size in zip(tensors, sizes):
+        slot[name] = min(ranks - 1, before * ranks // total)
+        before += size
+    numbers = {s: i for i, s in enumerate(sorted(set(slot.values())))}
+    return {n: numbers[s] for n, s in slot.items()}
+
+
+def export_weights(folder: str, adapter: "DiTAdapter", tensors: dict[str, Tensor], *, lora: bool, dtype: torch.dtype,
+                   group=None, write: bool = True, lora_config=None) -> None:
+    """Write `tensors` (trained weights by parameter name, possibly FSDP-sharded) in diffusers' layout.
+    Every trainer rank of `group` calls it: under FSDP each whole tensor is gathered in turn (a
+    collective), and a full fine-tune is written as one file per rank, each rank keeping only its
+    own file's tensors; LoRA (small) goes into one file written by the rank with `write`."""
+    rank = dist.get_rank(group) if group is not None else 0
+    ranks = dist.get_world_size(group) if group is not None else 1
+    os.makedirs(folder, exist_ok=True)
     if lora:
-        metadata = lora_config.to_dict() if lora_config is not None else None
-        if metadata is not None:
-            metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-        adapter.pipeline_class.save_lora_weights(path, transformer_lora_layers=to_diffusers_lora(weights),
-                                                 transformer_lora_adapter_metadata=metadata)
-    else:
-        sub = os.path.join(path, "transformer")
-        os.makedirs(sub, exist_ok=True)
+        whole = {n: full_tensor(t.detach()).to("cpu", dtype).contiguous() for n, t in tensors.items()}
+        if write:
+            metadata = lora_config.to_dict() if lora_config is not None else None
+            if metadata is not None:
+                metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
+            adapter.pipeline_class.save_lora_weights(folder, transformer_lora_layers=to_diffusers_lora(whole),
+                                                     transformer_lora_adapter_metadata=metadata)
+        return
+    sub = os.path.join(folder, "transformer")
+    os.makedirs(sub, exist_ok=True)
+    plan = _file_plan(tensors, ranks)
+    files = max(plan.values()) + 1
+    mine = {}
+    for name, t in tensors.items():
+        whole = full_tensor(t.detach())  # under FSDP every rank gathers every tensor, in the same order
+        if plan[name] == rank:
+            mine[name] = whole.to("cpu", dtype).contiguous()
+        del whole
+    if rank < files:
+        save_file(mine, os.path.join(sub, _shard_name(rank, files)), metadata={"format": "pt"})
+    if write:
         adapter.transformer.save_config(sub)
-        save_file(weights, os.path.join(sub, "diffusion_pytorch_model.safetensors"))
+        if files > 1:
+            index = {"metadata": {"total_size": sum(t.numel() * dtype.itemsize for t in tensors.values())},
+                     "weight_map": {n: _shard_name(i, files) for n, i in plan.items()}}
+            with open(os.path.join(sub, f"{WEIGHTS_NAME}.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
 
 
-def save_checkpoint(path: str, adapter: "DiTAdapter", weights: dict[str, Tensor], *, lora: bool, step: int,
-                    trainer_state: dict, ema: dict[str, Tensor] | None = None, lora_config=None,
-                    stale: dict[str, Tensor] | None = None, config: dict | None = None) -> None:
-    """Write checkpoint `path` atomically (checkpoint_files.write_atomic): complete, or not there."""
-    def write(tmp: str) -> None:
-        save_weights(tmp, adapter, weights, lora, lora_config)
-        if ema is not None:
-            save_file({n: t.detach().cpu().contiguous() for n, t in ema.items()}, os.path.join(tmp, "ema.safetensors"))
-        if stale is not None:
-            save_file({n: t.detach().cpu().contiguous() for n, t in stale.items()}, os.path.join(tmp, STALE_FILE))
-        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
-        with open(os.path.join(tmp, "state.json"), "w") as f:
-            json.dump({"step": step, "version": step, "lora": lora}, f)
-        if config is not None:
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(config, f, indent=2)
-
-    def crash_hook(tmp: str) -> None:
-        if os.environ.get(KILL_ENV, "").strip() == str(step):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    checkpoint_files.write_atomic(path, write, {"step": step, "version": step, "lora": lora, "config": config},
-                                  before_manifest=crash_hook)
+def _shard_name(index: int, files: int) -> str:
+    """diffusers' names: one file, or file `index` (from 0) of several with an index.json."""
+    return f"{WEIGHTS_NAME}.safetensors" if files == 1 else f"{WEIGHTS_NAME}-{index + 1:05d}-of-{files:05d}.safetensors"
 
 
-def read_trained_weights(path: str) -> tuple[dict[str, Tensor], bool]:
-    """(weights by the transformer's own parameter names, is_lora)."""
+def read_exported(path: str) -> tuple[dict[str, Tensor], bool]:
+    """The exported weights of a checkpoint folder (or its ema/), by the transformer's own
+    parameter names, in the export's dtype; and whether they are LoRA."""
     lora_path = os.path.join(path, LORA_FILE)
     if os.path.isfile(lora_path):
         return from_diffusers_lora(load_file(lora_path)), True
-    full = os.path.join(path, "transformer", "diffusion_pytorch_model.safetensors")
-    if os.path.isfile(full):
-        return load_file(full), False
+    sub = os.path.join(path, "transformer")
+    single = os.path.join(sub, f"{WEIGHTS_NAME}.safetensors")
+    index = os.path.join(sub, f"{WEIGHTS_NAME}.safetensors.index.json")
+    if os.path.isfile(single):
+        return load_file(single), False
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        out = {}
+        for name in names:
+            out.update(load_file(os.path.join(sub, name)))
+        return out, False
     raise ValueError(f"checkpoint {path!r} holds neither {LORA_FILE} nor transformer/ weights")
 
 
 def load_trained_weights(adapter: "DiTAdapter", path: str) -> None:
-    """Sampling from a checkpoint (scripts/sample.py --checkpoint): LoRA through diffusers' own loader."""
+    """Sampling from a checkpoint or its ema/ (scripts/sample.py --checkpoint): LoRA through
+    diffusers' own loader, a full fine-tune into the transformer (cast to its dtype)."""
     if os.path.isfile(os.path.join(path, LORA_FILE)):
         adapter.pipe.load_lora_weights(path)
         return
-    weights, _ = read_trained_weights(path)
+    weights, _ = read_exported(path)
     adapter.transformer.load_state_dict(weights, strict=True)
 
 
@@ -137,43 +182,129 @@ def install_weights(module: torch.nn.Module, weights: dict[str, Tensor]) -> None
     with torch.no_grad():
         for n, t in weights.items():
             p = params[n]
-            if hasattr(p, "distribute_tensor") or hasattr(p, "device_mesh"):
+            if hasattr(p, "device_mesh"):
                 p.copy_(distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements))
             else:
                 p.copy_(t.to(device=p.device, dtype=p.dtype))
 
 
-# ----- the run state of --resume ------------------------------------------------------------------
+# ----- the run state of --resume: sharded, float32 --------------------------------------------
+def _scalar_view(t: Tensor) -> Tensor:
+    """safetensors shards hold tensors of at least one dimension: AdamW's step count travels as [1]."""
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+def _optimizer_tensors(trainer, for_load: bool = False) -> tuple[dict, dict[str, Tensor]]:
+    """(the optimizer's state dict keyed by parameter name, its tensors flattened to
+    `optim.<name>.<key>`, views into it). Saving before the first update writes none (initialising
+    the state would count a step); loading initialises it (torch's zero-gradient, zero-lr step) so
+    that there are tensors to load into."""
+    if not trainer.optimizer.state and not for_load:
+        return {}, {}
+    osd = get_optimizer_state_dict(trainer.adapter.transformer, trainer.optimizer)
+    flat = {f"optim.{name}.{key}": _scalar_view(t) for name, entry in osd["state"].items()
+            for key, t in entry.items() if isinstance(t, Tensor)}
+    return osd, flat
+
+
+def _state_tensors(trainer) -> dict[str, Tensor]:
+    """Every tensor of the run state this trainer rank holds (its shards under FSDP)."""
+    params = dict(trainer.adapter.transformer.named_parameters())
+    out = {f"model.{n}": params[n].detach() for n in trainer.names}
+    if trainer.ema is not None:
+        out.update({f"ema.{n}": e for n, e in zip(trainer.names, trainer.ema)})
+    out.update(_optimizer_tensors(trainer)[1])
+    return out
+
+
+def read_state(path: str, prefix: str = "model.") -> dict[str, Tensor]:
+    """The whole tensors under `prefix` of a checkpoint's state/ (float32, as trained), read by
+    this process alone whatever sharding wrote them."""
+    folder = os.path.join(path, STATE_DIR)
+    meta = HuggingFaceStorageReader(folder).read_metadata().state_dict_metadata
+    targets = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
+    if not targets:
+        raise ValueError(f"checkpoint {path!r} holds no {prefix}* tensors in {STATE_DIR}/")
+    dcp.load(targets, storage_reader=HuggingFaceStorageReader(folder), no_dist=True)
+    return {k[len(prefix):]: v for k, v in targets.items()}
+
+
+def _load_state(path: str, trainer) -> None:
+    """Load this trainer rank's shards of the weights, EMA and AdamW state from state/ in place."""
+    folder = os.path.join(path, STATE_DIR)
+    saved = set(HuggingFaceStorageReader(folder).read_metadata().state_dict_metadata)
+    params = dict(trainer.adapter.transformer.named_parameters())
+    targets = {f"model.{n}": params[n].detach() for n in trainer.names}
+    if trainer.ema is not None and any(k.startswith("ema.") for k in saved):
+        targets.update({f"ema.{n}": e for n, e in zip(trainer.names, trainer.ema)})
+    has_optim = any(k.startswith("optim.") for k in saved)
+    osd, flat = _optimizer_tensors(trainer, for_load=True) if has_optim else ({}, {})
+    targets.update(flat)
+    with torch.no_grad():
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(folder), no_dist=True)
+    if has_optim:
+        set_optimizer_state_dict(trainer.adapter.transformer, trainer.optimizer, osd)
+
+
 def save_run_state(out_dir: str, done: int, trainer, adapter, running, lora_config, write: bool, *,
                    extra: dict | None = None, stale: dict[str, Tensor] | None = None, config: dict | None = None,
-                   keep: int = 0) -> str | None:
-    """After `done` updates: every trainer rank gathers the full state (collectives under FSDP);
-    the one with `write` writes checkpoints/step-`done` atomically and prunes to the newest `keep`.
-    `extra` joins trainer_state.pt; `stale` is the TCSS generators' version (done - 1)."""
-    weights = trainer.full_weights()
-    ema = trainer.ema_weights()
-    if trainer.sharding == "fsdp":
-        optim = get_optimizer_state_dict(trainer.adapter.transformer, trainer.optimizer,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        optim = trainer.optimizer.state_dict()
+                   keep: int = 0, export_dtype: str = "bfloat16") -> str | None:
+    """After `done` updates, every trainer rank (collectives over the trainer group): each writes
+    its shards of the run state and its part of the export into checkpoints/step-`done`.tmp; the
+    one with `write` adds the small files, commits the folder atomically and prunes to the newest
+    `keep`. `extra` joins trainer_state.pt; `stale` is the TCSS generators' version (done - 1)."""
+    path = checkpoint_dir(out_dir, done)
+    tmp = checkpoint_files.temporary(path)
+    if write:
+        checkpoint_files.begin(path)
+    _barrier(trainer.group)  # the empty folder exists before any rank writes into it
+    dcp.save(_state_tensors(trainer), storage_writer=HuggingFaceStorageWriter(os.path.join(tmp, STATE_DIR),
+                                                                            save_distributed=True),
+             process_group=trainer.group)
+    params = dict(trainer.adapter.transformer.named_parameters())
+    dtype = EXPORT_DTYPES[export_dtype]
+    export_weights(tmp, adapter, {n: params[n] for n in trainer.names}, lora=trainer.lora, dtype=dtype,
+                   group=trainer.group, write=write, lora_config=lora_config)
+    if trainer.ema is not None:
+        export_weights(os.path.join(tmp, EMA_DIR), adapter, dict(zip(trainer.names, trainer.ema)), lora=trainer.lora,
+                       dtype=dtype, group=trainer.group, write=write, lora_config=lora_config)
+    _barrier(trainer.group)  # every rank's files are complete before the manifest lists them
     if not write:
         return None
-    state = {"optimizer": optim, "num_updates": trainer.num_updates, "running_std": running.state_dict(),
+    state = {"num_updates": trainer.num_updates, "running_std": running.state_dict(),
              "torch_rng": torch.get_rng_state(), "step": done, **(extra or {})}
-    path = checkpoint_dir(out_dir, done)
-    save_checkpoint(path, adapter, weights, lora=trainer.lora, step=done, trainer_state=state, ema=ema,
-                    lora_config=lora_config, stale=stale, config=config)
+    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    if stale is not None:
+        save_file({n: t.detach().cpu().contiguous() for n, t in stale.items()}, os.path.join(tmp, STALE_FILE))
+    with open(os.path.join(tmp, "state.json"), "w") as f:
+        json.dump({"step": done, "version": done, "lora": trainer.lora}, f)
+    if config is not None:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+
+    def crash_hook(folder: str) -> None:
+        if os.environ.get(KILL_ENV, "").strip() == str(done):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint_files.commit(path, {"step": done, "version": done, "lora": trainer.lora, "config": config},
+                            before_manifest=crash_hook)
     checkpoint_files.prune(os.path.dirname(path), keep, protect=(path,))
     return path
 
 
+def _barrier(group) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)  # sync point: all trainers
+
+
 def restore_run_state(path: str, adapter, trainer, running, use_stale: bool = False) -> dict:
-    """Every rank installs checkpoint `path`'s weights (with `use_stale`, the TCSS generators'
-    version N-1 on top); trainers also restore the optimizer and the EMA. Returns trainer_state.pt
-    (its "step" is the checkpoint's)."""
-    weights, _ = read_trained_weights(path)
-    install_weights(adapter.transformer, weights)
+    """Every rank installs checkpoint `path`'s weights from state/ (with `use_stale`, the TCSS
+    generators' version N-1 on top); trainers load their own shards of the weights, the optimizer
+    and the EMA. Returns trainer_state.pt (its "step" is the checkpoint's)."""
+    if trainer is None:
+        install_weights(adapter.transformer, read_state(path, "model."))
+    else:
+        _load_state(path, trainer)
     stale_path = os.path.join(path, STALE_FILE)
     if use_stale and os.path.isfile(stale_path):
         install_weights(adapter.transformer, load_file(stale_path))
@@ -181,19 +312,5 @@ def restore_run_state(path: str, adapter, trainer, running, use_stale: bool = Fa
     running.load_state_dict(state["running_std"])
     if trainer is not None:
         trainer.num_updates = state["num_updates"]
-        if trainer.sharding == "fsdp":
-            set_optimizer_state_dict(trainer.adapter.transformer, trainer.optimizer, state["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True))
-        else:
-            trainer.optimizer.load_state_dict(state["optimizer"])
-        ema_path = os.path.join(path, "ema.safetensors")
-        if trainer.ema is not None and os.path.isfile(ema_path):
-            ema = load_file(ema_path)
-            with torch.no_grad():
-                for e, n in zip(trainer.ema, trainer.names):
-                    if hasattr(e, "device_mesh"):  # FSDP: this rank's shard of the full tensor
-                        e.copy_(distribute_tensor(ema[n].to(e.dtype), e.device_mesh, e.placements))
-                    else:
-                        e.copy_(ema[n].to(e.device, e.dtype))
     torch.set_rng_state(state["torch_rng"])
     return state

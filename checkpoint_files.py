@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: the run state in state/ (sharded safetensors), the export in --export-dtype
 PIN_FILE = "KEEP"  # a checkpoint folder holding a file of this name is never pruned
 _STEP_DIR = re.compile(r"step-(\d+)")
 _CHUNK = 1 << 20
@@ -72,16 +72,26 @@ def _files_under(root: str) -> list[str]:
     return sorted(out)
 
 
-def write_atomic(final: str, write_files, meta: dict, before_manifest=None) -> None:
-    """Create the checkpoint folder `final` atomically. `write_files(tmp)` writes the content into
-    the temporary folder; `meta` goes into the manifest beside the file list. `before_manifest(tmp)`
-    runs after the files and before the manifest (a test hook). An existing `final` is replaced only
-    once the new folder is complete."""
-    tmp = final + ".tmp"
+def temporary(final: str) -> str:
+    """The folder a checkpoint is written into before `commit` renames it to `final`."""
+    return final + ".tmp"
+
+
+def begin(final: str) -> str:
+    """Create the empty temporary folder of checkpoint `final` (removing a stale one) and return it."""
+    tmp = temporary(final)
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    write_files(tmp)
+    return tmp
+
+
+def commit(final: str, meta: dict, before_manifest=None) -> None:
+    """Finish checkpoint `final` once every file is in its temporary folder (written by any number
+    of processes): fsync them, write the manifest last (`meta` beside the file list), rename the
+    folder to `final`. `before_manifest(tmp)` runs after the files and before the manifest (a test
+    hook). An existing `final` is replaced only once the new folder is complete."""
+    tmp = temporary(final)
     files = {}
     for rel in _files_under(tmp):
         path = os.path.join(tmp, rel)
@@ -101,6 +111,13 @@ def write_atomic(final: str, write_files, meta: dict, before_manifest=None) -> N
     fsync_dir(os.path.dirname(final))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_atomic(final: str, write_files, meta: dict, before_manifest=None) -> None:
+    """Create the checkpoint folder `final` atomically from one process: `write_files(tmp)` writes
+    the content into the temporary folder, then `commit`."""
+    write_files(begin(final))
+    commit(final, meta, before_manifest)
 
 
 def read_manifest(path: str) -> dict:

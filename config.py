@@ -14,6 +14,7 @@ import configfile
 import preflight
 import runfolder
 import sampler
+from checkpoint import EXPORT_DTYPES
 from parallel import compress
 from parallel.plan import DISPATCHES, ShapeTable, StepPlan, plan_step
 from parallel.topology import SHARDINGS, Topology
@@ -158,6 +159,8 @@ class OutputConfig:
                                       "run loses at most a tenth of its steps; 0 = only at the end)")
     keep_checkpoints: int = _f(3, "keep the newest K checkpoints (0 = all); a checkpoint folder holding a file named "
                                   "KEEP is never removed")
+    export_dtype: str = _f("bfloat16", "dtype of the exported weights (transformer/, pytorch_lora_weights, ema/): "
+                                       "bfloat16, float16 or float32; the run state for --resume keeps float32")
     log_images_every: int = _f(5, "log a grid of training samples every N steps (0 = never)")
     eval_every: int = _f(10, "evaluate on held-out prompts with the ODE sampler every N steps (0 = never)")
     eval_prompts: str | None = _f(None, "held-out prompt file for evaluation (default: data/shapes_eval.txt)")
@@ -427,6 +430,7 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
     _choice("--lora-targets", cfg.optim.lora_targets, ("attn", "attn+ff"))
     _choice("--fragment-split", t.fragment_split, ("auto", "even", "speed"))
     _choice("--dispatch", t.dispatch, DISPATCHES)
+    _choice("--export-dtype", o.export_dtype, EXPORT_DTYPES)
     compress.parse(t.publish_compression)
     if o.debug_link_bandwidth is not None and not o.debug_link_bandwidth > 0:
         raise ValueError(f"--debug-link-bandwidth must be > 0 MB/s, got {o.debug_link_bandwidth}")

@@ -177,7 +177,7 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
                                       write=rank == topo.trainer_ranks[0],
                                       extra=runstate.extra_state(trainer, std_history, done),
                                       stale=publisher.kept(done - 1) if facts.tcss else None, config=cfg.to_dict(),
-                                      keep=cfg.output.keep_checkpoints)
+                                      keep=cfg.output.keep_checkpoints, export_dtype=cfg.output.export_dtype)
         saved = done
 
     try:

@@ -375,10 +375,6 @@ class Trainer:
         wanted = set(names or self.names)
         return {n: full_tensor(p.detach()) for n, p in self.adapter.transformer.named_parameters() if n in wanted}
 
-    def ema_weights(self) -> dict[str, Tensor] | None:
-        if self.ema is None:
-            return None
-        return {n: full_tensor(e) for n, e in zip(self.names, self.ema)}
 
 
 

@@ -249,4 +249,16 @@ def predict_run(run_dir: str, units: UnitCosts, profile: DeviceProfile, skip: in
             "in_sample": os.path.basename(os.path.normpath(run_dir)) == units.source}
 
 
-__all__ = ["UnitCosts", "fit_unit_costs", "predict_run", "simulate_config", "target_costs"]
+def predict_ratios(baseline_dir: str, run_dirs: list[str], profile: DeviceProfile, skip: int = 1) -> dict[str, dict]:
+    """The planner's throughput ratio of each run over a baseline doing the same work per step
+    (a bench scenario): per-unit costs are fitted on the baseline's folder alone, then every run,
+    the baseline included, is predicted from its config. run dir -> {predicted_step_s,
+    predicted_ratio}; the runs' measurements play no part."""
+    units = fit_unit_costs(baseline_dir, profile, skip)
+    predicted = {d: predict_run(d, units, profile, skip)["predicted_step_s"] for d in dict.fromkeys([baseline_dir,
+                                                                                                     *run_dirs])}
+    base = predicted[baseline_dir]
+    return {d: {"predicted_step_s": s, "predicted_ratio": base / s if s > 0 else None} for d, s in predicted.items()}
+
+
+__all__ = ["UnitCosts", "fit_unit_costs", "predict_ratios", "predict_run", "simulate_config", "target_costs"]

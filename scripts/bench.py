@@ -16,7 +16,7 @@ written as JSON (--json) and as a markdown table (--markdown).
 Every mode trains the same transitions in the same forwards: the workload packs transitions
 (TSP, --train-micro-batch) in every mode, colocated ones included, so a ratio isolates placement
 (--no-packing runs every mode with one timestep of a chunk per forward instead). Scenarios
-(bench_scenarios.py) run the regimes where placement matters, each against its best colocated
+(SCENARIOS) run the regimes where placement matters, each against its best colocated
 baseline. Adding a mode is one line in MODES.
 """
 from __future__ import annotations
@@ -39,9 +39,9 @@ sys.path.insert(0, ROOT)
 from config import parse_config  # noqa: E402
 from metrics import read_metrics  # noqa: E402
 from models import load_model  # noqa: E402
-from tracing import BUSY_CATEGORIES, Span, Tracer  # noqa: E402
+from tracing import BUSY_CATEGORIES  # noqa: E402
 
-from bench_report import scenario_report, write_report  # noqa: E402
+from bench_report import add_predictions, bubble_check, scenario_report, write_report  # noqa: E402
 
 
 class Mode(NamedTuple):
@@ -147,6 +147,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     r.add_argument("--timeout", type=float, default=600, help="seconds before a mode's run is killed")
     r.add_argument("--threads", type=int, default=None,
                    help="OMP_NUM_THREADS per rank (default: CPU cores // ranks, at least 1)")
+    r.add_argument("--profile", default=None, help="scenarios: the scripts/calibrate.py profile of the planner's "
+                   "predicted ratios (default: measured first into the bench folder; 'none': no prediction)")
     args = p.parse_args(argv)
     args.passthrough = passthrough
     if args.steps <= args.warmup:
@@ -175,7 +177,8 @@ SCENARIOS: dict[str, Scenario] = {
                         ("--lora-rank", "0", "--memory-budget-gb", "auto", "--prompts-per-step", "3"),
                         "full fine-tuning whose training state must be sharded (--memory-budget-gb): colocated FSDP2 "
                         "for both phases against plain inference weights on the generator and FSDP2 trainers"),
-    "hetero": Scenario(("colocated-replicate", "colocated-speed", "gap", "gap+tag"), ("--debug-slow-rank", "0:2"),
+    "hetero": Scenario(("colocated-replicate", "colocated-speed", "gap", "gap+tag", "gap+tcss", "gap+tag+tcss"),
+                       ("--debug-slow-rank", "0:2"),
                        "rank 0 is 2x slower (an older or inference-class GPU): colocated splits evenly (or by speed); "
                        "DigenRL puts generation on the slow rank"),
     "window": Scenario(("colocated-replicate", "gap+tag", "gap+tag+tcss"), ("--algorithm", "window", "--sde-window", "0:2"),
@@ -249,8 +252,21 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
     if budget is not None:
         notes_lines.append(f"sharded: --memory-budget-gb {budget:.6g} (2.5x the float32 weights) forbids replicated "
                            f"full fine-tuning")
+    if args.profile != "none":
+        notes_lines.append(add_predictions(rows, args.profile or calibrate(args, bench_dir)))
     scenario_report(rows, notes_lines, bench_dir, args.json or os.path.join(bench_dir, "scenarios.json"))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def calibrate(args: argparse.Namespace, bench_dir: str) -> str:
+    """A device profile of the bench's model and size on this machine (scripts/calibrate.py)."""
+    path = os.path.join(bench_dir, "profile.json")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "calibrate.py"), "--out", path, "--height", str(args.height),
+           "--width", str(args.width), "--max-batch", str(max(args.micro_batch, 4))]
+    if args.preset != "auto":
+        cmd += ["--preset", args.preset]
+    subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True, capture_output=True)
+    return path
 
 
 def select_modes(spec: str) -> list[str]:
@@ -378,28 +394,6 @@ def median_row(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     measured = rows[warmup:]
     step_s = statistics.median(r["perf/step_s"] for r in measured)
     return min(measured, key=lambda r: abs(r["perf/step_s"] - step_s))
-
-
-def bubble_check(out_dir: str, row: dict[str, Any]) -> dict[str, Any] | None:
-    """The bubble of one step (a metrics.jsonl row) recomputed from the rank traces: per-rank busy
-    seconds, ideal, actual, and the logged value to compare with (None when the traces are missing)."""
-    step, step_s = row["step"], row["perf/step_s"]
-    trace_dir = os.path.join(out_dir, "trace")
-    if not os.path.isdir(trace_dir):
-        return None
-    busy = []
-    for fname in sorted(os.listdir(trace_dir), key=lambda f: int("".join(c for c in f if c.isdigit()) or 0)):
-        with open(os.path.join(trace_dir, fname)) as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-        tracer = Tracer(rank=-1, role="")
-        tracer.spans = [Span(e["name"], e["cat"], e["args"]["step"], e["args"].get("fragment"), e["ts"], e["dur"])
-                        for e in events]
-        busy.append(tracer.busy_seconds(step))
-    if not busy:
-        return None
-    ideal = sum(busy) / len(busy)
-    return {"step": step, "busy_s": busy, "ideal_s": ideal, "actual_s": step_s, "bubble": 1 - ideal / step_s,
-            "logged_bubble": row["perf/bubble_fraction"]}
 
 
 def run_info(out_dir: str) -> dict[str, Any]:

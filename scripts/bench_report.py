@@ -6,12 +6,17 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import statistics
 from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+
+from planner import fit  # noqa: E402
+from planner.profile import DeviceProfile  # noqa: E402
+from tracing import Span, Tracer  # noqa: E402
 
 COLORS = {"generate": "tab:green", "score": "tab:olive", "train": "tab:blue", "optimizer": "tab:purple",
           "comm": "tab:gray", "publish": "tab:orange", "eval": "tab:brown"}
@@ -93,7 +98,7 @@ def write_report(report: dict[str, Any], json_path: str, md_path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 SCENARIO_HEADER = ["scenario", "mode", "ranks", "step s", "samples/s", "bubble", "busy by role", "published MB/step",
-                   "x baseline", "status"]
+                   "x baseline", "planner x", "status"]
 
 
 def scenario_cells(row: dict[str, Any]) -> list[str]:
@@ -107,7 +112,7 @@ def scenario_cells(row: dict[str, Any]) -> list[str]:
     return [row["scenario"], mode, f"{row['nproc']}{'*' if row['exceeds_cores'] else ''}", num(row.get("step_s"), ".3f"),
             num(row.get("samples_per_s"), ".2f"), num(row.get("bubble"), ".3f"), busy or "-",
             num(row["publish_bytes"] / 1e6 if row.get("publish_bytes") else None, ".3f"),
-            num(row.get("ratio"), ".2f"), row["status"]]
+            num(row.get("ratio"), ".2f"), num(row.get("predicted_ratio"), ".2f"), row["status"]]
 
 
 def ratio_chart(rows: list[dict[str, Any]], path: str) -> None:
@@ -125,13 +130,16 @@ def ratio_chart(rows: list[dict[str, Any]], path: str) -> None:
             ax.bar(x, value, width=0.8, color=color)
             ax.text(x, value + 0.02, f"{value:.2f}", ha="center", va="bottom", fontsize=7)
             ax.text(x, 0.02, r["mode"], rotation=90, ha="center", va="bottom", fontsize=7, color="white")
+            if r.get("predicted_ratio") is not None:
+                ax.plot([x - 0.4, x + 0.4], [r["predicted_ratio"]] * 2, color="tab:red", linewidth=1.5)
             x += 1
         ticks.append(((start + x - 1) / 2, sc))
         x += 0.8
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([t for t, _ in ticks], [n for _, n in ticks])
     ax.set_ylabel("samples/s over the colocated baseline")
-    ax.set_title("DigenRL modes (blue) against each scenario's colocated baseline (dark gray)")
+    ax.set_title("DigenRL modes (blue) against each scenario's colocated baseline (dark gray); red: planner",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -148,6 +156,28 @@ def _spans(out_dir: str, step: int) -> list[tuple[int, str, float, float]]:
         out += [(rank, e["cat"], e["ts"] / 1e6, e["dur"] / 1e6) for e in events
                 if e.get("ph") == "X" and e.get("args", {}).get("step") == step]
     return out
+
+
+def bubble_check(out_dir: str, row: dict[str, Any]) -> dict[str, Any] | None:
+    """The bubble of one step (a metrics.jsonl row) recomputed from the rank traces: per-rank busy
+    seconds, ideal, actual, and the logged value to compare with (None when the traces are missing)."""
+    step, step_s = row["step"], row["perf/step_s"]
+    trace_dir = os.path.join(out_dir, "trace")
+    if not os.path.isdir(trace_dir):
+        return None
+    busy = []
+    for fname in sorted(os.listdir(trace_dir), key=lambda f: int("".join(c for c in f if c.isdigit()) or 0)):
+        with open(os.path.join(trace_dir, fname)) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        tracer = Tracer(rank=-1, role="")
+        tracer.spans = [Span(e["name"], e["cat"], e["args"]["step"], e["args"].get("fragment"), e["ts"], e["dur"])
+                        for e in events]
+        busy.append(tracer.busy_seconds(step))
+    if not busy:
+        return None
+    ideal = sum(busy) / len(busy)
+    return {"step": step, "busy_s": busy, "ideal_s": ideal, "actual_s": step_s, "bubble": 1 - ideal / step_s,
+            "logged_bubble": row["perf/bubble_fraction"]}
 
 
 def timeline(rows: list[dict[str, Any]], path: str) -> None:
@@ -172,6 +202,34 @@ def timeline(rows: list[dict[str, Any]], path: str) -> None:
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def add_predictions(rows: list[dict[str, Any]], profile_path: str) -> str:
+    """Put the planner's ratio beside each measured one (`predicted_ratio`, `predicted_step_s`): per
+    scenario, per-unit costs fitted on the baseline's run alone predict every mode from its config
+    (planner/fit.py). Returns the report's note on it."""
+    profile = DeviceProfile.load(profile_path)
+    failed = []
+    for sc in dict.fromkeys(r["scenario"] for r in rows):
+        mine = [r for r in rows if r["scenario"] == sc and r["status"] == "ok"]
+        base = next((r for r in mine if r["baseline"]), None)
+        if base is None:
+            continue
+        try:
+            predicted = fit.predict_ratios(base["output_dir"], [r["output_dir"] for r in mine], profile)
+        except (ValueError, KeyError, ZeroDivisionError) as e:
+            failed.append(f"{sc} ({e})")
+            continue
+        for r in mine:
+            r.update(predicted[r["output_dir"]])
+    errors = [abs(r["predicted_ratio"] / r["ratio"] - 1) for r in rows
+              if r.get("predicted_ratio") and r.get("ratio") and not r["baseline"]]
+    line = (f"planner x: the planner's ratio, its per-unit costs fitted on each scenario's baseline run alone "
+            f"(profile {profile_path})")
+    if errors:
+        line += f"; off the measured ratio by {100 * statistics.median(errors):.0f}% (median), " \
+                f"{100 * max(errors):.0f}% (worst) over {len(errors)} modes"
+    return line + (f"; not predicted: {'; '.join(failed)}" if failed else "")
 
 
 def scenario_report(rows: list[dict[str, Any]], notes_lines: list[str], out_dir: str, json_path: str) -> None:

@@ -29,10 +29,10 @@ def torchrun_script(nproc: int, script: str, args: list[str] = (), env: dict | N
 
 
 def trained_weights(run_dir: str, step: int):
-    from checkpoint import checkpoint_dir, read_trained_weights
+    """The trained weights of checkpoint `step`, float32 as trained (the run state, not the export)."""
+    from checkpoint import checkpoint_dir, read_state
 
-    weights, _ = read_trained_weights(checkpoint_dir(run_dir, step))
-    return weights
+    return read_state(checkpoint_dir(run_dir, step))
 
 
 def torchrun_background(nproc: int, args: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:

@@ -56,3 +56,28 @@ def test_unknown_mode_is_a_clear_error(tmp_path):
     assert "unknown mode(s) no-such-mode" in proc.stderr
     assert "colocated-replicate" in proc.stderr and "gap-stream" in proc.stderr
     assert not (tmp_path / "bench").exists()  # nothing ran
+
+
+def test_a_scenario_reports_measured_and_predicted_ratios(tmp_path):
+    """--scenarios: a JSON list of rows with the required fields, the ratio to the scenario's
+    baseline, the planner's ratio fitted on the baseline run alone, markdown and both figures."""
+    out = tmp_path / "bench"
+    proc = _bench(["--scenarios", "window", *QUICK, "--out", str(out), "--json", str(tmp_path / "rows.json"),
+                   "--", "--reward", "jpeg_compressibility"], timeout=400)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["mode"] for r in rows] == ["colocated-replicate", "gap+tag", "gap+tag+tcss"]
+    base = rows[0]
+    assert base["baseline"] and not any(r["baseline"] for r in rows[1:])
+    for r in rows:
+        assert r["scenario"] == "window" and r["status"] == "ok", r
+        assert r["ratio"] == pytest.approx(r["samples_per_s"] / base["samples_per_s"])
+        assert 0.0 <= r["bubble"] <= 1.0
+        assert r["predicted_step_s"] > 0
+        assert r["predicted_ratio"] == pytest.approx(base["predicted_step_s"] / r["predicted_step_s"])
+    assert base["ratio"] == pytest.approx(1.0) and base["predicted_ratio"] == pytest.approx(1.0)
+    assert sum(bool(r.get("best")) for r in rows) == 1
+    markdown = (out / "scenarios.md").read_text()
+    assert "planner x" in markdown and "fitted on each scenario's baseline run alone" in markdown
+    assert (out / "ratios.png").stat().st_size > 0 and (out / "timeline.png").stat().st_size > 0
+    assert (out / "profile.json").is_file()  # measured first, since no --profile was given

@@ -72,6 +72,21 @@ def test_the_fit_reproduces_its_own_run():
     assert units.gen_scale > 0 and units.train_scale > 0 and 0.5 <= units.cores <= 4.0
 
 
+def test_predicted_ratios_are_fitted_on_the_baseline_alone():
+    """A bench scenario's planner ratios: the baseline predicts itself at 1.0 and every run from its
+    config with the baseline's per-unit costs, the same numbers as predict_run gives."""
+    profile = DeviceProfile.load(PROFILE)
+    base = os.path.join(FIXTURES, "slow-gen", FIT_MODE)
+    target = os.path.join(FIXTURES, "slow-gen", "slow-gen")
+    out = fit.predict_ratios(base, [target], profile)
+    assert out[base]["predicted_ratio"] == pytest.approx(1.0)
+    units = fit.fit_unit_costs(base, profile)
+    alone = fit.predict_run(target, units, profile)["predicted_step_s"]
+    assert out[target]["predicted_step_s"] == pytest.approx(alone)
+    assert out[target]["predicted_ratio"] == pytest.approx(out[base]["predicted_step_s"] / alone)
+    assert out[target]["predicted_ratio"] < 0.8  # the generator slowed 3x: the planner sees a slower run
+
+
 def test_fit_cli(tmp_path, capsys):
     out = tmp_path / "fit.json"
     assert plan_cli.main(["--fit-run", os.path.join(FIXTURES, "gap+tsp", FIT_MODE), "--profile", PROFILE, "--predict",
