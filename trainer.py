@@ -409,7 +409,8 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     trainer.begin_step()
     trainer.current_step = step
     intake.inbox.update(local)
-    intake.exchange(plan, ctx.rank)  # colocated TSP: the packed shares move between ranks first
+    if not facts.disagg:
+        intake.exchange(plan, ctx.rank)  # colocated TSP: the packed shares move between ranks first
     if assistant is not None:
         assistant.begin_step(plan, reward_std, trainer, intake)
 

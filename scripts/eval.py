@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--model", default="flux", help=f"model family, one of {model_names()}")
     p.add_argument("--model-path", default=None, help="local diffusers folder (default: the tiny preset)")
-    p.add_argument("--checkpoint", default=None, help="a checkpoints/step-N folder of a training run")
+    p.add_argument("--checkpoint", default=None, help="a checkpoints/step-N folder of a training run, or its ema/")
     p.add_argument("--prompts", required=True, help="prompt file (.txt or .jsonl)")
     p.add_argument("--num-prompts", type=int, default=None, help="evaluate only the first N prompts")
     p.add_argument("--samples-per-prompt", type=int, default=1,

@@ -6,6 +6,8 @@ training checkpoint. The model and sampling flags are the training run's own (co
         --prompt "a red circle" --sample-steps 20 --out-dir out/
     python scripts/sample.py --config runs/default/config.json --checkpoint runs/default/checkpoints/step-20 \\
         --prompt "a red circle" --out-dir out/
+    python scripts/sample.py --config runs/default/config.json --checkpoint runs/default/checkpoints/step-20/ema \\
+        --prompt "a red circle" --out-dir out-ema/     # the EMA weights (--ema-decay)
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def save_trajectory(traj: sampler.Trajectory, path: str) -> None:
 def parse_args(argv: list[str] | None):
     p, base, _ = config_parser(argv, __doc__.strip().splitlines()[0], sections=("model", "sampling"))
     p.add_argument("--checkpoint", default=None,
-                   help="a training checkpoint folder (checkpoints/step-N) whose trained weights to load")
+                   help="a training checkpoint folder (checkpoints/step-N, or its ema/) whose trained weights to "
+                        "load")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     src.add_argument("--prompts", help="prompt file: .txt (one per line) or .jsonl (field 'prompt')")
