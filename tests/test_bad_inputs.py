@@ -97,6 +97,7 @@ def _cases(tmp_path):
         ("truncated vae", ["--model-path", v_trunc, *flux], {}, "vae/diffusion_pytorch_model.safetensors: truncated"),
         ("broken model config", ["--model-path", bad_json, *flux], {}, "transformer/config.json: not valid JSON"),
         ("ema-decay 1", [*tiny, "--ema-decay", "1"], {}, "--ema-decay must be in [0, 1) (0 = off), got 1.0"),
+        ("export-dtype", [*tiny, "--export-dtype", "fp8"], {}, "unknown --export-dtype 'fp8'"),
         ("cps noise 2", [*tiny, "--sde-type", "cps", "--noise-level", "2"], {}, "--noise-level 2.0 must be in [0, 1]"),
         ("adam-betas", [*tiny, "--adam-betas", "0.9,1.5"], {}, "--adam-betas must be two numbers in [0, 1), got 0.9,1.5"),
         ("weight-decay inf", [*tiny, "--weight-decay", "inf"], {}, "--weight-decay must be a finite number >= 0, got inf"),
