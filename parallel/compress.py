@@ -25,6 +25,7 @@ from torch import Tensor
 
 CODECS = ("none", "bf16", "delta", "delta-topk")
 WIRE_DTYPE = torch.bfloat16
+WIRE_BYTES = torch.finfo(WIRE_DTYPE).bits // 8
 
 
 def parse(spec: str) -> tuple[str, float | None]:
@@ -45,6 +46,28 @@ def parse(spec: str) -> tuple[str, float | None]:
     return name, fraction
 
 
+def topk_count(numel: int, fraction: float) -> int:
+    """Entries delta-topk:F sends of a tensor of `numel` elements: ceil(F x numel), at least one."""
+    return max(1, math.ceil(fraction * numel))
+
+
+def index_bytes(numel: int) -> int:
+    """Bytes of one top-k index into a tensor of `numel` elements (int32, or int64 from 2**31)."""
+    return 4 if numel < 2**31 else 8
+
+
+def wire_bytes(spec: str, numel: int, element_size: int) -> int:
+    """Bytes that travel for one tensor of `numel` elements of `element_size` bytes each (what a
+    publication counts: the sum of its wire tensors' sizes). The planner prices publication with it."""
+    name, fraction = parse(spec)
+    if name == "none":
+        return numel * element_size
+    if name in ("bf16", "delta"):
+        return numel * WIRE_BYTES
+    k = topk_count(numel, fraction)
+    return k * (index_bytes(numel) + WIRE_BYTES)
+
+
 def encode(spec: str, new: Tensor, held: Tensor | None) -> dict[str, Tensor]:
     """The wire parts of one tensor: {"" : values} or, for top-k, {"idx", "val"}. `held` is what
     the receivers hold now (needed by the delta codecs)."""
@@ -57,9 +80,9 @@ def encode(spec: str, new: Tensor, held: Tensor | None) -> dict[str, Tensor]:
     delta = (new.float() - held.float()).reshape(-1)
     if name == "delta":
         return {"": delta.to(WIRE_DTYPE).view(new.shape).contiguous()}
-    k = max(1, math.ceil(fraction * delta.numel()))
+    k = topk_count(delta.numel(), fraction)
     idx = delta.abs().topk(k, sorted=False).indices.sort().values
-    index_dtype = torch.int32 if delta.numel() < 2**31 else torch.int64
+    index_dtype = torch.int32 if index_bytes(delta.numel()) == 4 else torch.int64
     return {"idx": idx.to(index_dtype).contiguous(), "val": delta[idx].to(WIRE_DTYPE).contiguous()}
 
 

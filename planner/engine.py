@@ -32,6 +32,13 @@ class Costs:
     chunks_per_fragment: int | None = None
     """without TSP: the number of chunks of a fragment (each train_fragment_s * num_trainers / k
     seconds on one trainer, round-robin over the trainers). None: TSP"""
+    gen_scale: list[float] | None = None
+    """per fragment of a step (fragments of different shapes): its generation time on any worker
+    relative to that worker's `replica_fragment_s` / `trainer_fragment_s`. None: all 1"""
+    train_scale: list[float] | None = None
+    """per fragment: its training time relative to `train_fragment_s`. None: all 1"""
+    transfer_scale: list[float] | None = None
+    """per fragment: its transfer time relative to `transfer_s`. None: all 1"""
 
     def __post_init__(self):
         self.replica_fragment_s = [float(x) for x in self.replica_fragment_s]
@@ -45,6 +52,17 @@ class Costs:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.chunks_per_fragment is not None and self.chunks_per_fragment < 1:
             raise ValueError(f"chunks_per_fragment must be >= 1 or None (TSP), got {self.chunks_per_fragment}")
+        for name in ("gen_scale", "train_scale", "transfer_scale"):
+            scale = getattr(self, name)
+            if scale is not None:
+                setattr(self, name, [float(x) for x in scale])
+                if not scale or min(scale) <= 0:
+                    raise ValueError(f"{name} must list one positive factor per fragment, got {scale}")
+
+    def scale(self, name: str, fragment: int) -> float:
+        """Fragment `fragment`'s factor of `name` (gen_scale, train_scale, transfer_scale)."""
+        scale = getattr(self, name)
+        return 1.0 if scale is None else scale[fragment]
 
     @property
     def num_replicas(self) -> int:
@@ -184,9 +202,16 @@ class _Engine:
     then time jumps to the next instant something ends or lands."""
 
     def __init__(self, costs: Costs, num_trainers: int, num_steps: int, units: list[int],
-                 owners: list[int] | None, *, policy: Policy | None, tcss: bool, stages: int, record: bool):
+                 owners: list[int] | None, *, policy: Policy | None, tcss: bool, stages: int, record: bool,
+                 weights: list[tuple[float, float, float]] | None = None):
+        """`weights`: per fragment, its (generation, training, transfer) time in units of the costs'
+        one-fragment times; default: `units` fragments of the costs' per-fragment scales."""
         self.costs, self.M, self.K, self.R, self.S = costs, num_trainers, num_steps, costs.num_replicas, stages
         self.units, self.first_unit = units, [sum(units[:f]) for f in range(len(units))]
+        if weights is None:
+            weights = [(n * costs.scale("gen_scale", f), n * costs.scale("train_scale", f),
+                        costs.scale("transfer_scale", f)) for f, n in enumerate(units)]
+        self.gen_w, self.train_w, self.xfer_w = (list(w) for w in zip(*weights))
         self.policy, self.tcss, self.dynamic = policy, tcss, owners is None
         num_fragments = len(units)
         self.unclaimed = [list(range(num_fragments)) for _ in range(num_steps)]  # dynamic claims
@@ -218,7 +243,7 @@ class _Engine:
         c, m, n = self.costs, self.M, self.units[fragment]
         if c.chunks_per_fragment is None:  # TSP: every trainer an equal share
             for j in range(m):
-                self.queues[j].append(_Share(ready, step, fragment, n * c.train_fragment_s))
+                self.queues[j].append(_Share(ready, step, fragment, self.train_w[fragment] * c.train_fragment_s))
             self.pending[step] += m
             return
         k = c.chunks_per_fragment
@@ -227,7 +252,8 @@ class _Engine:
             per_trainer[chunk % m] += 1
         for j, num_chunks in enumerate(per_trainer):
             if num_chunks:
-                self.queues[j].append(_Share(ready, step, fragment, num_chunks * c.train_fragment_s * m / k))
+                self.queues[j].append(_Share(ready, step, fragment,
+                                             num_chunks * c.train_fragment_s * m / k * self.train_w[fragment] / n))
                 self.pending[step] += 1
 
     def start_generation(self, step: int, t: float, worker: tuple[str, int]) -> None:
@@ -238,20 +264,21 @@ class _Engine:
             f = self.assigned[step][i].pop(0)
         self.unstarted[step] -= 1
         if kind == "replica":
-            end = t + self.units[f] * self.costs.replica_fragment_s[i]
+            end = t + self.gen_w[f] * self.costs.replica_fragment_s[i]
             self.rep_free[i] = end
             ranks = list(range(i * self.S, (i + 1) * self.S))
         else:
-            end = t + self.units[f] * self.costs.trainer_fragment_s
+            end = t + self.gen_w[f] * self.costs.trainer_fragment_s
             self.trn_free[i], self.asked[i] = end, False
             ranks = [self.R * self.S + i]
             self.num_by_trainers += 1
         self.generated_by[step][f] = ranks[0]
         for rank in ranks:
             self._span(rank, "generate", "generate", step, t, end, f, tag=kind == "trainer")
-        if self.costs.transfer_s > 0:
-            self._span(ranks[-1], "transfer", "comm", step, end, end + self.costs.transfer_s, f)
-        self.push_shares(step, f, end + self.costs.transfer_s)
+        transfer = self.costs.transfer_s * self.xfer_w[f]
+        if transfer > 0:
+            self._span(ranks[-1], "transfer", "comm", step, end, end + transfer, f)
+        self.push_shares(step, f, end + transfer)
 
     def ready_entries(self, j: int, t: float) -> list[_Share]:
         return [e for e in self.queues[j] if e.step == self.train_step and e.ready <= t]
@@ -366,26 +393,27 @@ def _colocated(num_steps: int, owners: list[int], costs: Costs, num_trainers: in
     rank-seconds, is split over all ranks once generation ends everywhere (TSP: all data moves
     first), or without TSP done by the fragment's owner (the colocated plan keeps chunks local)."""
     n, c = costs.num_replicas, costs
-    work = c.train_fragment_s * num_trainers
+    work = [c.train_fragment_s * num_trainers * c.scale("train_scale", f) for f in range(len(owners))]
     tracers = [Tracer(r, "colocated") for r in range(n)]
     step_end, start = [], 0.0
     for k in range(num_steps):
         gen_end = [start] * n
         for f, r in enumerate(owners):
-            tracers[r].record("generate", "generate", k, gen_end[r] * 1e6, c.replica_fragment_s[r] * 1e6, f)
-            gen_end[r] += c.replica_fragment_s[r]
+            dur = c.replica_fragment_s[r] * c.scale("gen_scale", f)
+            tracers[r].record("generate", "generate", k, gen_end[r] * 1e6, dur * 1e6, f)
+            gen_end[r] += dur
         train_end = list(gen_end)
         if c.chunks_per_fragment is None:
             t0 = max(gen_end)
             train_end = [t0] * n
             for f in range(len(owners)):
                 for r in range(n):
-                    tracers[r].record("train", "train", k, train_end[r] * 1e6, work / n * 1e6, f)
-                    train_end[r] += work / n
+                    tracers[r].record("train", "train", k, train_end[r] * 1e6, work[f] / n * 1e6, f)
+                    train_end[r] += work[f] / n
         else:
             for f, r in enumerate(owners):
-                tracers[r].record("train", "train", k, train_end[r] * 1e6, work * 1e6, f)
-                train_end[r] += work
+                tracers[r].record("train", "train", k, train_end[r] * 1e6, work[f] * 1e6, f)
+                train_end[r] += work[f]
         t = max(train_end)
         for tr in tracers:
             tr.record("optimizer", "optimizer", k, t * 1e6, c.update_s * 1e6)

@@ -11,6 +11,7 @@ overlaps compute by `hardware.FSDP_OVERLAP` of the shorter.
 """
 from __future__ import annotations
 
+from parallel import compress
 from planner.hardware import GPU, FSDP_OVERLAP, Sharding, aux_s, compute_s, memory_bound_s, overlapped_s
 from planner.specs import lora_params, text_encode_flops, vae_decode_flops
 from planner.workload import Workload, reward_model
@@ -143,7 +144,42 @@ def publish_bytes(wl: Workload) -> float:
     return 2 * (wl.spec.params if wl.finetune == "full" else lora_params(wl.spec, wl.lora_rank))
 
 
-__all__ = ["decode_s", "denoise_s", "grad_reduce_bytes", "host_copy_s", "optimizer_s",
-           "publish_bytes", "reference_s", "reward_bytes", "reward_s", "rollout_forward_s",
-           "split", "text_encoder_bytes", "text_s", "train_micro_batch_s", "train_s", "trajectory_bytes",
-           "weight_bytes"]
+def trained_tensors(wl: Workload) -> list[tuple[int, int]]:
+    """The trained tensors as (elements, how many): full fine-tuning as d x d matrices (a DiT's
+    projections are 1-4 of them), LoRA as r x d adapter halves; the remainder as one last tensor.
+    Publication codecs count top-k entries and index widths per tensor, so the split matters only
+    by rounding."""
+    d = wl.spec.hidden
+    total = int(wl.spec.params if wl.finetune == "full" else lora_params(wl.spec, wl.lora_rank))
+    size = d * d if wl.finetune == "full" else wl.lora_rank * d
+    full, rest = divmod(total, size)
+    return [(size, full)] + ([(rest, 1)] if rest else [])
+
+
+def wire_bytes(codec: str, tensors: list[tuple[int, int]], element_size: int) -> int:
+    """Bytes a publication of `tensors` ((elements, how many)) puts on the wire with `codec`,
+    counted as the runtime counts them (`parallel.compress.wire_bytes`)."""
+    return sum(count * compress.wire_bytes(codec, numel, element_size) for numel, count in tensors)
+
+
+def publish_wire_bytes(wl: Workload) -> float:
+    """What one generator replica receives per new version with the workload's codec."""
+    return float(wire_bytes(wl.publish_compression, trained_tensors(wl), wl.param_bytes))
+
+
+CODEC_HBM_BYTES = {"none": 0, "bf16": 0, "delta": 16, "delta-topk": 32}
+"""HBM bytes per trained parameter the sending trainer moves to encode a version: the delta codecs
+read the new and the held fp32 weights and update the held copy (16 B); top-k adds selection over
+the fp32 delta, assumed two more passes of 8 B. bf16 is a cast inside the gather. An assumption: no
+measurement pins the top-k cost."""
+
+
+def encode_s(wl: Workload, g: GPU) -> float:
+    trained = wl.spec.params if wl.finetune == "full" else lora_params(wl.spec, wl.lora_rank)
+    return memory_bound_s(g, CODEC_HBM_BYTES[compress.parse(wl.publish_compression)[0]] * trained)
+
+
+__all__ = ["decode_s", "encode_s", "denoise_s", "grad_reduce_bytes", "host_copy_s", "optimizer_s",
+           "publish_bytes", "publish_wire_bytes", "reference_s", "reward_bytes", "reward_s", "rollout_forward_s",
+           "split", "text_encoder_bytes", "text_s", "train_micro_batch_s", "train_s", "trained_tensors",
+           "trajectory_bytes", "weight_bytes", "wire_bytes"]

@@ -28,6 +28,7 @@ from planner import phases as ph
 from planner.engine import Costs
 from planner.hardware import GPU, LINK_LATENCY_S, Sharding, allgather_s, allreduce_s, p2p_bytes_s
 from planner.hardware import busbw as hw_busbw
+from planner.mixed import colocated_phases, step_plan
 from planner.memory import colocated_memory, generator_memory, max_micro_batch, trainer_memory
 from planner.simulator import simulate_run
 from planner.specs import block_flops, hidden_bytes, lora_params
@@ -51,10 +52,11 @@ class Pool:
 # Colocated (ours)
 # ---------------------------------------------------------------------------------------------
 
-def colocated(wl: Workload, pools: list[Pool], variant: str) -> Prediction:
+def colocated(wl: Workload, pools: list[Pool], variant: str, dispatch: str = "lpt") -> Prediction:
     """Our colocated mode on every GPU of `pools` (lockstep phases). On mixed pools a phase without
     collectives (replicated rollout, replicated LoRA training) splits its work by GPU speed; a phase
-    of FSDP collectives runs every rank in lockstep, so it splits evenly and goes at the slowest GPU."""
+    of FSDP collectives runs every rank in lockstep, so it splits evenly and goes at the slowest GPU.
+    A shape mix (`wl.shapes`) is planned by the runtime's dispatch (`dispatch`, planner/mixed.py)."""
     gpus = [p.gpu for p in pools for _ in range(p.count)]
     n = len(gpus)
     slow = min(gpus, key=lambda g: g.peak_flops)
@@ -66,17 +68,31 @@ def colocated(wl: Workload, pools: list[Pool], variant: str) -> Prediction:
     trans = ceil_div(wl.transitions, n if train_shard_on else n * speed)
     shard = Sharding.fsdp(n)
     m_roll = min(wl.rollout_micro_batch, per_gpu)
-    fits_train = lambda m: colocated_memory(wl, slow, num_gpus=n, variant=variant, rollout_micro=m_roll,
+    big = wl.largest()  # a shape mix: memory holds its largest shape
+    fits_train = lambda m: colocated_memory(big, slow, num_gpus=n, variant=variant, rollout_micro=m_roll,
                                             train_micro=m, samples_per_gpu=per_gpu).fits
     m = max_micro_batch(fits_train, wl.train_micro_batch) or 1
     roll_kw = {"sharding": shard} if sharded_gen else {}
-    steps = [("text encode", "score", ph.text_s(wl, slow, ceil_div(wl.prompts_per_step, n * speed))),
-             ("rollout", "generate", ph.denoise_s(wl, slow, per_gpu, m_roll, **roll_kw)),
-             ("VAE decode + reward", "score", ph.decode_s(wl, slow, per_gpu) + ph.reward_s(wl, slow, per_gpu))]
     train_shard = shard if train_shard_on else None
-    steps.append(("TSP exchange of transitions", "comm",
-                  ph.trajectory_bytes(wl, per_gpu) * (n - 1) / n / hw_busbw(slow, n)))
-    steps.append(("train (TSP packed)", "train", ph.train_s(wl, slow, trans, m, sharding=train_shard)))
+    why, knobs = [], {"variant": variant, "rollout_micro": m_roll, "train_micro": m, "dispatch": dispatch}
+    if wl.shapes:
+        # the runtime's default fragments (one per rank's share) or single groups, whichever balances better
+        mix = min((colocated_phases(wl, gpus, slow, micro=m_roll, train_micro=m, train_sharding=train_shard,
+                                    gen_sharding=shard if sharded_gen else None, speed_weighted=not sharded_gen,
+                                    dispatch=dispatch, fragment_groups=f) for f in (None, 1)),
+                  key=lambda x: (sharded_gen and len(set(x["chunk_counts"])) > 1, x["generate_s"] + x["score_s"]))
+        gen, score, traj, train = mix["generate_s"], mix["score_s"], mix["trajectory_bytes"], mix["train_s"]
+        knobs["fragment_groups"] = mix["fragment_groups"]
+        if sharded_gen and len(set(mix["chunk_counts"])) > 1:
+            why.append(f"FSDP generation needs equally many chunks on every rank, the plan gives {mix['chunk_counts']}")
+    else:
+        gen = ph.denoise_s(wl, slow, per_gpu, m_roll, **roll_kw)
+        score = ph.decode_s(wl, slow, per_gpu) + ph.reward_s(wl, slow, per_gpu)
+        traj, train = ph.trajectory_bytes(wl, per_gpu), ph.train_s(wl, slow, trans, m, sharding=train_shard)
+    steps = [("text encode", "score", ph.text_s(wl, slow, ceil_div(wl.prompts_per_step, n * speed))),
+             ("rollout", "generate", gen), ("VAE decode + reward", "score", score)]
+    steps.append(("TSP exchange of transitions", "comm", traj * (n - 1) / n / hw_busbw(slow, n)))
+    steps.append(("train (TSP packed)", "train", train))
     grad = allreduce_s(slow, 4 * lora_params(wl.spec, wl.lora_rank), n) if train_shard is None else 0.0
     steps.append(("optimizer", "optimizer", wl.optimizer_steps * (ph.optimizer_s(wl, slow, n if full else 1) + grad)))
     if variant == "replicate" and full:
@@ -86,12 +102,12 @@ def colocated(wl: Workload, pools: list[Pool], variant: str) -> Prediction:
         steps.append(("offload / restore training state", "switch", 2 * ph.host_copy_s(slow, state)))
         steps.append(("stage rollout copy", "switch", staging_s(ph.weight_bytes(wl))
                       if full else 2 * ph.host_copy_s(slow, ph.weight_bytes(wl))))
-    mem = colocated_memory(wl, slow, num_gpus=n, variant=variant, rollout_micro=m_roll, train_micro=m,
+    mem = colocated_memory(big, slow, num_gpus=n, variant=variant, rollout_micro=m_roll, train_micro=m,
                            samples_per_gpu=per_gpu)
     label = f"colocated {variant}"
-    p = lockstep("colocated", label, wl, slow, n, steps, mem,
-                 {"variant": variant, "rollout_micro": m_roll, "train_micro": m}, [])
+    p = lockstep("colocated", label, wl, slow, n, steps, mem, knobs, [])
     p.pools = [(pl.gpu, pl.count) for pl in pools]
+    p.why_not += why
     if len(pools) > 1:
         p.notes.append("mixed GPUs: phases without collectives split by speed; FSDP phases run in lockstep at the "
                        "slowest GPU")
@@ -134,18 +150,25 @@ def train_fragment_s(wl: Workload, g: GPU, trainers: int, samples: int, micro: i
     micro-batch (partial ones too) pays a whole gather."""
     transitions = [(i, t) for i in range(samples) for t in range(wl.trained_timesteps)]
     packing = pack([transitions], micro_batch=micro, num_trainers=trainers)
-    per = [0.0] * trainers
+    per, by_size = [0.0] * trainers, {}
     for mb in packing.micro_batches:
-        per[mb.trainer] += ph.train_micro_batch_s(wl, g, len(mb.transitions), sharding=shard)
+        size = len(mb.transitions)
+        if size not in by_size:
+            by_size[size] = ph.train_micro_batch_s(wl, g, size, sharding=shard)
+        per[mb.trainer] += by_size[size]
     return max(per)
 
 
-def publish_s(wl: Workload, gen: GPU, trn: GPU, generators: int, stages: int, trainers: int, same_pool: bool) -> float:
+def publish_s(wl: Workload, gen: GPU, trn: GPU, generators: int, stages: int, trainers: int, same_pool: bool,
+              link_bytes_s: float | None = None) -> float:
     """As the runtime publishes: every trainer gathers the full tensors (for full fine-tuning at the
     measured staging rate of FSDP shards into full bf16 tensors, `systems.sync_s`, the same price a
-    colocated plan pays to refresh its rollout copy), then trainer 0 sends each generator rank the
-    weights of its stage, one generator after the other."""
+    colocated plan pays to refresh its rollout copy), trainer 0 encodes them with the workload's
+    codec (`ph.encode_s`), then sends each generator rank the wire bytes of its stage
+    (`ph.publish_wire_bytes`, as the runtime counts them), one generator after the other. With a
+    cross-site link (`link_bytes_s`) every send crosses it."""
     bytes_ = ph.publish_bytes(wl)
+    wire = ph.publish_wire_bytes(wl)
     gather = staging_s(bytes_) if wl.finetune == "full" else allgather_s(trn, bytes_, trainers)
     per_node = trn.gpus_per_node
     t0 = generators  # trainer 0's rank
@@ -153,61 +176,113 @@ def publish_s(wl: Workload, gen: GPU, trn: GPU, generators: int, stages: int, tr
     for r in range(generators):
         same_node = same_pool and r // per_node == t0 // per_node
         bw = p2p_bytes_s(trn, True) if same_node else min(gen.nic_bytes_s, trn.nic_bytes_s)
-        send += bytes_ / stages / bw + LINK_LATENCY_S
-    return gather + send + 2 * bytes_ / trn.hbm_bytes_s  # checksums on both sides
+        bw = min(bw, link_bytes_s) if link_bytes_s else bw
+        send += wire / stages / bw + LINK_LATENCY_S
+    return gather + ph.encode_s(wl, trn) + send + 2 * bytes_ / trn.hbm_bytes_s  # checksums on both sides
+
+
+def _fragments(wl: Workload, ggpu: GPU, stages: int, groups: int, micro: int, replicas: int, trainers: int,
+               speeds: list[float] | None, dispatch: str) -> list[tuple[tuple, int, int]] | None:
+    """A shape mix's fragments in the runtime's plan order: (shape, groups, replica) each, from
+    `parallel.plan.plan_step` with each shape's predicted seconds per sample. None: one shape."""
+    if not wl.shapes:
+        return None
+    g = wl.group_size
+    sample_s = {k: replica_fragment_s(wl.at(k), ggpu, stages, g, micro, 1) / g for k in set(wl.group_keys())}
+    plan = step_plan(wl, sample_s, num_replicas=replicas, num_trainers=trainers, micro=micro,
+                     fragment_groups=groups, speeds=speeds, dispatch=dispatch)
+    return [(f.shape, len(f.groups), f.replica) for f in plan.fragments]
 
 
 def disagg_plan(wl: Workload, gen: Pool, trn: Pool, generators: int, trainers: int, stages: int, groups: int,
-                mode: str, same_pool: bool, hsdp: bool = False, naive: bool = False, extra: int = 0) -> Prediction:
+                mode: str, same_pool: bool, hsdp: bool = False, naive: bool = False, extra: int = 0,
+                link_bytes_s: float | None = None, dispatch: str = "lpt") -> Prediction:
     """One disaggregated plan, simulated. `extra`: GPUs of the trainer pool that generate too (two
     pools only), as replicas of the same stage count; replicas of different speeds are planned by
-    speed (plan_step's replica_speeds)."""
+    speed (plan_step's replica_speeds). `link_bytes_s`: the pools sit in two sites joined by a link
+    of this bandwidth, which trajectories and publications cross. A shape mix is dispatched by the
+    runtime's `dispatch` policy, every fragment costed at its own shape."""
+    if link_bytes_s and (same_pool or extra):
+        raise ValueError("a cross-site link joins two pools: generators in one site, trainers in the other "
+                         "(no shared pool, no extra generators beside the trainers)")
     ggpu, tgpu = gen.gpu, trn.gpu
     replicas = generators // stages
     frag_samples = groups * wl.group_size
-    num_fragments = ceil_div(wl.prompts_per_step, groups)
     shard = Sharding.hsdp(trainers, min(trainers, tgpu.gpus_per_node)) if hsdp else Sharding.fsdp(trainers)
+    big = wl.largest()  # a shape mix: memory holds its largest shape
     why = []
-    micro = max_micro_batch(lambda b: generator_memory(wl, ggpu, stages=stages, stage=stages - 1, micro=b,
+    micro = max_micro_batch(lambda b: generator_memory(big, ggpu, stages=stages, stage=stages - 1, micro=b,
                                                        fragment_samples=frag_samples).fits,
                             min(ROLLOUT_MICRO_MAX, frag_samples))
-    gmem = generator_memory(wl, ggpu, stages=stages, stage=stages - 1, micro=max(micro, 1), fragment_samples=frag_samples)
-    g0mem = generator_memory(wl, ggpu, stages=stages, stage=0, micro=max(micro, 1), fragment_samples=frag_samples)
+    gmem = generator_memory(big, ggpu, stages=stages, stage=stages - 1, micro=max(micro, 1), fragment_samples=frag_samples)
+    g0mem = generator_memory(big, ggpu, stages=stages, stage=0, micro=max(micro, 1), fragment_samples=frag_samples)
     if not micro or not g0mem.fits:
         why.append((gmem if not gmem.fits else g0mem).why())
     if extra:
-        xmem = generator_memory(wl, trn.gpu, stages=stages, stage=0, micro=max(micro, 1), fragment_samples=frag_samples)
+        xmem = generator_memory(big, trn.gpu, stages=stages, stage=0, micro=max(micro, 1), fragment_samples=frag_samples)
         if not xmem.fits:
             why.append(xmem.why())
     buffered = 2 * ceil_div(frag_samples, trainers)
     tag = mode == "tag"
-    m = max_micro_batch(lambda b: trainer_memory(wl, tgpu, shard=shard.shard, micro=b, buffered_samples=buffered,
+    m = max_micro_batch(lambda b: trainer_memory(big, tgpu, shard=shard.shard, micro=b, buffered_samples=buffered,
                                                  generates=tag).fits, wl.train_micro_batch)
-    tmem = trainer_memory(wl, tgpu, shard=shard.shard, micro=max(m, 1), buffered_samples=buffered, generates=tag)
+    tmem = trainer_memory(big, tgpu, shard=shard.shard, micro=max(m, 1), buffered_samples=buffered, generates=tag)
     if not m:
         why.append(tmem.why())
     micro, m = max(micro, 1), max(m, 1)
-    rep = replica_fragment_s(wl, ggpu, stages, frag_samples, micro, groups)
-    trainer_gen = (ph.denoise_s(wl, tgpu, frag_samples, micro, sharding=shard if wl.finetune == "full" else None)
-                   + ph.decode_s(wl, tgpu, frag_samples) + ph.reward_s(wl, tgpu, frag_samples)
-                   + ph.text_s(wl, tgpu, groups))
-    train = train_fragment_s(wl, tgpu, trainers, frag_samples, m, shard)
     link = p2p_bytes_s(ggpu, True) if same_pool and generators + trainers <= ggpu.gpus_per_node else min(
         ggpu.nic_bytes_s, tgpu.nic_bytes_s)
-    transfer = ph.trajectory_bytes(wl, frag_samples) / link + 1e-3
+    link = min(link, link_bytes_s) if link_bytes_s else link
+
+    def costs_of(w: Workload, n_groups: int) -> tuple[float, float, float, float]:
+        """(replica, trainer generation, training, transfer) seconds of one fragment of `n_groups` groups."""
+        samples = n_groups * w.group_size
+        trainer_gen = (ph.denoise_s(w, tgpu, samples, micro, sharding=shard if w.finetune == "full" else None)
+                       + ph.decode_s(w, tgpu, samples) + ph.reward_s(w, tgpu, samples) + ph.text_s(w, tgpu, n_groups))
+        return (replica_fragment_s(w, ggpu, stages, samples, micro, n_groups), trainer_gen,
+                train_fragment_s(w, tgpu, trainers, samples, m, shard), ph.trajectory_bytes(w, samples) / link + 1e-3)
+
+    num_replicas = replicas + extra // stages
+    speeds = None
+    if extra and wl.shapes:
+        x_s = replica_fragment_s(big, tgpu, stages, frag_samples, micro, groups)
+        g_s = replica_fragment_s(big, ggpu, stages, frag_samples, micro, groups)
+        speeds = [1 / g_s] * replicas + [1 / x_s] * (extra // stages)
+    frags = _fragments(wl, ggpu, stages, groups, micro, num_replicas, trainers, speeds, dispatch)
+    owners = scales = None
+    if frags is None:
+        num_fragments = ceil_div(wl.prompts_per_step, groups)
+        rep, trainer_gen, train, transfer = costs_of(wl, groups)
+    else:  # a shape mix: fragment 0's costs, the others as factors of them
+        num_fragments, owners = len(frags), [r for *_, r in frags]
+        unique = {}
+        for key, n, _ in frags:
+            if (key, n) not in unique:
+                unique[(key, n)] = costs_of(wl.at(key), n)
+        per = [unique[(key, n)] for key, n, _ in frags]
+        rep, trainer_gen, train, transfer = per[0]
+        scales = {"gen_scale": [p[0] / rep for p in per], "train_scale": [p[2] / train for p in per],
+                  "transfer_scale": [p[3] / transfer for p in per]}
     grad = allreduce_s(tgpu, 4 * lora_params(wl.spec, wl.lora_rank), trainers) if wl.finetune == "lora" else 0.0
     update = wl.optimizer_steps * (ph.optimizer_s(wl, tgpu, shard.shard) + grad)
-    pub = publish_s(wl, ggpu, tgpu, generators, stages, trainers, same_pool)
+    pub = publish_s(wl, ggpu, tgpu, generators, stages, trainers, same_pool, link_bytes_s)
     reps = [rep] * replicas
     if extra:
-        reps += [replica_fragment_s(wl, tgpu, stages, frag_samples, micro, groups)] * (extra // stages)
+        first = wl.at(frags[0][0]) if frags else wl
+        reps += [replica_fragment_s(first, tgpu, stages, frags[0][1] * wl.group_size if frags else frag_samples,
+                                    micro, frags[0][1] if frags else groups)] * (extra // stages)
         pub = publish_s(wl, ggpu, tgpu, generators + extra, stages, trainers, False)
-    costs = Costs(reps, trainer_gen, train, transfer_s=transfer, update_s=update, publish_s=pub)
+    costs = Costs(reps, trainer_gen, train, transfer_s=transfer, update_s=update, publish_s=pub, **(scales or {}))
     sim_mode = "disagg" if naive else {"gap": "gap", "tag": "tag", "tcss": "tcss"}[mode]
     steps = 4 if mode == "tcss" else 1
     res = simulate_run(sim_mode, steps, num_fragments, costs, trainers, "bts" if tag else None,
-                       stages_per_replica=stages, plan_speeds=[1 / r for r in reps] if extra else None)
+                       stages_per_replica=stages, plan_speeds=[1 / r for r in reps] if extra else None, owners=owners)
     step_s = res.steady_step_s
+    crossing = 0.0
+    if link_bytes_s:  # the link carries every trajectory and every publication of a step
+        crossing = (sum(ph.trajectory_bytes(wl.at(k), wl.group_size) for k in wl.group_keys())
+                    + generators / stages * ph.publish_wire_bytes(wl)) / link_bytes_s
+        step_s = max(step_s, crossing)
     label = (f"{'naive ' if naive else ''}{mode} G={generators}{'x' + ggpu.key if not same_pool else ''}"
              f"{f'+{extra}x{tgpu.key}' if extra else ''} "
              f"T={trainers}{'x' + tgpu.key if not same_pool else ''}"
@@ -218,12 +293,17 @@ def disagg_plan(wl: Workload, gen: Pool, trn: Pool, generators: int, trainers: i
                       _segments(res.events, replicas * stages, steps - 1 if steps > 1 else 0),
                       {"mode": "naive" if naive else mode, "generators": generators, "trainers": trainers,
                        "stages": stages, "fragment_groups": groups, "rollout_micro": micro, "train_micro": m,
-                       "hsdp": hsdp, "extra_generators": extra, "stale": mode == "tcss", "costs": costs.to_dict()},
+                       "hsdp": hsdp, "extra_generators": extra, "stale": mode == "tcss", "costs": costs.to_dict(),
+                       "generator_gpu": ggpu.key, "same_pool": same_pool, "dispatch": dispatch,
+                       "link_bytes_s": link_bytes_s, "owners": owners, "link_busy_s": crossing},
                       [], why)
     if mode == "tcss":
         pred.notes.append("TCSS: generators run one version stale (staleness <= 1)")
     if tag:
         pred.notes.append(f"TAG: trainers generated {res.fragments_by_trainers} fragment(s)")
+    if link_bytes_s:
+        pred.notes.append(f"cross-site link {8 * link_bytes_s / 1e9:g} Gb/s, publication {wl.publish_compression}: "
+                          f"{pub:.1f} s per version, the link busy {crossing:.1f} s per step")
     return pred
 
 
@@ -251,13 +331,21 @@ def _min_stages(wl: Workload, g: GPU, frag_samples: int) -> int:
 
 
 def enumerate_plans(wl: Workload, pools: list[Pool], *, modes: tuple[str, ...] = MODES, top_k: int = 4,
-                    max_generator_counts: int = 12) -> tuple[list[Prediction], list[str]]:
+                    max_generator_counts: int = 12, link_bytes_s: float | None = None,
+                    dispatch: str = "lpt") -> tuple[list[Prediction], list[str]]:
     """Every plan of `pools` (one or two pools): colocated variants, then disaggregated splits in
     streaming mode; the `top_k` fastest streaming plans are also simulated with TAG and TCSS.
-    Returns (feasible predictions, reasons for what was excluded)."""
+    `link_bytes_s`: the two pools sit in two sites joined by a link of this bandwidth (no colocated
+    plan spans it; generators on one side, trainers on the other). `dispatch`: the runtime's
+    fragment dispatch for a shape mix. Returns (feasible predictions, reasons for what was excluded)."""
     out, excluded = [], []
+    if link_bytes_s and len(pools) != 2:
+        raise ValueError("a cross-site link joins two GPU pools (one site each)")
     for variant in ("replicate", "fsdp", "sleepwake"):
-        p = colocated(wl, pools, variant)
+        if link_bytes_s:
+            excluded.append(f"colocated {variant}: a colocated plan does not span two sites")
+            continue
+        p = colocated(wl, pools, variant, dispatch)
         (out if p.feasible else excluded).append(p if p.feasible else f"{p.label}: {'; '.join(p.why_not)}")
     pairs = []
     if len(pools) == 1:
@@ -275,7 +363,7 @@ def enumerate_plans(wl: Workload, pools: list[Pool], *, modes: tuple[str, ...] =
         for stages in sorted({s_min, 2 * s_min} & {1, 2, 4, 8}):
             counts = (range(stages, total, stages) if same else [gen.count - gen.count % stages])
             counts = _thin([c for c in counts if c > 0], max_generator_counts)
-            extras = [0] if same else _thin(list(range(0, trn.count, stages)), 6)
+            extras = [0] if same or link_bytes_s else _thin(list(range(0, trn.count, stages)), 6)
             for g_count, extra in ((c, x) for c in counts for x in extras):
                 t_count = ((total - g_count) if same else trn.count) - extra
                 if t_count < 1:
@@ -285,7 +373,7 @@ def enumerate_plans(wl: Workload, pools: list[Pool], *, modes: tuple[str, ...] =
                                 and wl.finetune == "full")
                     for hsdp in ((False, True) if can_hsdp else (False,)):
                         p = disagg_plan(wl, gen, trn, g_count, t_count, stages, groups, "gap", same, hsdp,
-                                        extra=extra)
+                                        extra=extra, link_bytes_s=link_bytes_s, dispatch=dispatch)
                         if p.feasible:
                             streaming.append((gen, trn, same, p))
                         else:
@@ -296,14 +384,15 @@ def enumerate_plans(wl: Workload, pools: list[Pool], *, modes: tuple[str, ...] =
         k = p.knobs
         if i == 0:  # naive disaggregation of the best split, for reference
             naive = disagg_plan(wl, gen, trn, k["generators"], k["trainers"], k["stages"],
-                                k["fragment_groups"], "gap", same, k["hsdp"], naive=True, extra=k["extra_generators"])
+                                k["fragment_groups"], "gap", same, k["hsdp"], naive=True, extra=k["extra_generators"],
+                                link_bytes_s=link_bytes_s, dispatch=dispatch)
             if naive.feasible:
                 out.append(naive)
         for mode in modes:
             if mode == "gap":
                 continue
             q = disagg_plan(wl, gen, trn, k["generators"], k["trainers"], k["stages"], k["fragment_groups"], mode,
-                            same, k["hsdp"], extra=k["extra_generators"])
+                            same, k["hsdp"], extra=k["extra_generators"], link_bytes_s=link_bytes_s, dispatch=dispatch)
             if q.feasible:
                 out.append(q)
             else:
@@ -318,6 +407,22 @@ def _thin(values: list[int], limit: int) -> list[int]:
         return values
     idx = {round(i * (len(values) - 1) / (limit - 1)) for i in range(limit)}
     return [values[i] for i in sorted(idx)]
+
+
+def repredict(pred: Prediction, pools: list[Pool], **changes) -> Prediction:
+    """`pred`'s plan predicted again with some of its settings changed (`dispatch`, `link_bytes_s`
+    or the workload `wl`), e.g. the recommended plan under round-robin dispatch."""
+    wl, k = changes.pop("wl", pred.workload), pred.knobs
+    if pred.system == "colocated":
+        return colocated(wl, pools, k["variant"], changes.get("dispatch", k["dispatch"]))
+    by_key = {p.gpu.key: p for p in pools}
+    gen = by_key[k["generator_gpu"]]
+    trn = gen if k["same_pool"] else next(p for p in pools if p is not gen)
+    mode = "gap" if k["mode"] == "naive" else k["mode"]
+    return disagg_plan(wl, gen, trn, k["generators"], k["trainers"], k["stages"], k["fragment_groups"], mode,
+                       k["same_pool"], k["hsdp"], naive=k["mode"] == "naive", extra=k["extra_generators"],
+                       link_bytes_s=changes.get("link_bytes_s", k["link_bytes_s"]),
+                       dispatch=changes.get("dispatch", k["dispatch"]))
 
 
 def best_colocated(preds: list[Prediction]) -> Prediction | None:
@@ -335,4 +440,4 @@ def recommend(preds: list[Prediction], allow_stale: bool = False) -> Prediction:
 
 
 __all__ = ["Pool", "best_colocated", "colocated", "disagg_plan", "enumerate_plans", "publish_s", "recommend",
-           "replica_fragment_s", "stage_fraction", "train_fragment_s"]
+           "replica_fragment_s", "repredict", "stage_fraction", "train_fragment_s"]

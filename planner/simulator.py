@@ -53,21 +53,23 @@ __all__ = ["MODES", "TAG_POLICIES", "Costs", "Policy", "SimResult", "StepState",
 
 def simulate_step(mode: str, num_fragments: int, costs: Costs, num_trainers: int,
                   tag_policy: str | Policy | None = None, *, stages_per_replica: int = 1,
-                  plan_speeds: list[float] | None = None) -> SimResult:
+                  plan_speeds: list[float] | None = None, owners: list[int] | None = None) -> SimResult:
     """One step; see `simulate_run`."""
     return simulate_run(mode, 1, num_fragments, costs, num_trainers, tag_policy,
-                        stages_per_replica=stages_per_replica, plan_speeds=plan_speeds)
+                        stages_per_replica=stages_per_replica, plan_speeds=plan_speeds, owners=owners)
 
 
 def simulate_run(mode: str, num_steps: int, num_fragments: int, costs: Costs, num_trainers: int,
                  tag_policy: str | Policy | None = None, *, stages_per_replica: int = 1,
-                 plan_speeds: list[float] | None = None) -> SimResult:
+                 plan_speeds: list[float] | None = None, owners: list[int] | None = None) -> SimResult:
     """`num_steps` steps of `num_fragments` fragments each (mode "disagg" merges each replica's
     fragments into one, numbered in replica order). `tag_policy` turns TAG on: "never" (replicas
     claim dynamically, trainers never), "always", "bts" (`bts.decide`) or a callable(state, costs,
     num_trainers) -> bool or Decision; the default of mode "tag" is "bts", mode "tcss" takes one
     optionally, the other modes none. `plan_speeds`: the replica speeds given to the static plan
-    (default equal, as the runtime plans)."""
+    (default equal, as the runtime plans). `owners`: the static plan itself, fragment -> replica
+    (the runtime's `plan.plan_step` for fragments of different shapes, whose per-fragment times
+    are `costs.gen_scale` etc.); it replaces `plan_speeds`."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {list(MODES)}")
     if num_steps < 1 or num_fragments < 1 or num_trainers < 1 or stages_per_replica < 1:
@@ -81,20 +83,30 @@ def simulate_run(mode: str, num_steps: int, num_fragments: int, costs: Costs, nu
         raise ValueError(f"unknown tag policy {tag_policy!r}; known: {list(TAG_POLICIES)}")
     if plan_speeds is not None and len(plan_speeds) != costs.num_replicas:
         raise ValueError(f"plan_speeds has {len(plan_speeds)} entries for {costs.num_replicas} replica(s)")
-    owners = assign_fragments(num_fragments, plan_speeds or [1.0] * costs.num_replicas)
+    for name in ("gen_scale", "train_scale", "transfer_scale"):
+        if getattr(costs, name) is not None and len(getattr(costs, name)) != num_fragments:
+            raise ValueError(f"costs.{name} has {len(getattr(costs, name))} entries for {num_fragments} fragment(s)")
+    if owners is None:
+        owners = assign_fragments(num_fragments, plan_speeds or [1.0] * costs.num_replicas)
+    elif len(owners) != num_fragments or not all(0 <= r < costs.num_replicas for r in owners):
+        raise ValueError(f"owners {owners} must name a replica of {costs.num_replicas} for each of "
+                         f"{num_fragments} fragment(s)")
     if mode == "colocated":
         if stages_per_replica != 1:
             raise ValueError(f"colocated ranks each hold the whole model: stages_per_replica must be 1, "
                              f"got {stages_per_replica}")
         return _colocated(num_steps, owners, costs, num_trainers)
-    units = [1] * num_fragments
+    units, weights = [1] * num_fragments, None
     if mode == "disagg":  # one fragment per replica holding its whole share
-        counts = [owners.count(r) for r in range(costs.num_replicas)]
-        owners = [r for r in range(costs.num_replicas) if counts[r]]
-        units = [counts[r] for r in owners]
+        mine = [[f for f in range(num_fragments) if owners[f] == r] for r in range(costs.num_replicas)]
+        owners = [r for r in range(costs.num_replicas) if mine[r]]
+        units = [len(mine[r]) for r in owners]
+        weights = [(sum(costs.scale("gen_scale", f) for f in mine[r]), sum(costs.scale("train_scale", f) for f in mine[r]),
+                    sum(costs.scale("transfer_scale", f) for f in mine[r]) / len(mine[r])) for r in owners]
     dynamic = tag_policy is not None
     engine = _Engine(costs, num_trainers, num_steps, units, None if dynamic else owners,
-                     policy=_resolve(tag_policy), tcss=mode == "tcss", stages=stages_per_replica, record=True)
+                     policy=_resolve(tag_policy), tcss=mode == "tcss", stages=stages_per_replica, record=True,
+                     weights=weights)
     engine.run()
     return engine.result()
 

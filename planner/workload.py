@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from parallel.compress import parse as parse_codec
 from planner.hardware import Kernels
 from planner.specs import AuxModel, ModelSpec, Resolution, attention_share, forward_flops, image_tokens, model_spec
 
@@ -55,6 +56,15 @@ class Workload:
     """transitions per training forward (TSP; peer systems use their own)"""
     optimizer_steps: int = 1
     """optimizer updates per step (mini-batches)"""
+    shapes: tuple[tuple[int, int, int, float], ...] = ()
+    """a shape mix: (height, width, frames, weight) buckets, one shape per prompt group, the step's
+    prompts drawn in proportion to the weights (`group_keys`); empty: every prompt at height x width
+    x frames. height, width and frames stay the run's default shape (the description)"""
+    publish_compression: str = "bf16"
+    """the codec of weight publication (parallel/compress.py, --publish-compression): bf16 (the
+    planner's default), none (the trained tensors in their dtype, `param_bytes`), delta, delta-topk:F"""
+    param_bytes: int = 4
+    """bytes per element of the trained tensors (fp32 under the runtime's --dtype auto)"""
 
     def __post_init__(self):
         model_spec(self.model)
@@ -72,6 +82,13 @@ class Workload:
             raise ValueError(f"LoRA needs lora_rank >= 1, got {self.lora_rank}")
         for r in self.rewards:
             reward_model(r)
+        for bucket in self.shapes:
+            if len(bucket) != 4 or not bucket[3] > 0:
+                raise ValueError(f"a shape bucket is (height, width, frames, weight > 0), got {bucket}")
+            Resolution(*bucket[:3])
+        if len({b[:3] for b in self.shapes}) != len(self.shapes):
+            raise ValueError(f"a shape appears twice in the mix {self.shapes}")
+        parse_codec(self.publish_compression)
 
     # -- derived quantities -------------------------------------------------------------------
     @property
@@ -121,15 +138,46 @@ class Workload:
         (+ weight gradients for full fine-tuning) (+ the recomputed forward with checkpointing)."""
         return (3 if self.finetune == "full" else 2) + (1 if self.gradient_checkpointing else 0)
 
+    # -- a shape mix ----------------------------------------------------------------------------
+    def group_keys(self) -> list[tuple[int, int, int]]:
+        """The shape (height, width, frames) of each of the step's prompt groups: the mix's weights
+        apportioned to `prompts_per_step` groups by largest remainder (ties: the earlier bucket), in
+        bucket order. The planner hands them to the runtime's step plan, which draws them in a
+        seeded order, as it draws a prompt file with this mix."""
+        if not self.shapes:
+            return [(self.height, self.width, self.frames)] * self.prompts_per_step
+        total = sum(b[3] for b in self.shapes)
+        quota = [self.prompts_per_step * b[3] / total for b in self.shapes]
+        counts = [int(q) for q in quota]
+        by_remainder = sorted(range(len(quota)), key=lambda i: (-(quota[i] - counts[i]), i))
+        for i in by_remainder[:self.prompts_per_step - sum(counts)]:
+            counts[i] += 1
+        return [tuple(b[:3]) for b, n in zip(self.shapes, counts) for _ in range(n)]
+
+    def at(self, key: tuple[int, int, int]) -> "Workload":
+        """This workload with every prompt at one shape (height, width, frames)."""
+        return replace(self, height=key[0], width=key[1], frames=key[2], shapes=())
+
+    def largest(self) -> "Workload":
+        """The one-shape workload of the mix's shape with the most tokens (what memory must hold)."""
+        if not self.shapes:
+            return self
+        return max((self.at(tuple(b[:3])) for b in self.shapes), key=lambda w: (w.seq, w.height * w.width))
+
     def model_flops(self) -> float:
         """The step's model FLOPs as MFU counts them: every rollout forward, 3 forwards per trained
         transition, a reference forward per transition with KL (recomputation not counted)."""
+        if self.shapes:
+            keys = self.group_keys()
+            return sum(self.at(k).model_flops() * keys.count(k) / len(keys) for k in set(keys))
         per = self.fwd_flops * self.branches
         return self.samples * (self.sampling_steps * per + self.trained_timesteps * per * (3 + (1 if self.kl else 0)))
 
     def describe(self) -> str:
         frames = f"x{self.frames}" if self.frames > 1 else ""
-        return (f"{self.spec.name} {self.height}x{self.width}{frames}, K={self.sampling_steps} "
+        size = f"{self.height}x{self.width}{frames}" if not self.shapes else "shapes " + ",".join(
+            f"{h}x{w}{f'x{f}' if f > 1 else ''}:{weight:g}" for h, w, f, weight in self.shapes)
+        return (f"{self.spec.name} {size}, K={self.sampling_steps} "
                 f"({self.trained_timesteps} trained), {self.prompts_per_step}x{self.group_size} samples, "
                 f"{'CFG ' + format(self.cfg_scale, 'g') if self.branches == 2 else 'no CFG'}, "
                 f"{'LoRA r' + str(self.lora_rank) if self.finetune == 'lora' else 'full FT'}"
@@ -143,4 +191,21 @@ def ceil_div(a: float, b: float) -> int:
     return int(math.ceil(a / b - 1e-12))
 
 
-__all__ = ["REWARDS", "Workload", "ceil_div", "reward_model"]
+def parse_shape_mix(text: str) -> tuple[tuple[int, int, int, float], ...]:
+    """'512x512:1,1024x1024:1' (HxW[xFRAMES][:WEIGHT], weight 1 when left out) -> Workload.shapes."""
+    out = []
+    for item in text.split(","):
+        size, _, weight = item.strip().partition(":")
+        dims = size.split("x")
+        try:
+            h, w, f = int(dims[0]), int(dims[1]), int(dims[2]) if len(dims) == 3 else 1
+            wt = float(weight) if weight else 1.0
+            if len(dims) not in (2, 3):
+                raise ValueError
+        except (ValueError, IndexError):
+            raise ValueError(f"shape mix item {item!r}: expected HxW[xFRAMES][:WEIGHT], e.g. 1024x1024:2") from None
+        out.append((h, w, f, wt))
+    return tuple(out)
+
+
+__all__ = ["REWARDS", "Workload", "ceil_div", "parse_shape_mix", "reward_model"]

@@ -4,9 +4,13 @@ on-policy DigenRL plan against the modelled peers (as they run) and our own best
 
     python scripts/paper_table.py --out docs/planner [--readme README.md] [--quick]
 
-Writes OUT/paper-table.md and .json, one step timeline per mode (OUT/timeline-*.png) for the
-reference cell, and with --readme replaces the README section between its markers. Every number is
-a prediction of the cost model of docs/calibration.md.
+Writes OUT/paper-table.md and .json, OUT/cross-site.json, one step timeline per mode
+(OUT/timeline-*.png) for the reference cell, and with --readme replaces the README section between
+its markers. Every number is a prediction of the cost model of docs/calibration.md.
+
+Below it, the cross-site table: FLUX full fine-tuning with the generators on H20 in one site and
+the trainers on H100 in another, joined by a 25 Gb/s link, publishing uncompressed (fp32) or with
+delta-topk:0.01, against the best colocated plan of the same GPUs in one site.
 
 Peers on the mixed testbed run in lockstep, so they are modelled on N GPUs of the slower type;
 VeRL-Omni is its mechanism model without the per-step overhead fitted on its published runs (so
@@ -26,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import plot_timeline  # noqa: E402
 from planner.hardware import gpu  # noqa: E402
 from planner.plans import Pool, best_colocated, enumerate_plans, recommend  # noqa: E402
+from planner.systems import Prediction  # noqa: E402
 from planner.systems import predict_system  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 
@@ -43,6 +48,10 @@ WORKLOADS = {
 TESTBEDS = ("h100", "h800", "mixed")
 PEERS = ("verl-omni", "dance-grpo", "genrl", "flow-grpo")
 BEGIN, END = "<!-- paper-table:begin -->", "<!-- paper-table:end -->"
+LINK_GBPS = 25.0
+CODECS = ("none", "delta-topk:0.01")
+STREAMRL = ("StreamRL (LLM RL, arXiv 2504.15930) reports up to 1.33x cost-effectiveness in a heterogeneous, "
+            "cross-datacenter setting")
 
 
 def pools_of(testbed: str, n: int) -> list[Pool]:
@@ -88,6 +97,41 @@ def markdown(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _row(placement: str, codec: str, p: Prediction, ref: Prediction) -> dict:
+    return {"placement": placement, "publication": codec, "plan": p.label, "gpus": p.gpu_label(), "step_s": p.step_s,
+            "samples_per_s": p.samples_per_s, "usd_per_1k_samples": 1000 / p.samples_per_dollar,
+            "cost_effectiveness": p.samples_per_dollar / ref.samples_per_dollar}
+
+
+def cross_site(n: int, top_k: int) -> list[dict]:
+    """FLUX full fine-tuning on n/2 H20 (generators, one site) + n/2 H100 (trainers, another site)
+    over a LINK_GBPS link, per publication codec, against the best colocated plan of the same GPUs
+    in one site (cost-effectiveness: samples per dollar over that plan's) and, for context, the
+    best plan of the same GPUs in one site and the best plan of n H100 in one site."""
+    pools = pools_of("mixed", n)
+    wl = WORKLOADS["flux"]
+    preds, _ = enumerate_plans(wl, pools, top_k=top_k)
+    ref = best_colocated(preds)
+    rows = [_row("one site", wl.publish_compression, ref, ref),
+            _row("one site", wl.publish_compression, recommend(preds), ref)]
+    h100, _ = enumerate_plans(wl, [Pool(gpu("h100"), n)], top_k=top_k)
+    rows.append(_row("one site, H100 only", wl.publish_compression, recommend(h100), ref))
+    for codec in CODECS:
+        w = wl.with_(publish_compression=codec)
+        preds, _ = enumerate_plans(w, pools, top_k=top_k, link_bytes_s=LINK_GBPS * 1e9 / 8)
+        rows.append(_row(f"two sites, {LINK_GBPS:g} Gb/s", codec, recommend(preds), ref))
+    return rows
+
+
+def cross_site_markdown(rows: list[dict]) -> str:
+    lines = ["| placement | publication | plan | GPUs | step s | samples/s | $ per 1k samples "
+             "| samples/$ vs one-site colocated H20+H100 |", "|" + "---|" * 8]
+    for r in rows:
+        lines.append(f"| {r['placement']} | {r['publication']} | {r['plan']} | {r['gpus']} | {r['step_s']:.0f} | "
+                     f"{r['samples_per_s']:.2f} | {r['usd_per_1k_samples']:.2f} | {r['cost_effectiveness']:.2f}x |")
+    return "\n".join(lines)
+
+
 def timelines(c: dict, out: str) -> list[str]:
     ours, col, best_disagg, peers = c["_preds"]
     wl = WORKLOADS[c["model"]]
@@ -126,11 +170,20 @@ def main(argv=None) -> int:
                       f"colocated {c['colocated']['step_s']:8.1f}  VeRL-Omni {c['peers']['verl-omni']['step_s']:8.1f}  "
                       f"DanceGRPO {c['peers']['dance-grpo']['step_s']:8.1f}  GenRL {c['peers']['genrl']['step_s']:8.1f}",
                       flush=True)
-    table = markdown(cells)
+    rows = [dict(r, total_gpus=n) for n in sizes for r in cross_site(n, a.tag_candidates)]
+    for r in rows:
+        print(f"cross-site {r['total_gpus']:3d}: {r['placement']:22s} {r['publication']:16s} {r['plan']:36s} "
+              f"{r['step_s']:8.1f} s  ${r['usd_per_1k_samples']:.2f} per 1k samples  {r['cost_effectiveness']:.2f}x",
+              flush=True)
+    table = (markdown(cells) + "\n\nCross-site: FLUX 720^2 full fine-tuning, generators on H20 in one site, trainers "
+             f"on H100 in another, {LINK_GBPS:g} Gb/s between (the planner's GPU prices). {STREAMRL}.\n\n"
+             + cross_site_markdown(rows))
     with open(os.path.join(a.out, "paper-table.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(a.out, "paper-table.json"), "w") as f:
         json.dump([{k: v for k, v in c.items() if k != "_preds"} for c in cells], f, indent=1)
+    with open(os.path.join(a.out, "cross-site.json"), "w") as f:
+        json.dump(rows, f, indent=1)
     ref = next(c for c in cells if c["model"] == "flux" and c["testbed"] == "h100" and c["gpus"] == 16)
     for path in timelines(ref, a.out):
         print(f"wrote {path}")

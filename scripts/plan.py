@@ -6,6 +6,16 @@
         predicted step time, with samples/s, samples per dollar, bubble, end-to-end MFU and peak
         memory per role, and one recommendation. The best colocated plan is always listed.
 
+    python scripts/plan.py --model flux --gpus h100:16 --shape-mix 512x512:1,1024x1024:1
+        The same for prompts of several shapes (one shape per group): fragments are dispatched by the
+        runtime's policy (--dispatch lpt | round-robin) and the recommended plan is also predicted
+        with the other one.
+
+    python scripts/plan.py --model flux --finetune full --gpus h20:8 --gpus h100:8 --link-gbps 25 \
+            --publish-compression delta-topk:0.01
+        Generators in one site, trainers in the other, joined by a 25 Gb/s link that trajectories
+        and compressed publications cross.
+
     python scripts/plan.py --validate data/published_runs.json --out OUT.json
         Predict every published step time; OUT gets [{name, predicted_step_s, published_step_s,
         rel_error}]. Rows marked fit were used to fit; the others are held out.
@@ -29,11 +39,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from planner import fit, published  # noqa: E402
 from planner.hardware import GPUS, Kernels, gpu, with_price  # noqa: E402
-from planner.plans import Pool, best_colocated, enumerate_plans, recommend  # noqa: E402
+from planner.plans import Pool, best_colocated, enumerate_plans, recommend, repredict  # noqa: E402
 from planner.profile import DeviceProfile, with_profile  # noqa: E402
 from planner.specs import MODELS  # noqa: E402
 from planner.systems import SYSTEMS, predict_system  # noqa: E402
-from planner.workload import REWARDS, Workload  # noqa: E402
+from parallel.plan import DISPATCHES  # noqa: E402
+from planner.workload import REWARDS, Workload, parse_shape_mix  # noqa: E402
 
 
 def parse_gpus(specs: list[str], prices: list[str], profile: DeviceProfile | None) -> list[Pool]:
@@ -68,7 +79,7 @@ def workload_from_args(a) -> Workload:
     return Workload(a.model, a.height, a.width, a.frames, k, trained, a.prompts_per_step, a.group_size, a.cfg_scale,
                     a.finetune, a.lora_rank, a.gradient_checkpointing, a.kl, a.text_tokens, tuple(a.reward or
                     ["pickscore"]), Kernels(a.compile, a.attention), a.rollout_micro_batch, a.train_micro_batch,
-                    a.optimizer_steps)
+                    a.optimizer_steps, parse_shape_mix(a.shape_mix) if a.shape_mix else (), a.publish_compression)
 
 
 def _gb(p) -> str:
@@ -93,10 +104,16 @@ def run_plan(a) -> int:
     profile = DeviceProfile.load(a.profile) if a.profile else None
     pools = parse_gpus(a.gpus, a.price, profile)
     wl = workload_from_args(a)
-    preds, excluded = enumerate_plans(wl, pools, top_k=a.tag_candidates)
+    if a.peers and wl.shapes:
+        raise ValueError("--peers models one shape per run: leave out --shape-mix")
+    if a.link_gbps is not None and (a.link_gbps <= 0 or len(pools) != 2):
+        raise ValueError("--link-gbps: a positive bandwidth between two --gpus pools (one site each)")
+    link = a.link_gbps * 1e9 / 8 if a.link_gbps else None
+    preds, excluded = enumerate_plans(wl, pools, top_k=a.tag_candidates, link_bytes_s=link, dispatch=a.dispatch)
     print(f"PREDICTIONS of the planner's cost model, not measurements: {wl.describe()}")
     print(f"  cluster: {' + '.join(f'{p.count} x {p.gpu.name} (${p.gpu.price_per_hour:.2f}/h)' for p in pools)}"
-          + (f"; device profile {a.profile}" if profile else ""))
+          + (f"; device profile {a.profile}" if profile else "")
+          + (f"; two sites joined by {a.link_gbps:g} Gb/s, publication {wl.publish_compression}" if link else ""))
     best_col = best_colocated(preds)
     for line in table(preds, a.top, best_col):
         print(line)
@@ -111,6 +128,13 @@ def run_plan(a) -> int:
           f"samples/s, {rec.samples_per_dollar:.0f} samples per dollar{ratio}")
     for note in rec.notes:
         print(f"  {note}")
+    if wl.shapes:
+        other = next(d for d in DISPATCHES if d != a.dispatch)
+        again = repredict(rec, pools, dispatch=other)
+        alt, _ = enumerate_plans(wl, pools, top_k=a.tag_candidates, link_bytes_s=link, dispatch=other)
+        best_other = recommend(alt, a.allow_stale) if alt else None
+        print(f"dispatch of the shape mix: {rec.label}: {a.dispatch} {rec.step_s:.1f} s, {other} {again.step_s:.1f} s per "
+              f"step" + (f"; best plan with {other}: {best_other.label} {best_other.step_s:.1f} s" if best_other else ""))
     if a.peers:
         g, n = pools[0].gpu, pools[0].count
         print(f"modelled peer systems on {n} x {g.key} (as they run):")
@@ -208,6 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rollout-micro-batch", type=int, default=8)
     w.add_argument("--train-micro-batch", type=int, default=16)
     w.add_argument("--optimizer-steps", type=int, default=1)
+    w.add_argument("--shape-mix", metavar="HxW[xF]:WEIGHT,...",
+                   help="prompts of several shapes, one per group, in proportion to the weights, e.g. "
+                        "512x512:1,1024x1024:1 (replaces --height/--width/--frames in the costs)")
+    w.add_argument("--dispatch", choices=DISPATCHES, default="lpt",
+                   help="the runtime's fragment dispatch for a shape mix (the other one is reported too)")
+    w.add_argument("--publish-compression", default="bf16", metavar="CODEC",
+                   help="publication codec as the runtime's flag: none (the trained fp32 tensors), bf16, delta, "
+                        "delta-topk:F")
+    w.add_argument("--link-gbps", type=float, default=None,
+                   help="two --gpus pools in two sites joined by a link of this many Gb/s (generators in one, "
+                        "trainers in the other)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=12, help="rows of the table")
     o.add_argument("--tag-candidates", type=int, default=4, help="fastest streaming plans also tried with TAG/TCSS")
