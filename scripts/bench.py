@@ -184,9 +184,11 @@ SCENARIOS: dict[str, Scenario] = {
     "window": Scenario(("colocated-replicate", "gap+tag", "gap+tag+tcss"), ("--algorithm", "window", "--sde-window", "0:2"),
                        "a 2-timestep SDE window: training is cheap, rollout dominates"),
     "skew": Scenario(("colocated-replicate3", "gap2x1-rr", "gap2x1-lpt"),
-                     ("--prompts", "data/shapes_mixed.jsonl", "--prompts-per-step", "8", "--group-size", "2"),
+                     ("--prompts", "data/shapes_mixed.jsonl", "--prompts-per-step", "8", "--group-size", "2",
+                      "--fragment-split", "even"),
                      "prompts of mixed cost (16x16, 32x32, 48x48 at 1:1:2): round-robin against skew-aware (LPT) "
-                     "dispatch over 2 generator replicas; 3 ranks on 2 cores time-share them (contention)"),
+                     "dispatch over 2 generator replicas of equal share (the start-up speed probe, noisy when 3 "
+                     "ranks time-share 2 cores, does not weight them); contention"),
     "link": Scenario(("colocated-replicate", "gap", "gap+bf16", "gap+topk"),
                      ("--lora-rank", "0", "--debug-link-bandwidth", "100"),
                      "full fine-tuning with generators behind a 100 MB/s link: compressed publication"),
