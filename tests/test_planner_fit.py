@@ -24,15 +24,12 @@ PROFILE = os.path.join(FIXTURES, "profile-cpu.json")
 FIT_MODE = "gap-stream"
 
 TOLERANCE = {
-    # target mode -> the bound on |relative error| of the predicted step time that these fixtures
-    # support. The goal was 15%; it holds for three targets. On this shared 2-core machine the same
-    # gap-stream configuration measured 2.5 s to 8.7 s per step in the nine pairs (other jobs'
-    # load drifts within minutes), so a prediction from one run to the next cannot be more exact
-    # than that drift; the bounds below guard the model against regressions on these fixtures, they
-    # do not claim more (docs/calibration.md, "Validation on measured runs").
-    "disagg": 0.15, "gap-frag2": 0.15, "gap+tsp+tag+tcss": 0.20,
-    "gap-stages": 0.25, "slow-gen": 0.30, "gap+tsp": 0.40, "gap+tsp8": 0.40, "gap-2rep": 0.45,
-    "colocated-replicate": 0.70,
+    # target mode -> the bound on |relative error| of the predicted step time on these fixtures
+    # (measured on a quiet machine; docs/calibration.md, "Validation on measured runs"). The goal
+    # is 15%: six targets meet it; TAG + TCSS and the two runs of 3 ranks on 2 cores (contention,
+    # which processor sharing models only roughly) are bounded where they stand.
+    "colocated-replicate": 0.15, "disagg": 0.15, "gap+tsp": 0.15, "gap+tsp8": 0.15, "gap-frag2": 0.15,
+    "slow-gen": 0.15, "gap+tsp+tag+tcss": 0.20, "gap-2rep": 0.25, "gap-stages": 0.25,
 }
 
 
