@@ -31,6 +31,7 @@ import json
 import os
 import re
 import signal
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -225,7 +226,9 @@ def read_state(path: str, prefix: str = "model.") -> dict[str, Tensor]:
     targets = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
     if not targets:
         raise ValueError(f"checkpoint {path!r} holds no {prefix}* tensors in {STATE_DIR}/")
-    dcp.load(targets, storage_reader=HuggingFaceStorageReader(folder), no_dist=True)
+    with warnings.catch_warnings():  # outside a process group torch says it loads in one process: it does
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(folder), no_dist=True)
     return {k[len(prefix):]: v for k, v in targets.items()}
 
 

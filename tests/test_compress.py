@@ -74,3 +74,32 @@ def test_runs_publish_through_every_codec(tmp_path):
         sent[spec] = rows[-1]["publish/bytes"]
     assert sent["bf16"] == pytest.approx(sent["none"] / 2, rel=0.01)
     assert sent["delta-topk:0.01"] < 0.05 * sent["none"]
+
+
+def test_lossless_codecs_keep_placement_invariance(tmp_path):
+    """bf16 deltas against what the generators hold: one generator or two replicas, streamed or not,
+    every receiver rebuilds the same weights, so the runs train the same weights bit for bit; and the
+    codec is active (uncompressed publication trains other weights)."""
+    from launch import trained_weights
+
+    args = [*TINY, "--steps", "3", "--log-images-every", "0"]
+    runs = {"one": (2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "0",
+                        "--publish-compression", "delta"]),
+            "two": (3, ["--generators", "2", "--trainers", "1", "--fragment-groups", "1",
+                        "--publish-compression", "delta"]),
+            "none": (2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "0"])}
+    weights = {}
+    for name, (nproc, extra) in runs.items():
+        torchrun(nproc, [*args, *extra, "--output-dir", str(tmp_path / name)])
+        weights[name] = trained_weights(str(tmp_path / name), 3)
+    for n in weights["one"]:
+        assert torch.equal(weights["one"][n], weights["two"][n]), n
+    assert any(not torch.equal(weights["one"][n], weights["none"][n]) for n in weights["one"])
+
+
+def test_a_corrupted_lossy_delta_is_rejected(tmp_path):
+    proc = torchrun(2, [*TINY, "--steps", "2", "--publish-compression", "delta-topk:0.01",
+                        "--output-dir", str(tmp_path / "run")], env={"DIGENRL_DEBUG_CORRUPT_PUBLISH": "1"},
+                    check=False)
+    assert proc.returncode != 0
+    assert "PublicationError" in proc.stderr and "failed verification" in proc.stderr
