@@ -35,7 +35,7 @@ from config import RunConfig, RunFacts
 from metrics import LOGGED_IMAGES, MetricsLogger, thumbnails
 from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, set_attention
 from models.lora import apply_lora
-from parallel import publish
+from parallel import compress, publish
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
 from parallel.intake import TrainingSpec, make_intake
@@ -211,7 +211,8 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
                       "zero_std": sum((r.zero_std for r in gen_out), [])}
             store.put(f"rec/{step}/{rank}", record)  # no rank waits here: the logging rank collects
             if logging:
-                previous_end = _log_step(store, logger, progress, running, plan, topo.world_size, previous_end)
+                previous_end = _log_step(store, logger, progress, running, plan, topo.world_size, previous_end,
+                                         cfg.topology.publish_compression if facts.disagg else None)
                 std_history[step] = running.std
             guard.step_done(step_end - step_start)
             done = step + 1
@@ -290,9 +291,11 @@ def _samples(cfg: RunConfig, step: int, gen_out: list) -> dict | None:
 
 
 def _log_step(store: StepStore, logger: MetricsLogger, progress, running: RunningStd, plan, world_size: int,
-              previous_end: float | None) -> float:
+              previous_end: float | None, codec: str | None = None) -> float:
     """The logging rank: collect every rank's step record, update the running reward std (published
-    for the generators of the next steps), log scalars and the sample grid. Returns the step's end."""
+    for the generators of the next steps), log scalars and the sample grid, warn about steps that
+    train nothing or mostly clipped data (`codec`: the publication codec of a disaggregated run).
+    Returns the step's end."""
     step = plan.step
     everyone = [store.get(f"rec/{step}/{r}") for r in range(world_size)]  # rank wait: each rank's record
     for r in range(world_size):
@@ -313,7 +316,11 @@ def _log_step(store: StepStore, logger: MetricsLogger, progress, running: Runnin
     if scalars["train/all_groups_zero_std"]:
         progress.write(f"warning: step {step}: every group's rewards are equal, so every advantage is 0 and the "
                        f"update has no policy gradient (a reward that cannot tell the samples apart?)")
+    line = compress.clip_warning(codec, step, scalars.get("train/clipfrac"))
+    if line:
+        progress.write(line)
     return max(rec["end_s"] for rec in everyone)
+
 
 
 def _image_source(ctx: RankContext, store: StepStore, plan):

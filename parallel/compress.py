@@ -46,6 +46,27 @@ def parse(spec: str) -> tuple[str, float | None]:
     return name, fraction
 
 
+def lossy(spec: str) -> bool:
+    """Whether generators hold something other than the trainer's weights: every codec but none
+    (bf16 rounds values or deltas; delta-topk also leaves the unsent residual out)."""
+    return parse(spec)[0] != "none"
+
+
+CLIP_WARNING = 0.05  # above this share of clipped transitions a lossy publication codec is named
+
+
+def clip_warning(codec: str | None, step: int, clipfrac: float | None) -> str | None:
+    """The warning of a step whose transitions are often clipped while generators receive a lossy
+    publication: they hold an approximation of the trainer's weights (for delta-topk, minus the
+    unsent residual), so they sample off-policy and the clip range removes those transitions'
+    gradient (README, "Compressed publication")."""
+    if codec is None or clipfrac is None or clipfrac <= CLIP_WARNING or not lossy(codec):
+        return None
+    return (f"warning: step {step}: {100 * clipfrac:.0f}% of the transitions were clipped; with --publish-compression "
+            f"{codec} the generators sample from an approximation of the trainer's weights (off-policy): "
+            f"publish more (a larger delta-topk fraction, delta, or none)")
+
+
 def topk_count(numel: int, fraction: float) -> int:
     """Entries delta-topk:F sends of a tensor of `numel` elements: ceil(F x numel), at least one."""
     return max(1, math.ceil(fraction * numel))

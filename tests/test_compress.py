@@ -103,3 +103,13 @@ def test_a_corrupted_lossy_delta_is_rejected(tmp_path):
                     check=False)
     assert proc.returncode != 0
     assert "PublicationError" in proc.stderr and "failed verification" in proc.stderr
+
+
+def test_a_lossy_codec_is_named_when_its_steps_are_mostly_clipped():
+    lossy_clip_warning = compress.clip_warning
+    assert compress.lossy("delta-topk:0.01") and compress.lossy("bf16") and not compress.lossy("none")
+    line = lossy_clip_warning("delta-topk:0.01", 7, 0.24)
+    assert line.startswith("warning: step 7: 24% of the transitions were clipped") and "delta-topk:0.01" in line
+    assert lossy_clip_warning("delta-topk:0.01", 7, 0.01) is None  # under the threshold
+    assert lossy_clip_warning("none", 7, 0.5) is None  # the generators hold the trainer's weights
+    assert lossy_clip_warning(None, 7, 0.5) is None  # colocated: nothing is published
