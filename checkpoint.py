@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import warnings
 
@@ -71,14 +70,6 @@ def find_checkpoint(run_dir: str) -> checkpoint_files.Found:
 def to_diffusers_lora(weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """peft parameter names -> the names `save_lora_weights` expects (the adapter name dropped)."""
     return {n.replace(ADAPTER, ""): t for n, t in weights.items()}
-
-
-def from_diffusers_lora(flat: dict[str, Tensor]) -> dict[str, Tensor]:
-    out = {}
-    for n, t in flat.items():
-        n = n[len("transformer."):] if n.startswith("transformer.") else n
-        out[re.sub(r"\.(lora_[AB])\.", rf".\1{ADAPTER}.", n)] = t
-    return out
 
 
 def _file_plan(tensors: dict[str, Tensor], ranks: int) -> dict[str, int]:
@@ -138,25 +129,22 @@ def _shard_name(index: int, files: int) -> str:
     return f"{WEIGHTS_NAME}.safetensors" if files == 1 else f"{WEIGHTS_NAME}-{index + 1:05d}-of-{files:05d}.safetensors"
 
 
-def read_exported(path: str) -> tuple[dict[str, Tensor], bool]:
-    """The exported weights of a checkpoint folder (or its ema/), by the transformer's own
-    parameter names, in the export's dtype; and whether they are LoRA."""
-    lora_path = os.path.join(path, LORA_FILE)
-    if os.path.isfile(lora_path):
-        return from_diffusers_lora(load_file(lora_path)), True
+def _read_transformer(path: str) -> dict[str, Tensor]:
+    """The exported transformer of a full fine-tune (one file, or several with diffusers' index.json)
+    in a checkpoint folder or its ema/, in the export's dtype."""
     sub = os.path.join(path, "transformer")
     single = os.path.join(sub, f"{WEIGHTS_NAME}.safetensors")
     index = os.path.join(sub, f"{WEIGHTS_NAME}.safetensors.index.json")
     if os.path.isfile(single):
-        return load_file(single), False
-    if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        out = {}
-        for name in names:
-            out.update(load_file(os.path.join(sub, name)))
-        return out, False
-    raise ValueError(f"checkpoint {path!r} holds neither {LORA_FILE} nor transformer/ weights")
+        return load_file(single)
+    if not os.path.isfile(index):
+        raise ValueError(f"checkpoint {path!r} holds neither {LORA_FILE} nor transformer/ weights")
+    with open(index) as f:
+        names = sorted(set(json.load(f)["weight_map"].values()))
+    out = {}
+    for name in names:
+        out.update(load_file(os.path.join(sub, name)))
+    return out
 
 
 def load_trained_weights(adapter: "DiTAdapter", path: str) -> None:
@@ -165,8 +153,7 @@ def load_trained_weights(adapter: "DiTAdapter", path: str) -> None:
     if os.path.isfile(os.path.join(path, LORA_FILE)):
         adapter.pipe.load_lora_weights(path)
         return
-    weights, _ = read_exported(path)
-    adapter.transformer.load_state_dict(weights, strict=True)
+    adapter.transformer.load_state_dict(_read_transformer(path), strict=True)
 
 
 def install_weights(module: torch.nn.Module, weights: dict[str, Tensor]) -> None:

@@ -208,6 +208,16 @@ def check_packed_image_size(family: str, vae_factor: int, height: int, width: in
                              f"(VAE factor {vae_factor} x 2x2 packing)")
 
 
+def video_latent_shape(adapter: DiTAdapter, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+    """`latent_shape` of the video families (Wan, HunyuanVideo): (C, F', H / s, W / s) with the
+    VAE's spatial factor s and F' = (frames - 1) / temporal factor + 1, after the family's size check."""
+    num_frames = adapter.defaults.num_frames if num_frames is None else num_frames
+    adapter.check_size(adapter.own_geometry(), height, width, num_frames)
+    spatial, temporal = adapter.pipe.vae_scale_factor_spatial, adapter.pipe.vae_scale_factor_temporal
+    frames = (num_frames - 1) // temporal + 1
+    return (adapter.transformer.config.in_channels, frames, height // spatial, width // spatial)
+
+
 def to_unit_range(images: Tensor) -> Tensor:
     """VAE output in [-1, 1] -> float32 in [0, 1]."""
     return (images.float() / 2 + 0.5).clamp(0, 1)

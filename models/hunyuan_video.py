@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaModel
 
 from models import tiny_text
 from models.base import (TINY_FRAMES, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
-                         to_unit_range)
+                         to_unit_range, video_latent_shape)
 
 # The Llama chat template needs Llama 3's header tokens, and its crop_start (95) counts the real
 # tokenizer's tokens. A tokenizer without those tokens (the tiny preset's byte vocabulary) gets the
@@ -81,12 +81,7 @@ class HunyuanVideoAdapter(DiTAdapter):
                 raise ValueError(f"{name} {size} must be a positive multiple of {spatial * p} for {cls.family!r} "
                                  f"(VAE factor {spatial} x patch {p})")
 
-    def latent_shape(self, height, width, num_frames=None):
-        num_frames = self.defaults.num_frames if num_frames is None else num_frames
-        self.check_size(self.own_geometry(), height, width, num_frames)
-        spatial, temporal = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
-        frames = (num_frames - 1) // temporal + 1
-        return (self.transformer.config.in_channels, frames, height // spatial, width // spatial)
+    latent_shape = video_latent_shape
 
     def image_seq_len(self, latent_shape):
         _, f, h, w = latent_shape

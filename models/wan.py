@@ -10,7 +10,7 @@ from transformers import UMT5Config, UMT5EncoderModel
 
 from models import tiny_text
 from models.base import (TINY_FRAMES, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
-                         to_unit_range)
+                         to_unit_range, video_latent_shape)
 
 
 class WanAdapter(DiTAdapter):
@@ -66,12 +66,7 @@ class WanAdapter(DiTAdapter):
                 raise ValueError(f"{name} {size} gives {size // factor} patches, above the rotary table's "
                                  f"{rope_len} for {cls.family!r}")
 
-    def latent_shape(self, height, width, num_frames=None):
-        num_frames = self.defaults.num_frames if num_frames is None else num_frames
-        self.check_size(self.own_geometry(), height, width, num_frames)
-        spatial, temporal = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
-        frames = (num_frames - 1) // temporal + 1
-        return (self.transformer.config.in_channels, frames, height // spatial, width // spatial)
+    latent_shape = video_latent_shape
 
     def image_seq_len(self, latent_shape):
         _, f, h, w = latent_shape

@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import cli  # noqa: E402
 from models import adapter_class, load_model, resolve_device  # noqa: E402
 from tensors import Conditioning, State  # noqa: E402
 
@@ -241,8 +242,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main)

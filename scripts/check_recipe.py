@@ -14,6 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import cli  # noqa: E402
 from config import DATA_DIR, load_config_files  # noqa: E402
 from memory import GPU_MEMORY, USABLE, GiB, check_fits, model_shape  # noqa: E402
 
@@ -47,8 +48,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main)

@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import cli  # noqa: E402
 from planner import fit, published  # noqa: E402
 from planner.hardware import GPUS, Kernels, gpu, with_price  # noqa: E402
 from planner.plans import Pool, best_colocated, enumerate_plans, recommend, repredict  # noqa: E402
@@ -263,8 +264,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main)

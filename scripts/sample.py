@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import cli  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -94,8 +95,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:  # user errors: one clear line, no stack trace from inside diffusers
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main)

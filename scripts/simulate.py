@@ -25,6 +25,7 @@ sys.path.insert(0, ROOT)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import cli  # noqa: E402
 import plan  # noqa: E402
 from planner import costs as cm  # noqa: E402
 from planner.hardware import GPUS  # noqa: E402
@@ -145,8 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main)
