@@ -39,16 +39,16 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import distribute_tensor
 
 import checkpoint_files
-from parallel.fsdp import full_tensor
+from parallel.fsdp import copy_full, full_tensor
 
 # Adapters (models.DiTAdapter) are passed in: this module imports no model family.
 LORA_FILE = "pytorch_lora_weights.safetensors"
 ADAPTER = ".default"  # peft's adapter name inside parameter names
 STALE_FILE = "stale.safetensors"
 STATE_DIR = "state"
+RESIDUAL = "residual."  # state/ keys of the publication codec's residual (parallel/compress.py)
 EMA_DIR = "ema"
 WEIGHTS_NAME = "diffusion_pytorch_model"  # diffusers' file names: <name>.safetensors, <name>-i-of-n, index
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -169,11 +169,7 @@ def install_weights(module: torch.nn.Module, weights: dict[str, Tensor]) -> None
                          f"{'; '.join(shapes[:3])}{' ...' if len(shapes) > 3 else ''}")
     with torch.no_grad():
         for n, t in weights.items():
-            p = params[n]
-            if hasattr(p, "device_mesh"):
-                p.copy_(distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements))
-            else:
-                p.copy_(t.to(device=p.device, dtype=p.dtype))
+            copy_full(params[n], t)
 
 
 # ----- the run state of --resume: sharded, float32 --------------------------------------------
@@ -202,16 +198,20 @@ def _state_tensors(trainer) -> dict[str, Tensor]:
     if trainer.ema is not None:
         out.update({f"ema.{n}": e for n, e in zip(trainer.names, trainer.ema)})
     out.update(_optimizer_tensors(trainer)[1])
+    if trainer.codec is not None:  # whole tensors, the same on every trainer rank
+        out.update({f"{RESIDUAL}{n}": r for n, r in trainer.codec.residual.items()})
     return out
 
 
-def read_state(path: str, prefix: str = "model.") -> dict[str, Tensor]:
+def read_state(path: str, prefix: str = "model.", missing_ok: bool = False) -> dict[str, Tensor]:
     """The whole tensors under `prefix` of a checkpoint's state/ (float32, as trained), read by
-    this process alone whatever sharding wrote them."""
+    this process alone whatever sharding wrote them ({} if there are none and `missing_ok`)."""
     folder = os.path.join(path, STATE_DIR)
     meta = HuggingFaceStorageReader(folder).read_metadata().state_dict_metadata
     targets = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
     if not targets:
+        if missing_ok:
+            return {}
         raise ValueError(f"checkpoint {path!r} holds no {prefix}* tensors in {STATE_DIR}/")
     with warnings.catch_warnings():  # outside a process group torch says it loads in one process: it does
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -44,6 +44,14 @@ def restore(facts, rank: int, adapter, trainer, running, store) -> Start:
     return Start(step, step - 1 if stale else step, history)
 
 
+def residual(facts) -> dict | None:
+    """The lossy publication codec's residual to go on from: a resumed run's (whole tensors), else
+    None (zero)."""
+    if facts.resume is None:
+        return None
+    return checkpoint.read_state(facts.resume.path, checkpoint.RESIDUAL, missing_ok=True) or None
+
+
 def extra_state(trainer, std_history: dict, done: int) -> dict:
     """trainer_state.pt's entries beyond the optimizer's: skipped steps, the std of the last steps."""
     return {"skips": trainer.skips.state_dict(),

@@ -149,8 +149,9 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
         replica_s = sum(speeds[g]["generate_s"] for g in topo.generator_ranks) / len(topo.generator_ranks)
         assistant = helper(ctx, make_generator(LocalScorer(reward_set())), store, facts.num_trainers,
                            topo.trainer_ranks.index(rank), trainer_ratio=speeds[rank]["generate_s"] / replica_s)
-    publisher = _publisher(cfg, trainer, all_names, rank == topo.trainer_ranks[0], keep=facts.tcss) \
-        if is_train and facts.disagg else None
+    publisher = _publisher(cfg, rank == topo.trainer_ranks[0], keep=facts.tcss) if is_train and facts.disagg else None
+    if is_train and compress.lossy(cfg.topology.publish_compression):  # every placement trains through the codec
+        trainer.start_codec(cfg.topology.publish_compression, all_names, runstate.residual(facts))
     versions = None
     if facts.disagg and is_gen:
         receiver = publish.WeightReceiver(_params(adapter, publish_names[rank]))
@@ -211,8 +212,7 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
                       "zero_std": sum((r.zero_std for r in gen_out), [])}
             store.put(f"rec/{step}/{rank}", record)  # no rank waits here: the logging rank collects
             if logging:
-                previous_end = _log_step(store, logger, progress, running, plan, topo.world_size, previous_end,
-                                         cfg.topology.publish_compression if facts.disagg else None)
+                previous_end = _log_step(store, logger, progress, running, plan, topo.world_size, previous_end)
                 std_history[step] = running.std
             guard.step_done(step_end - step_start)
             done = step + 1
@@ -291,11 +291,10 @@ def _samples(cfg: RunConfig, step: int, gen_out: list) -> dict | None:
 
 
 def _log_step(store: StepStore, logger: MetricsLogger, progress, running: RunningStd, plan, world_size: int,
-              previous_end: float | None, codec: str | None = None) -> float:
+              previous_end: float | None) -> float:
     """The logging rank: collect every rank's step record, update the running reward std (published
     for the generators of the next steps), log scalars and the sample grid, warn about steps that
-    train nothing or mostly clipped data (`codec`: the publication codec of a disaggregated run).
-    Returns the step's end."""
+    train nothing. Returns the step's end."""
     step = plan.step
     everyone = [store.get(f"rec/{step}/{r}") for r in range(world_size)]  # rank wait: each rank's record
     for r in range(world_size):
@@ -316,9 +315,6 @@ def _log_step(store: StepStore, logger: MetricsLogger, progress, running: Runnin
     if scalars["train/all_groups_zero_std"]:
         progress.write(f"warning: step {step}: every group's rewards are equal, so every advantage is 0 and the "
                        f"update has no policy gradient (a reward that cannot tell the samples apart?)")
-    line = compress.clip_warning(codec, step, scalars.get("train/clipfrac"))
-    if line:
-        progress.write(line)
     return max(rec["end_s"] for rec in everyone)
 
 
@@ -360,13 +356,10 @@ def _reward_std(cfg: RunConfig, store: StepStore, step: int) -> float | None:
     return None if last < 0 else store.get(f"std/{last}")
 
 
-def _publisher(cfg: RunConfig, trainer: Trainer, names: list[str], sends: bool, keep: bool) -> publish.WeightPublisher:
-    """The trainers' publisher. A lossy codec keeps a copy of what the generators hold, starting
-    from the version every rank holds now (the whole trainer group gathers it under FSDP). With
-    `keep` (TCSS) the sending trainer keeps the last two versions for checkpoints."""
-    lossy = cfg.topology.publish_compression != "none"
-    initial = trainer.full_weights(names) if lossy else None  # a collective over the trainers under FSDP
-    return publish.WeightPublisher(compression=cfg.topology.publish_compression, initial=initial if sends else None,
+def _publisher(cfg: RunConfig, sends: bool, keep: bool) -> publish.WeightPublisher:
+    """The trainers' publisher. With `keep` (TCSS) the sending trainer keeps the last two versions
+    for checkpoints."""
+    return publish.WeightPublisher(compression=cfg.topology.publish_compression,
                                    link_mbps=cfg.output.debug_link_bandwidth, keep=keep and sends)
 
 

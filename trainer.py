@@ -28,7 +28,8 @@ from config import RunConfig
 from models import DiTAdapter, autocast
 from models.lora import trainable_names
 from nonfinite import SkipTracker
-from parallel.fsdp import count_allgathers, full_tensor, shard_modules
+from parallel import compress
+from parallel.fsdp import copy_full, count_allgathers, full_tensor, shard_modules
 from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
 from parallel.publish import WeightPublisher
 from tracing import Slowdown
@@ -64,6 +65,8 @@ class Trainer:
         self.num_updates = 0
         self.skips = SkipTracker(cfg.optim.max_skipped_steps)  # steps with non-finite values (nonfinite.py)
         self.current_step: int | None = None  # the step being trained (its update makes version step+1)
+        self.codec: compress.Reconstruction | None = None  # a lossy publication codec (start_codec)
+        self.codec_names: list[str] = []
         # Called with the forward's slot (this step's forward count) before every training forward,
         # real or padding: with TAG under FSDP the group's generation windows fall between forwards.
         self.before_forward = None
@@ -375,6 +378,28 @@ class Trainer:
         wanted = set(names or self.names)
         return {n: full_tensor(p.detach()) for n, p in self.adapter.transformer.named_parameters() if n in wanted}
 
+    # ----- publication ----------------------------------------------------------------------
+    def start_codec(self, spec: str, names: list[str], residual: dict[str, Tensor] | None = None) -> None:
+        """Train through the lossy publication codec `spec` (parallel/compress.py) from the weights
+        held now, going on from a resumed run's `residual` (a collective under FSDP)."""
+        self.codec = compress.Reconstruction(spec, self.full_weights(names), residual)
+        self.codec_names = list(names)
+
+    def make_version(self, names: list[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The version this update makes, as (wire tensors, the weights receivers rebuild from
+        them); every trainer rank calls it (a collective under FSDP). With a lossy codec the
+        trainer adopts the rebuilt weights, so it trains the policy the generators sample with;
+        what the wire left out waits in the codec's residual."""
+        weights = self.full_weights(names)
+        if self.codec is None:
+            return weights, weights
+        wire, held = self.codec.publish(weights)
+        params = dict(self.adapter.transformer.named_parameters())
+        with torch.no_grad():
+            for n, t in held.items():
+                copy_full(params[n], t)
+        return wire, held
+
 
 
 
@@ -440,14 +465,17 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     if facts.disagg:
         sent = []
         with tracer.span("publish", "publish", step):
-            weights = trainer.full_weights(sorted({n for names in publish_names.values() for n in names}))
+            wire, held = trainer.make_version(sorted({n for names in publish_names.values() for n in names}))
             if ctx.rank == topo.trainer_ranks[0]:
                 if store is not None:
                     store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
                 # Each generator (stage) gets only the weights it holds, encoded once for all of them.
-                sent = publisher.publish_all(weights, {g: publish_names[g] for g in topo.generator_ranks}, step + 1)
+                sent = publisher.publish_all(wire, held, {g: publish_names[g] for g in topo.generator_ranks}, step + 1)
         stats["publish/bytes"] = float(sum(s.num_bytes for s in sent))
         stats["publish/seconds"] = time.perf_counter() - t0
+    elif trainer.codec is not None:
+        with tracer.span("publish", "publish", step):  # colocated: the codec's update, nothing sent
+            trainer.make_version(trainer.codec_names)
     if assistant is not None:
         assistant.observe_training(seconds)
         assistant.tracker.observe_update(update_s)

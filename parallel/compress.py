@@ -11,10 +11,14 @@ Codecs:
 Both sides apply the same operation to the same values (`apply`): the trainer to its copy of what
 the generators hold (`Reconstruction`), each generator to its live parameters. The two results are
 bitwise equal, so the publication's checksum is of the reconstructed weights and verification keeps
-its meaning. Because every delta is taken against that reconstruction, what a lossy delta drops is
-sent again later (error feedback): the generators' weights track the trainer's, off by at most the
-last delta's loss. The generators sample with the reconstructed weights and record the log-probs
-of exactly that policy, so the importance ratio of training stays exact.
+its meaning.
+
+A lossy codec is part of the update, not only of the wire: every trainer rank adopts the
+reconstruction as its weights, so it trains exactly the policy the generators sample with (the
+importance ratio starts each step at 1, as uncompressed), and keeps what was not sent as a residual
+that the next version's delta carries (error feedback, as in EF-SGD and FusionLLM's AdaTopK: the
+trainer's weights plus the residual are the uncompressed update's). Colocated runs apply the same
+codec to themselves, so a run trains the same weights whatever its placement.
 """
 from __future__ import annotations
 
@@ -47,24 +51,10 @@ def parse(spec: str) -> tuple[str, float | None]:
 
 
 def lossy(spec: str) -> bool:
-    """Whether generators hold something other than the trainer's weights: every codec but none
-    (bf16 rounds values or deltas; delta-topk also leaves the unsent residual out)."""
+    """Whether receivers rebuild something other than the weights sent: every codec but none (bf16
+    rounds values or deltas; delta-topk also leaves part of each delta out). A lossy codec keeps a
+    `Reconstruction` on every trainer rank."""
     return parse(spec)[0] != "none"
-
-
-CLIP_WARNING = 0.05  # above this share of clipped transitions a lossy publication codec is named
-
-
-def clip_warning(codec: str | None, step: int, clipfrac: float | None) -> str | None:
-    """The warning of a step whose transitions are often clipped while generators receive a lossy
-    publication: they hold an approximation of the trainer's weights (for delta-topk, minus the
-    unsent residual), so they sample off-policy and the clip range removes those transitions'
-    gradient (README, "Compressed publication")."""
-    if codec is None or clipfrac is None or clipfrac <= CLIP_WARNING or not lossy(codec):
-        return None
-    return (f"warning: step {step}: {100 * clipfrac:.0f}% of the transitions were clipped; with --publish-compression "
-            f"{codec} the generators sample from an approximation of the trainer's weights (off-policy): "
-            f"publish more (a larger delta-topk fraction, delta, or none)")
 
 
 def topk_count(numel: int, fraction: float) -> int:
@@ -135,27 +125,34 @@ def split_wire(wire: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
 
 
 class Reconstruction:
-    """The trainer's copy of what the generators hold, kept by applying every publication to it.
-    With `none` nothing is kept: what is sent is what they hold."""
+    """What the generators hold (`held`) and what a lossy codec has not sent of the trainer's
+    updates yet (`residual`), kept alike by every trainer rank (module docstring)."""
 
-    def __init__(self, spec: str, initial: dict[str, Tensor]):
-        """`initial`: version 0 of the published tensors (every rank starts from it)."""
+    def __init__(self, spec: str, initial: dict[str, Tensor], residual: dict[str, Tensor] | None = None):
+        """`initial`: the weights every rank holds now; `residual`: the residual to go on from (a
+        resumed run's), zero by default."""
+        if not lossy(spec):
+            raise ValueError(f"--publish-compression {spec}: a lossless codec needs no reconstruction")
         self.spec = spec
-        lossless = parse(spec)[0] == "none"
-        self.held = None if lossless else {n: t.detach().float().clone() for n, t in initial.items()}
+        self.held = {n: t.detach().float().clone() for n, t in initial.items()}
+        self.residual = {n: torch.zeros_like(t) for n, t in self.held.items()}
+        for n, r in (residual or {}).items():
+            if n not in self.held or tuple(r.shape) != tuple(self.held[n].shape):
+                raise ValueError(f"publication residual {n!r} {list(r.shape)} does not fit the trained weights")
+            self.residual[n] = r.detach().float().to(self.held[n].device).clone()
 
     def publish(self, weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """(wire tensors by wire name, the tensors the receivers will hold) for a new version."""
+        """(wire tensors by wire name, the tensors the receivers will hold) for a new version made
+        from the trainer's `weights`; what the wire leaves out of `weights` + residual becomes the
+        new residual."""
         wire, held = {}, {}
         for name, new in weights.items():
-            parts = encode(self.spec, new, None if self.held is None else self.held[name])
+            wanted = new.detach().float() + self.residual[name]
+            parts = encode(self.spec, wanted, self.held[name])
             wire.update({wire_name(name, p): t for p, t in parts.items()})
-            if self.held is None:
-                held[name] = new.detach()
-            else:
-                target = torch.empty_like(new, dtype=new.dtype)
-                target.copy_(self.held[name].to(new.dtype))
-                apply(self.spec, target, parts)
-                self.held[name] = target.float()
-                held[name] = target
+            target = self.held[name].to(new.dtype, copy=True)
+            apply(self.spec, target, parts)
+            self.held[name] = target.float()
+            self.residual[name] = wanted - self.held[name]
+            held[name] = target
         return wire, held

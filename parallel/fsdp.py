@@ -1,5 +1,5 @@
-"""FSDP2 over a DiT driven piece by piece: sharding units, whole tensors of sharded parameters,
-and a count of the parameter all-gathers (the bench reports it per step)."""
+"""FSDP2 over a DiT driven piece by piece: sharding units, whole tensors of sharded parameters
+and back, and a count of the parameter all-gathers (the bench reports it per step)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import distribute_tensor
 
 
 def shard_modules(transformer: torch.nn.Module, group) -> None:
@@ -27,6 +28,15 @@ def shard_modules(transformer: torch.nn.Module, group) -> None:
 def full_tensor(t: Tensor) -> Tensor:
     """The whole tensor of a possibly FSDP-sharded parameter (a collective over the trainer group)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def copy_full(param: Tensor, whole: Tensor) -> None:
+    """Copy a whole tensor into a possibly FSDP-sharded parameter in place: a sharded one keeps its
+    own shard of `whole` (no communication: every rank passes the same tensor)."""
+    if hasattr(param, "device_mesh"):
+        param.copy_(distribute_tensor(whole.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None))
+    else:
+        param.copy_(whole.to(device=param.device, dtype=param.dtype))
 
 
 def count_allgathers(transformer: torch.nn.Module, group, on_allgather: Callable[[], None]) -> None:

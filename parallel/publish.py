@@ -228,14 +228,12 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
 class WeightPublisher:
     """The sending side of one trainer rank: publishes versions, compressed or not, and remembers
     per receiver the checksums it sent last, so that each receiver can tell an update that does
-    nothing. A lossy codec needs `initial`, version 0 of the published tensors. With `keep`, it
-    also keeps CPU copies of the last two versions the generators hold (what TCSS generators hold
+    nothing. With `keep`, it also keeps CPU copies of the last two versions the generators hold (what TCSS generators hold
     when a checkpoint is written: `kept(version)`)."""
 
     def __init__(self, bucket_bytes: int = 64 << 20, compression: str = "none",
-                 initial: dict[str, Tensor] | None = None, link_mbps: float | None = None, keep: bool = False):
+                 link_mbps: float | None = None, keep: bool = False):
         self.bucket_bytes, self.compression = bucket_bytes, compression
-        self.reconstruction = compress.Reconstruction(compression, initial or {})
         self.link_bytes_per_s = link_mbps * 1e6 if link_mbps else None
         self.last: dict[int, dict[str, int]] = {}  # dst -> name -> checksum
         self.keep = keep
@@ -250,11 +248,11 @@ class WeightPublisher:
             self.remember(version, tensors if rebuilt is None else rebuilt)
         return stats
 
-    def publish_all(self, weights: dict[str, Tensor], names_by_dst: dict[int, list[str]], version: int,
-                    group=None) -> list[PublishStats]:
-        """One version to every receiver, each its own names, encoded once: every receiver holds
-        the previous version, so one reconstruction serves all."""
-        wire, held = self.reconstruction.publish(weights)
+    def publish_all(self, wire: dict[str, Tensor], held: dict[str, Tensor], names_by_dst: dict[int, list[str]],
+                    version: int, group=None) -> list[PublishStats]:
+        """One version to every receiver, each its own names: `wire` is the version encoded once
+        (every receiver holds the previous version) and `held` what the receivers rebuild from it
+        (uncompressed, the same tensors)."""
         parts = compress.split_wire(wire)
         out = []
         for dst, names in names_by_dst.items():
