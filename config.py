@@ -140,7 +140,8 @@ class TopologyConfig:
     publish_compression: str = _f("none", "what weight publication sends: none, bf16, delta (the difference to the "
                                           "version the generators hold, in bf16) or delta-topk:F (its largest "
                                           "fraction F, with error feedback); generators rebuild bit-exactly what "
-                                          "the trainer says they hold", metavar="CODEC")
+                                          "the trainer says they hold, and the trainers train those weights "
+                                          "(colocated runs too)", metavar="CODEC")
     dist_timeout_s: int = _f(600, "timeout of every collective, point-to-point and store wait until the first "
                                   "step is measured (then 5 x the slowest step, at least 60 s, at most this)")
     heartbeat_timeout_s: float = _f(30.0, "a rank whose heartbeat stops for this long is reported by rank and role, "

@@ -16,10 +16,6 @@
         Generators in one site, trainers in the other, joined by a 25 Gb/s link that trajectories
         and compressed publications cross.
 
-    python scripts/plan.py --validate data/published_runs.json --out OUT.json
-        Predict every published step time; OUT gets [{name, predicted_step_s, published_step_s,
-        rel_error}]. Rows marked fit were used to fit; the others are held out.
-
     python scripts/plan.py --fit-run RUN --profile PROFILE --predict RUN2 [RUN3 ...] [--out OUT.json]
         Fit per-unit costs on one measured run folder (traces of scripts/bench.py or of any run) and
         predict the step time of other runs from their config alone (planner/fit.py).
@@ -166,17 +162,6 @@ def run_plan(a) -> int:
     return 0
 
 
-def run_validate(a) -> int:
-    rows = published.load_rows(a.validate)
-    results = published.validate(rows)
-    print(published.summary(results))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump([r.record() for r in results], f, indent=1)
-        print(f"wrote {a.out}")
-    return 0
-
-
 def run_fit(a) -> int:
     if not a.profile:
         raise ValueError("--fit-run needs --profile (a scripts/calibrate.py profile of the same machine)")
@@ -203,8 +188,7 @@ def run_fit(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--validate", metavar="FILE", help="published runs to predict (data/published_runs.json)")
-    p.add_argument("--out", metavar="OUT", help="--validate / --fit-run: write the results here (JSON)")
+    p.add_argument("--out", metavar="OUT", help="--fit-run: write the results here (JSON)")
     p.add_argument("--fit-run", metavar="DIR", help="a measured run folder to fit per-unit costs on")
     p.add_argument("--predict", metavar="DIR", nargs="+", default=[], help="run folders to predict (--fit-run)")
     p.add_argument("--profile", metavar="FILE", help="a scripts/calibrate.py device profile")
@@ -256,8 +240,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    if a.validate:
-        return run_validate(a)
     if a.fit_run:
         return run_fit(a)
     return run_plan(a)

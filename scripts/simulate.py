@@ -1,4 +1,4 @@
-"""The step simulator from the command line (docs/DESIGN.md 9), in two uses:
+"""The step simulator from the command line (docs/DESIGN.md 9), in three uses:
 
     python scripts/simulate.py --run DIR
         Read a training run's config.json and trace/rank*.json, measure the per-action costs,
@@ -9,6 +9,12 @@
         The planner of scripts/plan.py on one pool of N GPUs (`plan.py --model flux --gpus h100:16`):
         every feasible colocated and disaggregated plan, ranked, with a recommendation. Predictions
         of the calibrated cost model of docs/calibration.md, not measurements.
+
+    python scripts/simulate.py --anchors data/anchors.jsonl [--json OUT]
+        Predict the published runs of a JSON-lines file (one run per line, schema in
+        planner/published.py) and print predicted vs published step time per row; OUT gets a JSON
+        list of {name, predicted_step_s, published_step_s, rel_error}. Exits 1 when a row is off by
+        more than its tolerance (default 0.25).
 
 --run replays a run from the costs measured in that same run (in sample: a check of the
 simulator's structure). Out-of-sample prediction of other runs: scripts/plan.py --fit-run.
@@ -28,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cli  # noqa: E402
 import plan  # noqa: E402
 from planner import costs as cm  # noqa: E402
+from planner import published  # noqa: E402
 from planner.hardware import GPUS  # noqa: E402
 from planner.simulator import simulate_run  # noqa: E402
 from planner.specs import MODELS  # noqa: E402
@@ -115,6 +122,20 @@ def cluster_argv(args) -> list[str]:
     return argv
 
 
+def run_anchors(path: str, out: str | None) -> int:
+    """Predicted vs published step time per row; 1 when a row is outside its tolerance."""
+    results = published.validate(published.load_rows(path))
+    print(published.summary(results))
+    if out:
+        with open(out, "w") as f:
+            json.dump([r.record() for r in results], f, indent=1)
+        print(f"wrote {out}")
+    outside = [r.name for r in results if not r.within_tolerance]
+    if outside:
+        print(f"outside their tolerance: {', '.join(outside)}")
+    return 1 if outside else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -122,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--run", help="a training run folder (config.json, trace/rank*.json, metrics.jsonl)")
     what.add_argument("--cluster", choices=sorted(CLUSTER_MODELS),
                       help="predict plans for this model (the planner of scripts/plan.py, one GPU pool)")
+    what.add_argument("--anchors", metavar="FILE", help="published runs to predict, JSON lines (data/anchors.jsonl)")
+    p.add_argument("--json", metavar="OUT", help="--anchors: write the predictions here (JSON)")
     p.add_argument("--skip-steps", type=int, default=1, help="--run: leading (warm-up) steps left out")
     p.add_argument("--trace-out", help="--run: write the simulated Chrome trace here")
     p.add_argument("--gpus", type=int, default=16, help="--cluster: number of GPUs N")
@@ -137,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.anchors:
+        return run_anchors(args.anchors, args.json)
     if args.run:
         print_run_report(simulate_measured_run(args.run, args.skip_steps, args.trace_out), args.skip_steps)
         return 0
