@@ -17,8 +17,8 @@ A lossy codec is part of the update, not only of the wire: every trainer rank ad
 reconstruction as its weights, so it trains exactly the policy the generators sample with (the
 importance ratio starts each step at 1, as uncompressed), and keeps what was not sent as a residual
 that the next version's delta carries (error feedback, as in EF-SGD and FusionLLM's AdaTopK: the
-trainer's weights plus the residual are the uncompressed update's). Colocated runs apply the same
-codec to themselves, so a run trains the same weights whatever its placement.
+trainer's weights plus the residual are the initial weights plus every optimizer update). Colocated
+runs apply the same codec to themselves, so a run trains the same weights whatever its placement.
 """
 from __future__ import annotations
 

@@ -97,7 +97,8 @@ def test_runs_publish_through_every_codec(tmp_path):
 def test_codecs_keep_placement_invariance_and_resume_with_their_residual(tmp_path):
     """Every trainer trains the weights the generators rebuild, and colocated runs apply the codec
     to themselves: bf16 deltas with one generator or two replicas, streamed or not, and top-k
-    deltas disaggregated or colocated, train the same weights bit for bit. A run resumed from step 2
+    deltas disaggregated or colocated, train the same weights bit for bit, and FSDP trainers train
+    the weights the generator samples with. A run resumed from step 2
     (another placement) goes on from the checkpoint's residual to the same step-3 weights. And the
     codec is active: the two codecs train different weights."""
     from launch import trained_weights
@@ -108,7 +109,9 @@ def test_codecs_keep_placement_invariance_and_resume_with_their_residual(tmp_pat
             "delta-two": (3, ["--generators", "2", "--trainers", "1", "--fragment-groups", "1",
                               "--publish-compression", "delta"]),
             "topk-disagg": (2, [*disagg, "--publish-compression", "delta-topk:0.01"]),
-            "topk-colocated": (1, ["--mode", "colocated", "--publish-compression", "delta-topk:0.01"])}
+            "topk-colocated": (1, ["--mode", "colocated", "--publish-compression", "delta-topk:0.01"]),
+            "topk-fsdp": (3, ["--generators", "1", "--trainers", "2", "--train-sharding", "fsdp",
+                              "--publish-compression", "delta-topk:0.01"])}
     weights = {}
     for name, (nproc, extra) in runs.items():
         torchrun(nproc, [*args, *extra, "--output-dir", str(tmp_path / name)])
@@ -125,6 +128,13 @@ def test_codecs_keep_placement_invariance_and_resume_with_their_residual(tmp_pat
         assert torch.equal(weights["topk-disagg"][n], weights["topk-colocated"][n]), n
         assert torch.equal(weights["topk-disagg"][n], weights["topk-resumed"][n]), n
     assert any(not torch.equal(weights["delta-one"][n], weights["topk-disagg"][n]) for n in weights["delta-one"])
+    # On-policy: the trainers' first forward of a step runs the weights the generator sampled with
+    # (under FSDP each trainer adopts its shard), so every importance ratio is exactly 1. (FSDP's
+    # gradients differ from one trainer's in the last bits, which can swap near-equal entries of a
+    # top-k selection, so its weights are not compared bit for bit.)
+    for name in ("topk-disagg", "topk-fsdp"):
+        rows = read_metrics(str(tmp_path / name / "metrics.jsonl"))
+        assert [(r["train/approx_kl"], r["train/clipfrac"], r["train/ratio"]) for r in rows] == [(0.0, 0.0, 1.0)] * 3
 
 
 def test_a_corrupted_lossy_delta_is_rejected(tmp_path):
