@@ -66,7 +66,6 @@ class Trainer:
         self.skips = SkipTracker(cfg.optim.max_skipped_steps)  # steps with non-finite values (nonfinite.py)
         self.current_step: int | None = None  # the step being trained (its update makes version step+1)
         self.codec: compress.Reconstruction | None = None  # a lossy publication codec (start_codec)
-        self.codec_names: list[str] = []
         # Called with the forward's slot (this step's forward count) before every training forward,
         # real or padding: with TAG under FSDP the group's generation windows fall between forwards.
         self.before_forward = None
@@ -383,7 +382,6 @@ class Trainer:
         """Train through the lossy publication codec `spec` (parallel/compress.py) from the weights
         held now, going on from a resumed run's `residual` (a collective under FSDP)."""
         self.codec = compress.Reconstruction(spec, self.full_weights(names), residual)
-        self.codec_names = list(names)
 
     def make_version(self, names: list[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """The version this update makes, as (wire tensors, the weights receivers rebuild from
@@ -475,7 +473,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
         stats["publish/seconds"] = time.perf_counter() - t0
     elif trainer.codec is not None:
         with tracer.span("publish", "publish", step):  # colocated: the codec's update, nothing sent
-            trainer.make_version(trainer.codec_names)
+            trainer.make_version(list(trainer.codec.held))
     if assistant is not None:
         assistant.observe_training(seconds)
         assistant.tracker.observe_update(update_s)

@@ -228,8 +228,8 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
 class WeightPublisher:
     """The sending side of one trainer rank: publishes versions, compressed or not, and remembers
     per receiver the checksums it sent last, so that each receiver can tell an update that does
-    nothing. With `keep`, it also keeps CPU copies of the last two versions the generators hold (what TCSS generators hold
-    when a checkpoint is written: `kept(version)`)."""
+    nothing. With `keep`, it also keeps CPU copies of the last two versions the generators hold
+    (what TCSS generators hold when a checkpoint is written: `kept(version)`)."""
 
     def __init__(self, bucket_bytes: int = 64 << 20, compression: str = "none",
                  link_mbps: float | None = None, keep: bool = False):

@@ -130,17 +130,20 @@ def samples_per_gpu(row: dict[str, Any]) -> float:
     return row["prompts_per_step"] * row["group_size"] / row["num_gpus"]
 
 
-def fit_overheads(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+def fit_overheads(rows: list[dict[str, Any]], mechanism: dict[str, float] | None = None
+                  ) -> dict[str, tuple[float, float]]:
     """Per system in FITTED_OVERHEAD: (seconds per step, seconds per sample a GPU holds) of the step
     time its mechanism model leaves unexplained, least squares over its fit rows (one fit row, or
-    rows of one load per GPU: the per-step time alone)."""
+    rows of one load per GPU: the per-step time alone). `mechanism`: each row's mechanism step
+    time by name, if already predicted."""
     out = {}
     for system in FITTED_OVERHEAD:
         fit = [r for r in rows if r["system"] == system and r.get("fit")]
         if not fit:
             continue
         x = [samples_per_gpu(r) for r in fit]
-        y = [r["published_step_s"] - mechanism_prediction(r).step_s for r in fit]
+        y = [r["published_step_s"] - (mechanism[r["name"]] if mechanism else mechanism_prediction(r).step_s)
+             for r in fit]
         mx, my = sum(x) / len(x), sum(y) / len(y)
         sxx = sum((a - mx) ** 2 for a in x)
         slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx if sxx > 0 else 0.0
@@ -149,10 +152,11 @@ def fit_overheads(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
 
 
 def validate(rows: list[dict[str, Any]]) -> list[RowResult]:
-    overheads = fit_overheads(rows)
+    mechanism = {r["name"]: mechanism_prediction(r).step_s for r in rows}
+    overheads = fit_overheads(rows, mechanism)
     out = []
     for r in rows:
-        mech = mechanism_prediction(r).step_s
+        mech = mechanism[r["name"]]
         per_step, per_sample = overheads.get(r["system"], (0.0, 0.0))
         extra = per_step + per_sample * samples_per_gpu(r)
         tolerance = r.get("tolerance")
