@@ -84,6 +84,13 @@ def gap_schedule(num_stages: int, num_microbatches: int, num_steps: int,
     return [[Action(s, mb, t) for mb, t in order] for s in range(num_stages)]
 
 
+def fragments_in_flight(num_stages: int, micro_batches_per_fragment: int) -> int:
+    """Fragments a replica of `num_stages` pipelines at once when each has
+    `micro_batches_per_fragment` micro-batches: `gap_schedule` keeps S micro-batches in flight, so
+    fragments of fewer than S share one schedule and finish together (the planner's wave)."""
+    return -(-num_stages // max(1, micro_batches_per_fragment))
+
+
 def validate_schedule(schedule: list[list[Action]], num_stages: int, num_microbatches: int,
                       num_steps: int) -> None:
     """Raise ScheduleError (with the step-by-stage grid, the stuck actions marked) unless every

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallel.plan import plan_step
+from parallel.schedule import fragments_in_flight
 from metrics import read_metrics
 from planner.engine import Costs, SimResult
 from parallel.topology import Topology
@@ -132,6 +133,8 @@ class SimSetup:
     chunks_per_fragment: int | None
     """None with TSP; else the chunks (micro-batches) of one fragment"""
     topology: Topology
+    gen_wave: int = 1
+    """fragments a replica of S stages pipelines together: enough for S micro-batches in flight"""
 
     @property
     def num_replicas(self) -> int:
@@ -169,7 +172,8 @@ def sim_setup(config: dict[str, Any], world_size: int) -> SimSetup:
         mode, policy = "gap", None
     else:
         mode, policy = "disagg", None
-    return SimSetup(mode, policy, num_fragments, num_trainers, topo.gap_stages, chunks, topo)
+    wave = fragments_in_flight(topo.gap_stages, len(plan.fragments[0].chunks))
+    return SimSetup(mode, policy, num_fragments, num_trainers, topo.gap_stages, chunks, topo, wave)
 
 
 # ---------------------------------------------------------------------------------------------

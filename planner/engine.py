@@ -39,6 +39,9 @@ class Costs:
     """per fragment: its training time relative to `train_fragment_s`. None: all 1"""
     transfer_scale: list[float] | None = None
     """per fragment: its transfer time relative to `transfer_s`. None: all 1"""
+    trainer_tail_s: float = 0.0
+    """seconds the trainers spend after a publication before the next step's work (the runtime's
+    checkpoint save and logging); the generators do not wait for it"""
 
     def __post_init__(self):
         self.replica_fragment_s = [float(x) for x in self.replica_fragment_s]
@@ -47,7 +50,7 @@ class Costs:
                              f"got {self.replica_fragment_s}")
         if self.trainer_fragment_s <= 0:
             raise ValueError(f"trainer_fragment_s must be positive, got {self.trainer_fragment_s}")
-        for name in ("train_fragment_s", "transfer_s", "update_s", "publish_s"):
+        for name in ("train_fragment_s", "transfer_s", "update_s", "publish_s", "trainer_tail_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.chunks_per_fragment is not None and self.chunks_per_fragment < 1:
@@ -203,10 +206,13 @@ class _Engine:
 
     def __init__(self, costs: Costs, num_trainers: int, num_steps: int, units: list[int],
                  owners: list[int] | None, *, policy: Policy | None, tcss: bool, stages: int, record: bool,
-                 weights: list[tuple[float, float, float]] | None = None):
+                 weights: list[tuple[float, float, float]] | None = None, wave: int = 1):
         """`weights`: per fragment, its (generation, training, transfer) time in units of the costs'
-        one-fragment times; default: `units` fragments of the costs' per-fragment scales."""
+        one-fragment times; default: `units` fragments of the costs' per-fragment scales. `wave`:
+        the fragments a replica generates as one pipelined schedule (a GAP replica keeps as many
+        micro-batches in flight as it has stages); they land together when the wave ends."""
         self.costs, self.M, self.K, self.R, self.S = costs, num_trainers, num_steps, costs.num_replicas, stages
+        self.wave = wave
         self.units, self.first_unit = units, [sum(units[:f]) for f in range(len(units))]
         if weights is None:
             weights = [(n * costs.scale("gen_scale", f), n * costs.scale("train_scale", f),
@@ -258,27 +264,34 @@ class _Engine:
 
     def start_generation(self, step: int, t: float, worker: tuple[str, int]) -> None:
         kind, i = worker
-        if self.dynamic:
-            f = self.unclaimed[step].pop(0)
-        else:
-            f = self.assigned[step][i].pop(0)
-        self.unstarted[step] -= 1
+        frags = []
+        for _ in range(self.wave if kind == "replica" else 1):
+            if frags and not (self.unclaimed[step] if self.dynamic else self.assigned[step][i]):
+                break
+            frags.append(self.unclaimed[step].pop(0) if self.dynamic else self.assigned[step][i].pop(0))
+        self.unstarted[step] -= len(frags)
         if kind == "replica":
-            end = t + self.gen_w[f] * self.costs.replica_fragment_s[i]
-            self.rep_free[i] = end
+            per = self.costs.replica_fragment_s[i]
             ranks = list(range(i * self.S, (i + 1) * self.S))
         else:
-            end = t + self.gen_w[f] * self.costs.trainer_fragment_s
-            self.trn_free[i], self.asked[i] = end, False
+            per = self.costs.trainer_fragment_s
             ranks = [self.R * self.S + i]
             self.num_by_trainers += 1
-        self.generated_by[step][f] = ranks[0]
-        for rank in ranks:
-            self._span(rank, "generate", "generate", step, t, end, f, tag=kind == "trainer")
-        transfer = self.costs.transfer_s * self.xfer_w[f]
-        if transfer > 0:
-            self._span(ranks[-1], "transfer", "comm", step, end, end + transfer, f)
-        self.push_shares(step, f, end + transfer)
+        end = t
+        for f in frags:  # one span per fragment, back to back: the wave's busy time, fragment by fragment
+            start, end = end, end + self.gen_w[f] * per
+            for rank in ranks:
+                self._span(rank, "generate", "generate", step, start, end, f, tag=kind == "trainer")
+        if kind == "replica":
+            self.rep_free[i] = end
+        else:
+            self.trn_free[i], self.asked[i] = end, False
+        for f in frags:  # the wave's fragments land together
+            self.generated_by[step][f] = ranks[0]
+            transfer = self.costs.transfer_s * self.xfer_w[f]
+            if transfer > 0:
+                self._span(ranks[-1], "transfer", "comm", step, end, end + transfer, f)
+            self.push_shares(step, f, end + transfer)
 
     def ready_entries(self, j: int, t: float) -> list[_Share]:
         return [e for e in self.queues[j] if e.step == self.train_step and e.ready <= t]
@@ -317,7 +330,7 @@ class _Engine:
                 for rank in range(self.R * self.S):
                     self._span(rank, "publish", "publish", k, update_end, end)
             self.step_end[k], self.train_step = end, k + 1
-            self.trn_free, self.asked = [end] * self.M, [False] * self.M
+            self.trn_free, self.asked = [end + c.trainer_tail_s] * self.M, [False] * self.M
             nxt = k + 2 if self.tcss else k + 1
             if nxt < self.K:
                 self.gate[nxt] = end

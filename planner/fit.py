@@ -8,15 +8,17 @@ traces) and then predict runs of other modes and topologies from their config.js
   of `scripts/calibrate.py` (per forward, per sample); the run scales them (its per-forward
   seconds at its own micro-batch over the profile's), so contention and load at run time are in
   the scale, and the profile only says how cost grows with the batch;
-- per fragment transferred, per optimizer update, per version published (per generator rank), and
-  a fixed per-step overhead (what the run's measured period has beyond the simulated one: the
-  runtime's planning, logging and synchronisation between steps).
+- per fragment transferred, per optimizer update; publication as the trainers' send per generator
+  rank plus the generators' install; the trainers' tail after publishing (checkpoint save,
+  logging; the generators do not wait for it); and a fixed per-step overhead (what the run's
+  measured period has beyond the simulated one).
 
 The target's costs follow from its topology: fragment size and micro-batch, GAP stages (the
-runtime's block partition over the profile's per-block costs and its schedule), TSP packing
-(parallel/tsp.py), trainer and replica counts; the simulator runs its mode. Runs with more ranks
-than CPU cores time-share the cores: their compute costs are scaled by ranks / cores (contention,
-not parallel speed-up).
+runtime's block partition over the profile's per-block costs and its schedule, whose waves of
+fragments land together), TSP packing (parallel/tsp.py), trainer and replica counts; the
+simulator runs its mode. Runs with more ranks than CPU cores time-share the cores: processor
+sharing stretches their compute by the overlap the simulation itself shows (contention, not
+parallel speed-up). The profile must time the run's kind of training (LoRA or full).
 """
 from __future__ import annotations
 
@@ -42,7 +44,12 @@ class UnitCosts:
     """run seconds per profile second of a training forward + backward"""
     transfer_s: float
     update_s: float
-    publish_per_rank_s: float
+    send_per_rank_s: float
+    """the trainers' publication, per generator rank it goes to (sent to one rank after another)"""
+    install_s: float
+    """from the last send until the generators start the next step (they install at once)"""
+    trainer_tail_s: float
+    """trainer time after publishing before the next step's work (checkpoint save, logging)"""
     step_overhead_s: float
     cores: float
     """effective CPU cores under processor sharing (inf: no sharing, e.g. GPUs)"""
@@ -71,8 +78,9 @@ def _fragment_samples(config: dict, world: int) -> list[int]:
     return [len(f.sample_ids) for f in plan.fragments]
 
 
-def _gen_profile_s(profile: DeviceProfile, shape: dict, samples: int, stages: int) -> float:
-    """Profile seconds to denoise one fragment of `samples` samples on a replica of `stages`."""
+def _gen_profile_s(profile: DeviceProfile, shape: dict, samples: int, stages: int, wave: int = 1) -> float:
+    """Profile seconds per fragment of `samples` samples on a replica of `stages`, which pipelines
+    `wave` fragments together (the runtime's GAP schedule over all their micro-batches)."""
     sizes = [min(shape["micro"], samples - i) for i in range(0, samples, shape["micro"])]
     if stages == 1:
         return shape["K"] * sum(profile.forward_s(b) for b in sizes)
@@ -80,9 +88,9 @@ def _gen_profile_s(profile: DeviceProfile, shape: dict, samples: int, stages: in
     blocks = profile.block_forward_s(b)
     ranges = partition_blocks(blocks, [1.0] * stages)
     slot = max(sum(blocks[a:z]) for a, z in ranges) + profile.outside_s(b) / 2
-    schedule = gap_schedule(stages, len(sizes), shape["K"])
+    schedule = gap_schedule(stages, len(sizes) * wave, shape["K"])
     slots = (sum(len(a) for a in schedule) + idle_slots(schedule)) // stages
-    return slots * slot
+    return slots * slot / wave
 
 
 def _train_profile_s(profile: DeviceProfile, shape: dict, samples: int, trainers: int) -> float:
@@ -165,13 +173,40 @@ def _sim_stretch(events, cores: float) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def _publication(run, setup: cm.SimSetup, steps) -> tuple[float, float]:
+    """(send, tail): the mean of the trainers' `publish` spans (colocated: 0, nothing is sent), and
+    the mean time from the end of a trainer's step (its publication; colocated: its update) to its
+    first span of the next step (what the runtime does in between: checkpoint, logging, planning),
+    over the steps used that have a next step."""
+    trainers = setup.topology.trainer_ranks
+    colocated = setup.mode == "colocated"
+    sends, tails = [], []
+    for k in sorted(steps):
+        pub = [sp for sp in run.of(trainers, step=k) if sp.cat in ("optimizer", "publish")]
+        nxt = [sp.start_s for sp in run.of(trainers, step=k + 1) if sp.cat != "eval"]
+        if not colocated:
+            sends += [sp.end_s - sp.start_s for sp in pub if sp.name == "publish"]
+        if pub and nxt:
+            tails.append(max(0.0, min(nxt) - max(sp.end_s for sp in pub)))
+    return (statistics.mean(sends) if sends else 0.0), (statistics.mean(tails) if tails else 0.0)
+
+
+def _finetune(config: dict) -> str:
+    return "lora" if (config.get("optim") or {}).get("lora_rank", 0) else "full"
+
+
 def fit_unit_costs(run_dir: str, profile: DeviceProfile, skip: int = 1, cores: float | None = None) -> UnitCosts:
     """Per-unit costs from one run folder (its traces and metrics). `cores`: the effective cores of
     processor sharing (None: fitted on the run itself; float("inf") for GPUs, which do not share)."""
     run = cm.load_run(run_dir)
     setup = cm.sim_setup(run.config, run.world_size)
     if setup.stages_per_replica != 1:
-        raise ValueError("fit per-unit costs on a run with one-stage replicas (its fragments time one rank each)")
+        raise ValueError("fit per-unit costs on a run with one-stage replicas (its fragments time one rank each); "
+                         f"{run_dir} is {setup.label}")
+    if _finetune(run.config) != profile.finetune.split(":")[0]:
+        raise ValueError(f"the profile timed {profile.finetune} training, the run {run_dir} trains "
+                         f"{_finetune(run.config)}: measure a profile with scripts/calibrate.py "
+                         f"{'--lora-rank R' if _finetune(run.config) == 'lora' else 'without --lora-rank'}")
     steps = set(cm.used_steps(run, skip))
     c = fit_cores(run, steps) if cores is None else cores
     busy, gen, train = _run_spans(run, steps)
@@ -187,10 +222,10 @@ def fit_unit_costs(run_dir: str, profile: DeviceProfile, skip: int = 1, cores: f
     gen_scale = alone(gen, 1) / _gen_profile_s(profile, shape, n, 1)
     train_scale = alone(train, setup.num_trainers) / _train_profile_s(profile, shape, n, setup.num_trainers)
     measured = cm.measure_costs(run, setup, skip)
-    ranks = len(setup.topology.generator_ranks) if setup.mode != "colocated" else 1
+    send, tail = _publication(run, setup, steps)
     units = UnitCosts(gen_scale, train_scale, measured.transfer_s, measured.update_s,
-                      measured.publish_s / max(1, ranks), 0.0, c, run.world_size,
-                      os.path.basename(os.path.normpath(run_dir)))
+                      send / len(setup.topology.generator_ranks), max(0.0, measured.publish_s - send), tail, 0.0, c,
+                      run.world_size, os.path.basename(os.path.normpath(run_dir)))
     predicted = simulate_config(run.config, run.world_size, units, profile, len(run.steps), skip)
     overhead = (cm.measured_step_metrics(run, skip)["step_s"] or 0.0) - predicted["step_s"]
     return UnitCosts(**{**units.__dict__, "step_overhead_s": max(0.0, overhead)})
@@ -201,12 +236,13 @@ def target_costs(config: dict, world: int, units: UnitCosts, profile: DeviceProf
     setup = cm.sim_setup(config, world)
     shape = _run_shape(config)
     n = _fragment_samples(config, world)[0]
-    rep = units.gen_scale * _gen_profile_s(profile, shape, n, setup.stages_per_replica)
+    rep = units.gen_scale * _gen_profile_s(profile, shape, n, setup.stages_per_replica, setup.gen_wave)
     train = units.train_scale * _train_profile_s(profile, shape, n, setup.num_trainers)
     colocated = setup.mode == "colocated"
     ranks = len(setup.topology.generator_ranks)
-    publish = 0.0 if colocated else units.publish_per_rank_s * ranks + units.step_overhead_s
-    update = units.update_s + (units.step_overhead_s if colocated else 0.0)
+    publish = 0.0 if colocated else units.send_per_rank_s * ranks + units.install_s + units.step_overhead_s
+    # colocated: no publication; checkpoint and logging hold every rank
+    update = units.update_s + (units.trainer_tail_s + units.step_overhead_s if colocated else 0.0)
     reps = [rep] * setup.num_replicas
     slow = (config.get("output") or {}).get("debug_slow_rank")
     if slow:  # --debug-slow-rank R:FACTOR: the runtime sleeps so that rank R generates FACTOR x slower
@@ -214,7 +250,8 @@ def target_costs(config: dict, world: int, units: UnitCosts, profile: DeviceProf
         if r is not None and r < len(reps):
             reps[r] *= float(slow[1])
     return setup, Costs(reps, rep, train, transfer_s=0.0 if colocated else units.transfer_s,
-                        update_s=update, publish_s=publish, chunks_per_fragment=setup.chunks_per_fragment)
+                        update_s=update, publish_s=publish, trainer_tail_s=0.0 if colocated else units.trainer_tail_s,
+                        chunks_per_fragment=setup.chunks_per_fragment)
 
 
 def simulate_config(config: dict, world: int, units: UnitCosts, profile: DeviceProfile, num_steps: int,
@@ -226,9 +263,9 @@ def simulate_config(config: dict, world: int, units: UnitCosts, profile: DeviceP
     for _ in range(iterations if math.isfinite(units.cores) else 1):
         costs = Costs([x * fg for x in alone.replica_fragment_s], alone.trainer_fragment_s * fg,
                       alone.train_fragment_s * ft, alone.transfer_s, alone.update_s, alone.publish_s,
-                      alone.chunks_per_fragment)
+                      alone.chunks_per_fragment, trainer_tail_s=alone.trainer_tail_s)
         result = simulate_run(setup.mode, num_steps, setup.num_fragments, costs, setup.num_trainers,
-                              setup.tag_policy, stages_per_replica=setup.stages_per_replica)
+                              setup.tag_policy, stages_per_replica=setup.stages_per_replica, wave=setup.gen_wave)
         if not math.isfinite(units.cores):
             break
         sg, st = _sim_stretch(result.events, units.cores)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from parallel.schedule import gap_schedule, idle_slots, partition_blocks
+from parallel.schedule import fragments_in_flight, gap_schedule, idle_slots, partition_blocks
 from parallel.tsp import pack
 from planner import phases as ph
 from planner.engine import Costs
@@ -120,7 +120,7 @@ def colocated(wl: Workload, pools: list[Pool], variant: str, dispatch: str = "lp
 
 @lru_cache(maxsize=4096)
 def _pipeline_slots(stages: int, micro_batches: int, steps: int) -> int:
-    """Makespan, in stage slots, of one fragment through the runtime's GAP schedule."""
+    """Makespan, in stage slots, of `micro_batches` through the runtime's GAP schedule."""
     schedule = gap_schedule(stages, micro_batches, steps)
     return (sum(len(a) for a in schedule) + idle_slots(schedule)) // stages
 
@@ -132,17 +132,24 @@ def stage_fraction(wl: Workload, stages: int) -> float:
     return max(sum(costs[a:b]) for a, b in ranges) / sum(costs)
 
 
+def gen_wave(stages: int, samples: int, micro: int) -> int:
+    """Fragments of `samples` a replica of `stages` pipelines together (parallel/schedule.py)."""
+    return fragments_in_flight(stages, len(ph.split(samples, micro)))
+
+
 def replica_fragment_s(wl: Workload, g: GPU, stages: int, samples: int, micro: int, prompts: int) -> float:
-    """One fragment on one replica: the pipelined denoising, then decode, scoring and the prompts'
-    text encoding (last and first stage; not overlapped with the pipeline)."""
+    """One fragment on one replica: the pipelined denoising (its share of a wave of `gen_wave`
+    fragments), then decode, scoring and the prompts' text encoding (last and first stage; not
+    overlapped with the pipeline)."""
     aux = ph.decode_s(wl, g, samples) + ph.reward_s(wl, g, samples) + ph.text_s(wl, g, prompts)
     if stages == 1:
         return ph.denoise_s(wl, g, samples, micro) + aux
     sizes = ph.split(samples, micro)
+    wave = gen_wave(stages, samples, micro)
     frac = stage_fraction(wl, stages)
     slot = max(frac * ph.rollout_forward_s(wl, g, b) for b in sizes)
     hop = hidden_bytes(wl.spec, wl.n_img, wl.n_txt) * wl.branches * max(sizes) / p2p_bytes_s(g, stages <= g.gpus_per_node)
-    return _pipeline_slots(stages, len(sizes), wl.sampling_steps) * (slot + hop + LINK_LATENCY_S) + aux
+    return _pipeline_slots(stages, len(sizes) * wave, wl.sampling_steps) * (slot + hop + LINK_LATENCY_S) / wave + aux
 
 
 def train_fragment_s(wl: Workload, g: GPU, trainers: int, samples: int, micro: int, shard: Sharding) -> float:
@@ -276,7 +283,8 @@ def disagg_plan(wl: Workload, gen: Pool, trn: Pool, generators: int, trainers: i
     sim_mode = "disagg" if naive else {"gap": "gap", "tag": "tag", "tcss": "tcss"}[mode]
     steps = 4 if mode == "tcss" else 1
     res = simulate_run(sim_mode, steps, num_fragments, costs, trainers, "bts" if tag else None,
-                       stages_per_replica=stages, plan_speeds=[1 / r for r in reps] if extra else None, owners=owners)
+                       stages_per_replica=stages, plan_speeds=[1 / r for r in reps] if extra else None, owners=owners,
+                       wave=gen_wave(stages, frag_samples, micro))
     step_s = res.steady_step_s
     crossing = 0.0
     if link_bytes_s:  # the link carries every trajectory and every publication of a step

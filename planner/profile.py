@@ -88,14 +88,22 @@ class DeviceProfile:
         return list(self.raw["forward_s"][i])
 
     # -- as a GPU's efficiency ------------------------------------------------------------------
+    @property
+    def finetune(self) -> str:
+        """What the forward + backward timings trained: "full", or "lora:RANK:TARGETS" (frozen
+        weights, gradients of the inputs and of the adapters). Profiles without the key trained fully."""
+        return self.raw.get("finetune", "full")
+
     def mfu_points(self, peak_flops: float, phase: str) -> list[tuple[float, float]]:
         """(tokens per forward, measured MFU) per batch: forward for rollout / reference, forward +
-        backward (counted as 3 forwards) for training."""
+        backward for training (3 forwards of work for full fine-tuning, 2 for LoRA: no weight
+        gradients)."""
+        factor = 3 if self.finetune == "full" else 2
         out = []
         for b, flops, f, fb in zip(self.batches, self.raw["flops"], self.raw["forward_s"],
                                    self.raw["forward_backward_s"]):
             secs = sum(fb) if phase == "train" else sum(f)
-            work = sum(flops) * (3 if phase == "train" else 1)
+            work = sum(flops) * (factor if phase == "train" else 1)
             out.append((b * self.raw["tokens_per_sample"], work / secs / peak_flops))
         return sorted(out)
 

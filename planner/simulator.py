@@ -8,9 +8,11 @@ the trainers come next; colocated runs have one rank per replica, each also a tr
 The model (each choice is the simplest that keeps the mechanisms' effects):
 - A replica generates one fragment at a time (generation, decode and score as one action of
   `Costs.replica_fragment_s[r]`; a replica of S stages is one resource whose fragment time already
-  includes the pipeline's fill and drain, and its span is drawn on each of its S ranks). Sends are
-  asynchronous: a fragment lands at every trainer `transfer_s` after its generation ends, and the
-  replica goes on at once.
+  includes the pipeline's fill and drain, and its span is drawn on each of its S ranks). A replica
+  of S stages whose fragments have fewer than S micro-batches pipelines `wave` fragments together,
+  as the runtime's GAP schedule keeps S micro-batches in flight: they land together at the wave's
+  end. Sends are asynchronous: a fragment lands at every trainer `transfer_s` after its generation
+  ends, and the replica goes on at once.
 - Who generates what: `gap`, `disagg` and `colocated` use the static plan the runtime uses,
   `plan.assign_fragments` with `plan_speeds` (default equal speeds, as the runtime plans today);
   `tag` (and `tcss` with a tag policy) claim dynamically: every idle replica, in replica order,
@@ -23,7 +25,8 @@ The model (each choice is the simplest that keeps the mechanisms' effects):
   fragment (the FSDP collectives of a forward are not modelled).
 - The optimizer update (`update_s`) starts when every trainer has trained its last share: the sync
   point of all trainers. Publication (`publish_s`) follows on the trainers; on-policy generators
-  wait for it, so it is drawn on them too. The step ends when the publication ends (colocated: when
+  wait for it, so it is drawn on them too. Then the trainers spend `trainer_tail_s` (checkpoint,
+  logging) before their next step's work; the generators go on. The step ends when the publication ends (colocated: when
   the update ends; it has no transfer and no publication).
 - `naive` disagg: each replica generates its whole share of the batch (the fragments the static
   plan gives it) as one fragment, and trainers train it once it lands.
@@ -61,7 +64,8 @@ def simulate_step(mode: str, num_fragments: int, costs: Costs, num_trainers: int
 
 def simulate_run(mode: str, num_steps: int, num_fragments: int, costs: Costs, num_trainers: int,
                  tag_policy: str | Policy | None = None, *, stages_per_replica: int = 1,
-                 plan_speeds: list[float] | None = None, owners: list[int] | None = None) -> SimResult:
+                 plan_speeds: list[float] | None = None, owners: list[int] | None = None,
+                 wave: int = 1) -> SimResult:
     """`num_steps` steps of `num_fragments` fragments each (mode "disagg" merges each replica's
     fragments into one, numbered in replica order). `tag_policy` turns TAG on: "never" (replicas
     claim dynamically, trainers never), "always", "bts" (`bts.decide`) or a callable(state, costs,
@@ -69,12 +73,14 @@ def simulate_run(mode: str, num_steps: int, num_fragments: int, costs: Costs, nu
     optionally, the other modes none. `plan_speeds`: the replica speeds given to the static plan
     (default equal, as the runtime plans). `owners`: the static plan itself, fragment -> replica
     (the runtime's `plan.plan_step` for fragments of different shapes, whose per-fragment times
-    are `costs.gen_scale` etc.); it replaces `plan_speeds`."""
+    are `costs.gen_scale` etc.); it replaces `plan_speeds`. `wave`: fragments a replica of several
+    stages pipelines together (`SimSetup.gen_wave`; each takes its `replica_fragment_s`, and they
+    land together)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {list(MODES)}")
-    if num_steps < 1 or num_fragments < 1 or num_trainers < 1 or stages_per_replica < 1:
-        raise ValueError(f"need >= 1 step, fragment, trainer and stage: got {num_steps}, {num_fragments}, "
-                         f"{num_trainers}, {stages_per_replica}")
+    if num_steps < 1 or num_fragments < 1 or num_trainers < 1 or stages_per_replica < 1 or wave < 1:
+        raise ValueError(f"need >= 1 step, fragment, trainer, stage and fragment per wave: got {num_steps}, "
+                         f"{num_fragments}, {num_trainers}, {stages_per_replica}, {wave}")
     if mode == "tag" and tag_policy is None:
         tag_policy = "bts"
     if tag_policy is not None and mode not in ("tag", "tcss"):
@@ -106,7 +112,7 @@ def simulate_run(mode: str, num_steps: int, num_fragments: int, costs: Costs, nu
     dynamic = tag_policy is not None
     engine = _Engine(costs, num_trainers, num_steps, units, None if dynamic else owners,
                      policy=_resolve(tag_policy), tcss=mode == "tcss", stages=stages_per_replica, record=True,
-                     weights=weights)
+                     weights=weights, wave=wave if mode != "disagg" else 1)
     engine.run()
     return engine.result()
 

@@ -255,16 +255,23 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
         notes_lines.append(f"sharded: --memory-budget-gb {budget:.6g} (2.5x the float32 weights) forbids replicated "
                            f"full fine-tuning")
     if args.profile != "none":
-        notes_lines.append(add_predictions(rows, args.profile or calibrate(args, bench_dir)))
+        notes_lines.append(add_predictions(rows, args.profile or calibrate(args, bench_dir, rows)))
     scenario_report(rows, notes_lines, bench_dir, args.json or os.path.join(bench_dir, "scenarios.json"))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
-def calibrate(args: argparse.Namespace, bench_dir: str) -> str:
-    """A device profile of the bench's model and size on this machine (scripts/calibrate.py)."""
+def calibrate(args: argparse.Namespace, bench_dir: str, rows: list[dict]) -> str:
+    """A device profile of the bench's model and size on this machine (scripts/calibrate.py), timing
+    training as the runs train (LoRA or full, from a finished run's config)."""
     path = os.path.join(bench_dir, "profile.json")
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "calibrate.py"), "--out", path, "--height", str(args.height),
            "--width", str(args.width), "--max-batch", str(max(args.micro_batch, 4))]
+    done = next((r["output_dir"] for r in rows if r.get("status") == "ok"), None)
+    if done is not None:
+        with open(os.path.join(done, "config.json")) as f:
+            optim = json.load(f)["optim"]
+        if optim["lora_rank"]:
+            cmd += ["--lora-rank", str(optim["lora_rank"]), "--lora-targets", optim["lora_targets"]]
     if args.preset != "auto":
         cmd += ["--preset", args.preset]
     subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True, capture_output=True)

@@ -4,8 +4,9 @@
     python scripts/calibrate.py --model flux --out profile.json
     torchrun --standalone --nproc_per_node 8 scripts/calibrate.py --model flux --out profile.json  # + all-gathers
 
-For micro-batches 1..N it times every DiT block's forward and forward + backward (weights and
-inputs requiring gradients), counts each block's FLOPs with torch's FlopCounterMode, and times the
+For micro-batches 1..N it times every DiT block's forward and forward + backward (inputs and
+weights requiring gradients; with --lora-rank R, peft LoRA adapters on frozen weights, as a LoRA
+run trains and generates), counts each block's FLOPs with torch's FlopCounterMode, and times the
 parts outside the blocks (embedding and head). Under torchrun it also times an all-gather of each
 block's bf16 weights over all ranks. The profile it writes is read by the planner
 (planner/profile.py; `scripts/plan.py --profile FILE`) in place of the datasheet efficiency and
@@ -34,6 +35,7 @@ sys.path.insert(0, ROOT)
 
 import cli  # noqa: E402
 from models import adapter_class, load_model, resolve_device  # noqa: E402
+from models.lora import apply_lora  # noqa: E402
 from tensors import Conditioning, State  # noqa: E402
 
 FORMAT = "digenrl-device-profile/1"
@@ -131,8 +133,9 @@ def measure(adapter, args, device: torch.device) -> dict:
             def step(i=i):
                 s = _detach_state(state, True)
                 _loss(adapter.run_block(i, s)).backward()
-            for p in adapter.blocks[i].parameters():
-                p.requires_grad_(True)
+            if not args.lora_rank:  # full fine-tuning: every weight of the block trains
+                for p in adapter.blocks[i].parameters():
+                    p.requires_grad_(True)
             row_fb.append(_timed(step, device, args.repeats))
             adapter.blocks[i].zero_grad(set_to_none=True)
             state = _detach_state(out, False)
@@ -199,12 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--frames", type=int, default=None, help="video families: frames per sample")
     p.add_argument("--text-tokens", type=int, default=None, help="pad the prompt conditioning to this length")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="time training as LoRA of this rank trains (frozen weights, adapters on --lora-targets); "
+                        "0: full fine-tuning")
+    p.add_argument("--lora-targets", default="attn", choices=("attn", "attn+ff"))
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median kept)")
     p.add_argument("--device", default="auto")
     p.add_argument("--gpu-key", default=None, help="the planner GPU this profile replaces (default: from the name)")
     args = p.parse_args(argv)
-    if args.max_batch < 1 or args.repeats < 1:
-        p.error("--max-batch and --repeats must be >= 1")
+    if args.max_batch < 1 or args.repeats < 1 or args.lora_rank < 0:
+        p.error("--max-batch and --repeats must be >= 1, --lora-rank >= 0")
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
@@ -218,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     args.width = args.width or (512 if released else 32)
     torch.manual_seed(0)
     adapter, what = build(args, device, dtype)
+    if args.lora_rank:
+        apply_lora(adapter.transformer, args.lora_rank, None, args.lora_targets)
     result = measure(adapter, args, device)
     result["allgather"] = measure_allgather(result["blocks"], device, args.repeats)
     name = device_name(device)
@@ -225,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                "gpu_key": args.gpu_key or (guess_gpu_key(name) if device.type == "cuda" else None),
                "model": args.model, "what": what, "dtype": str(dtype).replace("torch.", ""),
                "height": args.height, "width": args.width, "frames": args.frames,
+               "finetune": f"lora:{args.lora_rank}:{args.lora_targets}" if args.lora_rank else "full",
                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
     if not dist.is_initialized() or dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

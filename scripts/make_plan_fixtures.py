@@ -65,8 +65,11 @@ def main(argv=None) -> int:
             if os.path.isfile(os.path.join(pair, mode, "metrics.jsonl")):
                 compact_run(os.path.join(pair, mode), os.path.join(a.out, target, mode))
         print(f"kept the pair {FIT_MODE} + {target}", flush=True)
+    with open(os.path.join(a.out, target, FIT_MODE, "config.json")) as f:
+        optim = json.load(f)["optim"]  # the profile times training as the runs train (LoRA or full)
+    lora = ["--lora-rank", str(optim["lora_rank"]), "--lora-targets", optim["lora_targets"]] if optim["lora_rank"] else []
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "calibrate.py"), "--model", "flux", "--preset",
-                    "tiny", "--max-batch", "8", "--repeats", "5", "--out", os.path.join(a.out, "profile-cpu.json")],
+                    "tiny", "--max-batch", "8", "--repeats", "5", *lora, "--out", os.path.join(a.out, "profile-cpu.json")],
                    check=True, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     return 0
 

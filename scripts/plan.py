@@ -169,7 +169,8 @@ def run_fit(a) -> int:
     units = fit.fit_unit_costs(a.fit_run, profile)
     print(f"fitted on {a.fit_run}: generation x{units.gen_scale:.3f} and training x{units.train_scale:.3f} of the "
           f"profile, transfer {units.transfer_s * 1e3:.1f} ms, update {units.update_s * 1e3:.1f} ms, publish "
-          f"{units.publish_per_rank_s * 1e3:.1f} ms per generator rank, step overhead "
+          f"{units.send_per_rank_s * 1e3:.1f} ms per generator rank + install {units.install_s * 1e3:.1f} ms, "
+          f"trainer tail {units.trainer_tail_s * 1e3:.1f} ms, step overhead "
           f"{units.step_overhead_s * 1e3:.1f} ms, {units.cores:.2f} effective cores")
     out = []
     for d in a.predict:

@@ -58,7 +58,7 @@ def simulate_measured_run(run_dir: str, skip: int = 1, trace_out: str | None = N
     setup = cm.sim_setup(run.config, run.world_size)
     costs = cm.measure_costs(run, setup, skip)
     result = simulate_run(setup.mode, len(run.steps), setup.num_fragments, costs, setup.num_trainers,
-                          setup.tag_policy, stages_per_replica=setup.stages_per_replica)
+                          setup.tag_policy, stages_per_replica=setup.stages_per_replica, wave=setup.gen_wave)
     if trace_out:
         os.makedirs(os.path.dirname(os.path.abspath(trace_out)), exist_ok=True)
         with open(trace_out, "w") as f:

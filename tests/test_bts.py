@@ -41,6 +41,34 @@ def test_naive_and_streaming_match_hand_computation():
     assert simulate_step("colocated", 4, _costs(update_s=0.1, publish_s=0.1), 1).makespan_s == pytest.approx(6.1)
 
 
+def test_waves_of_a_staged_replica_land_together():
+    """A replica of 2 stages whose fragments have one micro-batch pipelines them two at a time
+    (the runtime keeps S micro-batches in flight): fragments 0 and 1 land at 2 s, 2 and 3 at 4 s."""
+    c = _costs(update_s=0.1, publish_s=0.1)
+    assert simulate_step("gap", 4, c, 1, stages_per_replica=2).makespan_s == pytest.approx(4 + 0.5 + 0.2)
+    waves = simulate_run("gap", 1, 4, c, 1, stages_per_replica=2, wave=2)
+    assert waves.makespan_s == pytest.approx(4 + 2 * 0.5 + 0.2)
+    starts = sorted((e["ts"] / 1e6, e["args"]["fragment"]) for e in _spans(waves, "train"))
+    assert [f for _, f in starts] == [0, 1, 2, 3] and [t for t, _ in starts] == pytest.approx([2.0, 2.5, 4.0, 4.5])
+    gen = [e for e in _spans(waves, "generate") if e["pid"] == 1]  # the last stage: back-to-back spans
+    assert sum(e["dur"] for e in gen) / 1e6 == pytest.approx(4.0) and len(gen) == 4
+    # an odd count: the last wave holds what is left
+    assert simulate_run("gap", 1, 3, c, 1, stages_per_replica=2, wave=2).makespan_s == pytest.approx(3 + 0.5 + 0.2)
+
+
+def test_trainer_tail_delays_the_trainers_not_the_generators():
+    """After a publication the trainers spend `trainer_tail_s` (checkpoint, logging); the next
+    step's generation starts at once, so a tail shorter than the first fragment is hidden."""
+    c = _costs(update_s=0.1, publish_s=0.1)
+    base = simulate_run("gap", 2, 4, c, 1).step_end_s
+    assert simulate_run("gap", 2, 4, _costs(update_s=0.1, publish_s=0.1, trainer_tail_s=0.9), 1).step_end_s == \
+        pytest.approx(base)
+    tail = simulate_run("gap", 2, 4, _costs(update_s=0.1, publish_s=0.1, trainer_tail_s=4.0), 1)
+    # step 1: generation from 4.7, the trainer free at 8.7, four fragments of 0.5 s, update, publish
+    assert tail.step_end_s == pytest.approx([4.7, 8.7 + 2.0 + 0.2])
+    assert min(e["ts"] for e in _spans(tail, "generate") if e["args"]["step"] == 1) / 1e6 == pytest.approx(4.7)
+
+
 def test_gap_multi_step_waits_for_publication_and_tcss_overlaps_it():
     c = _costs(train=0.6, update_s=0.3, publish_s=0.3)
     gap = simulate_run("gap", 5, 8, c, 1)
@@ -92,11 +120,12 @@ def _check_accounting(result, num_steps, num_fragments, costs, num_trainers, sta
 @pytest.mark.parametrize("mode,policy", [("colocated", None), ("disagg", None), ("gap", None), ("tag", "never"),
                                          ("tag", "always"), ("tag", "bts"), ("tcss", None), ("tcss", "bts")])
 @pytest.mark.parametrize("chunks", [None, 1, 3])
-def test_every_fragment_is_generated_and_trained_exactly_once(mode, policy, chunks):
+@pytest.mark.parametrize("wave", [1, 2])
+def test_every_fragment_is_generated_and_trained_exactly_once(mode, policy, chunks, wave):
     c = _costs(gen=(1.0, 2.5), train=0.3, trainer_gen=1.5, update_s=0.2, publish_s=0.1, transfer_s=0.05,
-               chunks_per_fragment=chunks)
+               chunks_per_fragment=chunks, trainer_tail_s=0.15)
     stages = 1 if mode == "colocated" else 2
-    result = simulate_run(mode, 3, 7, c, 2, policy, stages_per_replica=stages)
+    result = simulate_run(mode, 3, 7, c, 2, policy, stages_per_replica=stages, wave=wave)
     _check_accounting(result, 3, 7, c, 2, stages)
     assert len(result.step_end_s) == 3 and result.step_end_s == sorted(result.step_end_s)
     if policy in ("always",):

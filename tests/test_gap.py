@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from parallel.schedule import (Action, ScheduleError, gap_schedule, idle_slots, partition_blocks, render_grid,
-                               validate_schedule)
+from parallel.schedule import (Action, ScheduleError, fragments_in_flight, gap_schedule, idle_slots,
+                               partition_blocks, render_grid, validate_schedule)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,6 +31,20 @@ def test_at_least_s_in_flight_leaves_only_fill_and_drain(stages, microbatches, s
 def test_fewer_microbatches_than_stages_bubble():
     # One micro-batch cannot overlap with itself: each stage idles (S-1)/S of the time.
     assert idle_slots(gap_schedule(3, 1, 4)) == 3 * 4 * 2
+
+
+@pytest.mark.parametrize("stages,per_fragment,expected", [(1, 1, 1), (2, 1, 2), (2, 2, 1), (3, 2, 2), (4, 1, 4),
+                                                           (4, 8, 1)])
+def test_fragments_in_flight_fill_the_stages(stages, per_fragment, expected):
+    """The planner's wave: the fewest fragments whose micro-batches fill the S in-flight slots;
+    one fragment fewer leaves every stage more idle per micro-batch."""
+    wave = fragments_in_flight(stages, per_fragment)
+    assert wave == expected
+    assert wave * per_fragment >= stages and (wave - 1) * per_fragment < stages
+    if wave > 1:
+        def idle_per_mb(n):
+            return idle_slots(gap_schedule(stages, n, 6)) / n
+        assert idle_per_mb(wave * per_fragment) < idle_per_mb((wave - 1) * per_fragment)
 
 
 def test_validator_rejects_missing_duplicate_and_foreign_actions():

@@ -23,14 +23,9 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures", "planner_runs")
 PROFILE = os.path.join(FIXTURES, "profile-cpu.json")
 FIT_MODE = "gap-stream"
 
-TOLERANCE = {
-    # target mode -> the bound on |relative error| of the predicted step time on these fixtures
-    # (measured on a quiet machine; docs/calibration.md, "Validation on measured runs"). The goal
-    # is 15%: six targets meet it; TAG + TCSS and the two runs of 3 ranks on 2 cores (contention,
-    # which processor sharing models only roughly) are bounded where they stand.
-    "colocated-replicate": 0.15, "disagg": 0.15, "gap+tsp": 0.15, "gap+tsp8": 0.15, "gap-frag2": 0.15,
-    "slow-gen": 0.15, "gap+tsp+tag+tcss": 0.20, "gap-2rep": 0.25, "gap-stages": 0.25,
-}
+TOLERANCE = 0.15  # the bound on |relative error| of every target's predicted step time (the issue's goal)
+TARGETS = sorted(["colocated-replicate", "disagg", "gap+tsp", "gap+tsp8", "gap-frag2", "slow-gen", "gap+tsp+tag+tcss",
+                  "gap-2rep", "gap-stages"])
 
 
 def _targets() -> list[str]:
@@ -46,18 +41,18 @@ def _predict(target: str) -> dict:
 def test_fixtures_are_small_and_complete():
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(FIXTURES) for f in files)
     assert total < 600_000, f"fixtures are {total} bytes"
-    assert set(_targets()) == set(TOLERANCE)
+    assert set(_targets()) == set(TARGETS)
     for t in _targets():
         for mode in (FIT_MODE, t):
             run = os.path.join(FIXTURES, t, mode)
             assert os.path.isfile(os.path.join(run, "config.json")) and os.path.isdir(os.path.join(run, "trace"))
 
 
-@pytest.mark.parametrize("target", sorted(TOLERANCE))
+@pytest.mark.parametrize("target", TARGETS)
 def test_out_of_sample_step_time(target):
     r = _predict(target)
     assert not r["in_sample"]
-    assert abs(r["rel_error"]) <= TOLERANCE[target], r
+    assert abs(r["rel_error"]) <= TOLERANCE, r
 
 
 def test_the_fit_reproduces_its_own_run():
@@ -94,6 +89,44 @@ def test_fit_cli(tmp_path, capsys):
         plan_cli.main(["--fit-run", os.path.join(FIXTURES, "gap+tsp", FIT_MODE)])
 
 
+def test_the_profile_must_time_the_runs_kind_of_training(tmp_path):
+    """A full-fine-tuning profile does not give a LoRA run's training shape: the fit refuses it,
+    naming the flag."""
+    raw = json.load(open(PROFILE))
+    assert DeviceProfile.load(PROFILE).finetune.startswith("lora:")
+    full = DeviceProfile.from_dict({k: v for k, v in raw.items() if k != "finetune"})
+    assert full.finetune == "full"
+    with pytest.raises(ValueError, match="--lora-rank"):
+        fit.fit_unit_costs(os.path.join(FIXTURES, "disagg", FIT_MODE), full)
+
+
+def test_lora_profiles_count_two_forwards_of_training_work():
+    """MFU of training: 3 forwards of work for full fine-tuning, 2 for LoRA (no weight gradients)."""
+    raw = json.load(open(PROFILE))
+    lora = DeviceProfile.from_dict({**raw, "finetune": "lora:32:attn"}).mfu_points(1e12, "train")
+    full = DeviceProfile.from_dict({**raw, "finetune": "full"}).mfu_points(1e12, "train")
+    assert [m for _, m in lora] == pytest.approx([2 / 3 * m for _, m in full])
+    assert DeviceProfile.from_dict({**raw, "finetune": "full"}).mfu_points(1e12, "forward") == \
+        DeviceProfile.from_dict(raw).mfu_points(1e12, "forward")
+
+
+def test_fitted_publication_and_tail_are_the_traced_spans():
+    """Publication splits into the trainers' send per generator rank and the generators' install;
+    the trainers' tail (checkpoint, logging) is traced time, not a residual."""
+    profile = DeviceProfile.load(PROFILE)
+    units = fit.fit_unit_costs(os.path.join(FIXTURES, "gap-2rep", FIT_MODE), profile)
+    assert units.send_per_rank_s > 0 and units.install_s > 0 and units.trainer_tail_s > 0
+    config = json.load(open(os.path.join(FIXTURES, "gap-2rep", "gap-2rep", "config.json")))
+    _, costs = fit.target_costs(config, 3, units, profile)  # two generator ranks: two sends, one install
+    assert costs.publish_s == pytest.approx(2 * units.send_per_rank_s + units.install_s + units.step_overhead_s)
+    assert costs.trainer_tail_s == units.trainer_tail_s
+    # a colocated fit run sends nothing: its tail (after the update) goes on every colocated rank
+    units = fit.fit_unit_costs(os.path.join(FIXTURES, "colocated-replicate", "colocated-replicate"), profile)
+    assert units.send_per_rank_s == 0 and units.install_s == 0 and units.trainer_tail_s > 0
+    with pytest.raises(ValueError, match="one-stage replicas"):
+        fit.fit_unit_costs(os.path.join(FIXTURES, "gap-stages", "gap-stages"), profile)
+
+
 def test_calibrate_probe_runs_on_cpu(tmp_path, monkeypatch):
     out = tmp_path / "profile.json"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -108,3 +141,8 @@ def test_calibrate_probe_runs_on_cpu(tmp_path, monkeypatch):
     assert sum(raw["flops"][1]) == pytest.approx(2 * sum(raw["flops"][0]), rel=0.05)  # FLOPs scale with the batch
     assert profile.forward_s(2) > 0 and profile.train_s(2) > 0
     assert raw["allgather"] is None  # one process: no collective to time
+    assert raw["finetune"] == "full" and profile.finetune == "full"
+    lora = tmp_path / "lora.json"
+    assert calibrate.main(["--model", "flux", "--preset", "tiny", "--max-batch", "1", "--repeats", "1",
+                           "--device", "cpu", "--lora-rank", "4", "--out", str(lora)]) == 0
+    assert DeviceProfile.load(str(lora)).finetune == "lora:4:attn"
