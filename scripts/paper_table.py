@@ -155,7 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "planner"))
     ap.add_argument("--readme", default=None, help="replace the README section between the paper-table markers")
     ap.add_argument("--quick", action="store_true", help="one model and one size (a smoke test)")
-    ap.add_argument("--tag-candidates", type=int, default=2)
+    ap.add_argument("--tag-candidates", type=int, default=8,
+                    help="gap plans per GPU split that TAG and TCSS are tried on (fewer: faster, may miss the best)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     models = ["flux"] if a.quick else list(WORKLOADS)
