@@ -10,6 +10,7 @@ that its producer has not yet reached: the validator replays the lists to prove 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 class ScheduleError(ValueError):
@@ -82,6 +83,14 @@ def gap_schedule(num_stages: int, num_microbatches: int, num_steps: int,
             if q:
                 order.append(q.pop(0))
     return [[Action(s, mb, t) for mb, t in order] for s in range(num_stages)]
+
+
+@lru_cache(maxsize=4096)
+def makespan_slots(num_stages: int, num_microbatches: int, num_steps: int) -> int:
+    """Makespan, in stage slots, of `num_microbatches` through `gap_schedule` (work plus bubble,
+    per stage)."""
+    schedule = gap_schedule(num_stages, num_microbatches, num_steps)
+    return (sum(len(a) for a in schedule) + idle_slots(schedule)) // num_stages
 
 
 def fragments_in_flight(num_stages: int, micro_batches_per_fragment: int) -> int:

@@ -264,11 +264,8 @@ class _Engine:
 
     def start_generation(self, step: int, t: float, worker: tuple[str, int]) -> None:
         kind, i = worker
-        frags = []
-        for _ in range(self.wave if kind == "replica" else 1):
-            if frags and not (self.unclaimed[step] if self.dynamic else self.assigned[step][i]):
-                break
-            frags.append(self.unclaimed[step].pop(0) if self.dynamic else self.assigned[step][i].pop(0))
+        queue = self.unclaimed[step] if self.dynamic else self.assigned[step][i]
+        frags = [queue.pop(0) for _ in range(min(len(queue), self.wave if kind == "replica" else 1))]
         self.unstarted[step] -= len(frags)
         if kind == "replica":
             per = self.costs.replica_fragment_s[i]

@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass
 
 from parallel.plan import plan_step
-from parallel.schedule import gap_schedule, idle_slots, partition_blocks
+from parallel.schedule import makespan_slots, partition_blocks
 from parallel.tsp import pack
 from planner import costs as cm
 from planner.engine import Costs
@@ -88,9 +88,7 @@ def _gen_profile_s(profile: DeviceProfile, shape: dict, samples: int, stages: in
     blocks = profile.block_forward_s(b)
     ranges = partition_blocks(blocks, [1.0] * stages)
     slot = max(sum(blocks[a:z]) for a, z in ranges) + profile.outside_s(b) / 2
-    schedule = gap_schedule(stages, len(sizes) * wave, shape["K"])
-    slots = (sum(len(a) for a in schedule) + idle_slots(schedule)) // stages
-    return slots * slot / wave
+    return makespan_slots(stages, len(sizes) * wave, shape["K"]) * slot / wave
 
 
 def _train_profile_s(profile: DeviceProfile, shape: dict, samples: int, trainers: int) -> float:

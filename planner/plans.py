@@ -20,9 +20,8 @@ parallel/schedule.py's stage partition and GAP schedule, parallel/tsp.py's packi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
-from parallel.schedule import fragments_in_flight, gap_schedule, idle_slots, partition_blocks
+from parallel.schedule import fragments_in_flight, makespan_slots, partition_blocks
 from parallel.tsp import pack
 from planner import phases as ph
 from planner.engine import Costs
@@ -118,13 +117,6 @@ def colocated(wl: Workload, pools: list[Pool], variant: str, dispatch: str = "lp
 # Disaggregated
 # ---------------------------------------------------------------------------------------------
 
-@lru_cache(maxsize=4096)
-def _pipeline_slots(stages: int, micro_batches: int, steps: int) -> int:
-    """Makespan, in stage slots, of `micro_batches` through the runtime's GAP schedule."""
-    schedule = gap_schedule(stages, micro_batches, steps)
-    return (sum(len(a) for a in schedule) + idle_slots(schedule)) // stages
-
-
 def stage_fraction(wl: Workload, stages: int) -> float:
     """Share of a forward's FLOPs on the slowest stage of the runtime's block partition."""
     costs = block_flops(wl.spec, wl.n_img, wl.n_txt)
@@ -149,7 +141,7 @@ def replica_fragment_s(wl: Workload, g: GPU, stages: int, samples: int, micro: i
     frac = stage_fraction(wl, stages)
     slot = max(frac * ph.rollout_forward_s(wl, g, b) for b in sizes)
     hop = hidden_bytes(wl.spec, wl.n_img, wl.n_txt) * wl.branches * max(sizes) / p2p_bytes_s(g, stages <= g.gpus_per_node)
-    return _pipeline_slots(stages, len(sizes) * wave, wl.sampling_steps) * (slot + hop + LINK_LATENCY_S) / wave + aux
+    return makespan_slots(stages, len(sizes) * wave, wl.sampling_steps) * (slot + hop + LINK_LATENCY_S) / wave + aux
 
 
 def train_fragment_s(wl: Workload, g: GPU, trainers: int, samples: int, micro: int, shard: Sharding) -> float:

@@ -112,7 +112,7 @@ def simulate_run(mode: str, num_steps: int, num_fragments: int, costs: Costs, nu
     dynamic = tag_policy is not None
     engine = _Engine(costs, num_trainers, num_steps, units, None if dynamic else owners,
                      policy=_resolve(tag_policy), tcss=mode == "tcss", stages=stages_per_replica, record=True,
-                     weights=weights, wave=wave if mode != "disagg" else 1)
+                     weights=weights, wave=wave)
     engine.run()
     return engine.result()
 

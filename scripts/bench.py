@@ -42,6 +42,7 @@ from models import load_model  # noqa: E402
 from tracing import BUSY_CATEGORIES  # noqa: E402
 
 from bench_report import add_predictions, bubble_check, scenario_report, write_report  # noqa: E402
+from calibrate import finetune_flags  # noqa: E402
 
 
 class Mode(NamedTuple):
@@ -268,10 +269,7 @@ def calibrate(args: argparse.Namespace, bench_dir: str, rows: list[dict]) -> str
            "--width", str(args.width), "--max-batch", str(max(args.micro_batch, 4))]
     done = next((r["output_dir"] for r in rows if r.get("status") == "ok"), None)
     if done is not None:
-        with open(os.path.join(done, "config.json")) as f:
-            optim = json.load(f)["optim"]
-        if optim["lora_rank"]:
-            cmd += ["--lora-rank", str(optim["lora_rank"]), "--lora-targets", optim["lora_targets"]]
+        cmd += finetune_flags(done)
     if args.preset != "auto":
         cmd += ["--preset", args.preset]
     subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True, capture_output=True)

@@ -177,6 +177,14 @@ def measure_allgather(profile_blocks: list[dict], device: torch.device, repeats:
     return {"group": world, "bytes": num_bytes, "seconds": seconds}
 
 
+def finetune_flags(run_dir: str) -> list[str]:
+    """The flags that make this probe time training as the run in `run_dir` trains (its
+    config.json's LoRA rank and targets; none for full fine-tuning)."""
+    with open(os.path.join(run_dir, "config.json")) as f:
+        optim = json.load(f)["optim"]
+    return ["--lora-rank", str(optim["lora_rank"]), "--lora-targets", optim["lora_targets"]] if optim["lora_rank"] else []
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

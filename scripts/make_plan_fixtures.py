@@ -17,6 +17,8 @@ import shutil
 import subprocess
 import sys
 
+from calibrate import finetune_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIT_MODE = "gap-stream"
 TARGETS = ("colocated-replicate,disagg,gap-frag2,gap+tsp,gap+tsp8,slow-gen,gap-2rep,gap-stages,gap+tsp+tag+tcss")
@@ -65,9 +67,7 @@ def main(argv=None) -> int:
             if os.path.isfile(os.path.join(pair, mode, "metrics.jsonl")):
                 compact_run(os.path.join(pair, mode), os.path.join(a.out, target, mode))
         print(f"kept the pair {FIT_MODE} + {target}", flush=True)
-    with open(os.path.join(a.out, target, FIT_MODE, "config.json")) as f:
-        optim = json.load(f)["optim"]  # the profile times training as the runs train (LoRA or full)
-    lora = ["--lora-rank", str(optim["lora_rank"]), "--lora-targets", optim["lora_targets"]] if optim["lora_rank"] else []
+    lora = finetune_flags(os.path.join(a.out, target, FIT_MODE))  # the profile trains as the runs train
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "calibrate.py"), "--model", "flux", "--preset",
                     "tiny", "--max-batch", "8", "--repeats", "5", *lora, "--out", os.path.join(a.out, "profile-cpu.json")],
                    check=True, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
