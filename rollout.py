@@ -16,17 +16,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import algorithm
-import buckets
-import sampler
+from rl import algorithm
+from prompts import shapes as buckets
+from rl import sampler
 from parallel import p2p
 from parallel.intake import TrainChunk
-from parallel.plan import Chunk, Fragment, StepPlan
+from parallel.stepplan import Chunk, Fragment, StepPlan
 from parallel.publish import PublicationError
 from parallel.scoring import LocalScorer, Ticket
 from parallel.tag import FragmentBoard, claimed_rounds, publish_replica_cost
-from tensors import Conditioning
-from tracing import Slowdown
+from rl.conditioning import Conditioning
+from telemetry.tracing import Slowdown
 
 
 def encode_batch(adapter, prompts: list[str], negative_prompt: str | None,

@@ -18,15 +18,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import runguard
-import runtime
-from config import parse_config
+from runtime import guard as runguard
+from runtime import loop as runtime
+from config.cli import parse_config
+from config.validate import validate
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv, __doc__.strip().splitlines()[0])
     cfg.resolve_defaults()
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    facts = cfg.validate(world)  # every user error, on every rank, before anything loads or any rank waits
+    facts = validate(cfg, world)  # every user error, on every rank, before anything loads or any rank waits
     use_cuda = torch.cuda.is_available() and cfg.model.device in ("auto", "cuda")
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -69,7 +70,7 @@ def quiet_unless_alone(line: str, wait_s: float = 2.0) -> None:
 
 def cli(argv: list[str] | None = None) -> None:
     """Run, print at most one line for a known failure, and exit with a documented code
-    (runguard.py; README, "Reliability")."""
+    (runtime/guard.py; README, "Reliability")."""
     code = runguard.EXIT_ERROR
     try:
         code = main(argv)

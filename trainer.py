@@ -22,17 +22,17 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-import algorithm
-import sampler
-from config import RunConfig
+from rl import algorithm
+from rl import sampler
+from config.schema import RunConfig
 from models import DiTAdapter, autocast
 from models.lora import trainable_names
-from nonfinite import SkipTracker
+from rl.nonfinite import SkipTracker
 from parallel import compress
 from parallel.fsdp import copy_full, count_allgathers, full_tensor, shard_modules
 from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
 from parallel.publish import WeightPublisher
-from tracing import Slowdown
+from telemetry.tracing import Slowdown
 
 STAT_KEYS = ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_high", "clipfrac_low", "ratio",
              "staleness_mean", "staleness_frac_1")
@@ -63,7 +63,7 @@ class Trainer:
                                            weight_decay=cfg.optim.weight_decay)
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
         self.num_updates = 0
-        self.skips = SkipTracker(cfg.optim.max_skipped_steps)  # steps with non-finite values (nonfinite.py)
+        self.skips = SkipTracker(cfg.optim.max_skipped_steps)  # steps with non-finite values (rl/nonfinite.py)
         self.current_step: int | None = None  # the step being trained (its update makes version step+1)
         self.codec: compress.Reconstruction | None = None  # a lossy publication codec (start_codec)
         # Called with the forward's slot (this step's forward count) before every training forward,

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from tensors import Conditioning, State  # noqa: F401 - re-exported: adapters build and return them
+from rl.conditioning import Conditioning, State  # noqa: F401 - re-exported: adapters build and return them
 
 
 @dataclass
@@ -45,7 +45,7 @@ class DiTAdapter:
     required_components: ClassVar[tuple[str, ...]]
     defaults: ClassVar[SamplingDefaults]
     # The size factors of each preset (VAE downsampling, patch sizes, position-table limits), so a
-    # run's --height / --width / --num-frames are checked before any weight loads (preflight.py).
+    # run's --height / --width / --num-frames are checked before any weight loads (config/preflight.py).
     # `geometry` computes the same dict from a folder's transformer and VAE config.json; the tests
     # compare both with the factors a loaded model uses.
     geometry_presets: ClassVar[dict[str, dict]] = {}

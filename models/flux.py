@@ -162,3 +162,9 @@ def flux_scheduler() -> FlowMatchEulerDiscreteScheduler:
     return FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096)
+
+
+def encode_latents(vae, x: torch.Tensor) -> torch.Tensor:
+    """Images in [-1, 1] -> the transformer's latents (the autoencoder's shift and scale applied)."""
+    z = vae.encode(x).latent_dist.mode()  # (B, 4, 16, 16)
+    return (z - vae.config.shift_factor) * vae.config.scaling_factor

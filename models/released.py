@@ -5,7 +5,7 @@ that has parameters (transformer, VAE, text encoders) as its config.json gives i
 lengths its tokenizers use. `meta_adapter(NAME)` builds the family's adapter over those components
 on the meta device (shapes and parameter counts, no memory, no download), with the tiny offline
 tokenizers standing in for the real ones; `parameter_counts(NAME)` counts each component. The
-recipes' memory estimate (memory.py) and the tests of the embed / blocks / head split at full
+recipes' memory estimate (runtime/memory.py) and the tests of the embed / blocks / head split at full
 scale read them.
 """
 from __future__ import annotations

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-import sampler
+from rl import sampler
 from parallel import p2p
 from parallel.schedule import Action, gap_schedule, partition_blocks, validate_schedule
-from tensors import Conditioning, State
+from rl.conditioning import Conditioning, State
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import algorithm
+from rl import algorithm
 from parallel import p2p, tsp
-from parallel.plan import StepPlan
-from tensors import Conditioning
+from parallel.stepplan import StepPlan
+from rl.conditioning import Conditioning
 
 CPU = torch.device("cpu")
 

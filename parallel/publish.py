@@ -25,7 +25,7 @@ Test hook: the environment variable `DIGENRL_DEBUG_CORRUPT_PUBLISH`, read by `in
 corrupts the publication on purpose so that end-to-end tests can check that it is caught:
 `1` or `flip` flips one bit of one staged tensor before the copy (a value mismatch), `skip`
 skips every copy (an update that does nothing). Unset or empty in normal runs; any other value is
-an error (preflight.py checks it before a run starts).
+an error (config/preflight.py checks it before a run starts).
 """
 from __future__ import annotations
 

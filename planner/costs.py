@@ -42,12 +42,12 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallel.plan import plan_step
+from parallel.stepplan import plan_step
 from parallel.schedule import fragments_in_flight
-from metrics import read_metrics
+from telemetry.metrics import read_metrics
 from planner.engine import Costs, SimResult
 from parallel.topology import Topology
-from tracing import BUSY_CATEGORIES, bubble_fraction
+from telemetry.tracing import BUSY_CATEGORIES, bubble_fraction
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from tracing import Tracer, bubble_fraction
+from telemetry.tracing import Tracer, bubble_fraction
 
 Policy = Callable[["StepState", "Costs", int], Any]  # -> bool, or an object with .claim (bts.Decision)
 

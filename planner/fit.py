@@ -27,7 +27,7 @@ import os
 import statistics
 from dataclasses import dataclass
 
-from parallel.plan import plan_step
+from parallel.stepplan import plan_step
 from parallel.schedule import makespan_slots, partition_blocks
 from parallel.tsp import pack
 from planner import costs as cm

@@ -9,7 +9,7 @@ transfer and training (TSP micro-batches are shape-homogeneous).
 """
 from __future__ import annotations
 
-from parallel.plan import ShapeTable, StepPlan, plan_step
+from parallel.stepplan import ShapeTable, StepPlan, plan_step
 from planner import phases as ph
 from planner.hardware import GPU, Sharding
 from planner.workload import Workload, ceil_div

@@ -11,6 +11,7 @@ Two uses:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
 
 from planner.hardware import GPU
@@ -133,3 +134,10 @@ def with_profile(g: GPU, profile: DeviceProfile) -> GPU:
 
 
 __all__ = ["DeviceProfile", "FORMAT", "with_profile"]
+
+def finetune_flags(run_dir: str) -> list[str]:
+    """The flags that make this probe time training as the run in `run_dir` trains (its
+    config.json's LoRA rank and targets; none for full fine-tuning)."""
+    with open(os.path.join(run_dir, "config.json")) as f:
+        optim = json.load(f)["optim"]
+    return ["--lora-rank", str(optim["lora_rank"]), "--lora-targets", optim["lora_targets"]] if optim["lora_rank"] else []

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.hardware import gpu
-from planner.plans import Pool, best_colocated, enumerate_plans, recommend
+from planner.placements import Pool, best_colocated, enumerate_plans, recommend
 from planner.systems import Prediction, predict_system
 from planner.workload import Workload
 

@@ -43,7 +43,7 @@ Times are seconds from the start of the run (the first step starts at 0).
 """
 from __future__ import annotations
 
-from parallel.plan import assign_fragments
+from parallel.stepplan import assign_fragments
 from planner import bts
 from planner.engine import Costs, Policy, SimResult, StepState, _colocated, _Engine, predict_makespan
 

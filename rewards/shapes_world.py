@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 SIZE = 32  # image height and width in pixels
 BACKGROUND = (128, 128, 128)
@@ -391,3 +392,7 @@ def evaluate(image: np.ndarray, spec: Spec | str) -> tuple[float, dict[str, floa
     weights = {k: v for k, v in WEIGHTS.items() if breakdown[k] is not None}
     score = sum(weights[k] * breakdown[k] for k in weights) / sum(weights.values())
     return float(score / (1.0 + EXTRA_PENALTY * extra)), breakdown
+
+def scene_pixels(images: list[np.ndarray]) -> torch.Tensor:
+    """uint8 (H, W, 3) renders -> (B, 3, H, W) float in [-1, 1], the autoencoder's input."""
+    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1

@@ -33,16 +33,16 @@ import sys
 import time
 from typing import Any, NamedTuple
 
+from config.cli import parse_config
+from telemetry.metrics import read_metrics
+from models import load_model
+from telemetry.tracing import BUSY_CATEGORIES
+from planner.bench_report import add_predictions, bubble_check, scenario_report, write_report
+from planner.profile import finetune_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from config import parse_config  # noqa: E402
-from metrics import read_metrics  # noqa: E402
-from models import load_model  # noqa: E402
-from tracing import BUSY_CATEGORIES  # noqa: E402
 
-from bench_report import add_predictions, bubble_check, scenario_report, write_report  # noqa: E402
-from calibrate import finetune_flags  # noqa: E402
 
 
 class Mode(NamedTuple):
@@ -265,7 +265,7 @@ def calibrate(args: argparse.Namespace, bench_dir: str, rows: list[dict]) -> str
     """A device profile of the bench's model and size on this machine (scripts/calibrate.py), timing
     training as the runs train (LoRA or full, from a finished run's config)."""
     path = os.path.join(bench_dir, "profile.json")
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "calibrate.py"), "--out", path, "--height", str(args.height),
+    cmd = [sys.executable, "-m", "scripts.calibrate", "--out", path, "--height", str(args.height),
            "--width", str(args.width), "--max-batch", str(max(args.micro_batch, 4))]
     done = next((r["output_dir"] for r in rows if r.get("status") == "ok"), None)
     if done is not None:

@@ -23,20 +23,19 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from config import cli
+from models import adapter_class, load_model, resolve_device
+from models.lora import apply_lora
+from rl.conditioning import Conditioning, State
 
-import cli  # noqa: E402
-from models import adapter_class, load_model, resolve_device  # noqa: E402
-from models.lora import apply_lora  # noqa: E402
-from tensors import Conditioning, State  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 FORMAT = "digenrl-device-profile/1"
 
@@ -177,12 +176,6 @@ def measure_allgather(profile_blocks: list[dict], device: torch.device, repeats:
     return {"group": world, "bytes": num_bytes, "seconds": seconds}
 
 
-def finetune_flags(run_dir: str) -> list[str]:
-    """The flags that make this probe time training as the run in `run_dir` trains (its
-    config.json's LoRA rank and targets; none for full fine-tuning)."""
-    with open(os.path.join(run_dir, "config.json")) as f:
-        optim = json.load(f)["optim"]
-    return ["--lora-rank", str(optim["lora_rank"]), "--lora-targets", optim["lora_targets"]] if optim["lora_rank"] else []
 
 
 def device_name(device: torch.device) -> str:

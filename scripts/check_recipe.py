@@ -1,5 +1,5 @@
 """Check a recipe without weights or GPUs: its config validates on the GPU count it names, and the
-memory estimate of each role (memory.py) fits the GPU kind it names.
+memory estimate of each role (runtime/memory.py) fits the GPU kind it names.
 
     python scripts/check_recipe.py recipes/flow_grpo/flux_dev.toml
     python scripts/check_recipe.py recipes/dance_grpo/hunyuan_video.toml --config recipes/topology/32gpus.toml
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import cli  # noqa: E402
-from config import DATA_DIR, load_config_files  # noqa: E402
-from memory import GPU_MEMORY, USABLE, GiB, check_fits, model_shape  # noqa: E402
+from config import cli
+from config.schema import DATA_DIR
+from config.validate import validate
+from config.cli import load_config_files
+from runtime.memory import GPU_MEMORY, USABLE, GiB, check_fits, model_shape
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights" for spec in cfg.rl.reward]
     cfg.rl.prompts = cfg.output.eval_prompts = os.path.join(DATA_DIR, "shapes_train.txt")
     cfg.resolve_defaults()
-    facts = cfg.validate(recipe["gpus"])
+    facts = validate(cfg, recipe["gpus"])
     gpu = args.gpu or recipe["gpu"]
     shape = model_shape(recipe["model_config"], cfg)
     topo = facts.topology

@@ -12,18 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import cli  # noqa: E402
-import buckets  # noqa: E402
-import sampler  # noqa: E402
-from evaluation import evaluate, summarize  # noqa: E402
-from prompts import eval_records  # noqa: E402
-from metrics import LOGGED_IMAGES, thumbnails, write_grid  # noqa: E402
-from models import load_model, model_names, resolve_device  # noqa: E402
-from rewards import RewardSet, reward_model_paths  # noqa: E402
+from config import cli
+from prompts import shapes as buckets
+from rl import sampler
+from runtime.evaluation import evaluate, summarize
+from prompts.sets import eval_records
+from telemetry.metrics import LOGGED_IMAGES, thumbnails, write_grid
+from models import load_model, model_names, resolve_device
+from rewards import RewardSet, reward_model_paths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     rewards = RewardSet(args.reward or ["shapes:1.0"], model_paths=reward_model_paths(args.reward_model))
     adapter = load_model(args.model, args.model_path, device=resolve_device(args.device))
     if args.checkpoint:
-        from checkpoint import load_trained_weights
+        from checkpointing.checkpoint import load_trained_weights
 
         load_trained_weights(adapter, args.checkpoint)
     cfg = sampler.SamplingConfig.for_adapter(adapter, height=args.height, width=args.width,

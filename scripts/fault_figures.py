@@ -13,14 +13,13 @@ import argparse
 import os
 import shutil
 import signal
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from checkpointing import files as checkpoint_files
+from runtime.launch import TINY, alive, torchrun, torchrun_background, worker_pids
 
-import checkpoint_files  # noqa: E402
-from launch import TINY, alive, torchrun, torchrun_background, worker_pids  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 BASE = [*TINY, "--lora-rank", "4", "--log-images-every", "0"]
 

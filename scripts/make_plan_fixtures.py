@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 
-from calibrate import finetune_flags
+from planner.profile import finetune_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIT_MODE = "gap-stream"
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     for target in a.targets.split(","):
         pair = os.path.join(bench, target)
         if not a.bench_dir:
-            subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--modes",
+            subprocess.run([sys.executable, "-m", "scripts.bench", "--modes",
                             f"{FIT_MODE},{target}", *WORKLOAD, "--no-packing", "--out", pair, "--", "--reward", "jpeg_compressibility"],
                            check=True, env=env, cwd=ROOT)
         for mode in (FIT_MODE, target):
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                 compact_run(os.path.join(pair, mode), os.path.join(a.out, target, mode))
         print(f"kept the pair {FIT_MODE} + {target}", flush=True)
     lora = finetune_flags(os.path.join(a.out, target, FIT_MODE))  # the profile trains as the runs train
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "calibrate.py"), "--model", "flux", "--preset",
+    subprocess.run([sys.executable, "-m", "scripts.calibrate", "--model", "flux", "--preset",
                     "tiny", "--max-batch", "8", "--repeats", "5", *lora, "--out", os.path.join(a.out, "profile-cpu.json")],
                    check=True, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     return 0

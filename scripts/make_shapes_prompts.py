@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rewards import shapes_world  # noqa: E402
+from rewards import shapes_world
 
 EVAL_FRACTION_DENOMINATOR = 6  # 1/6 of each kind held out
 MIXED_SIZES = (16, 32, 48, 48)  # shapes_mixed.jsonl: 1:1:2 of 16x16, 32x32 and 48x48, in turn

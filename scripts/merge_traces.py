@@ -14,12 +14,10 @@ import argparse
 import json
 import os
 import re
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import cli  # noqa: E402
-from tracing import merge_traces  # noqa: E402
+from config import cli
+from telemetry.tracing import merge_traces
 
 RANK_FILE = re.compile(r"rank(\d+)\.json$")
 

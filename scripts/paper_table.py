@@ -23,16 +23,15 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from planner import timeline as plot_timeline
+from planner.hardware import gpu
+from planner.placements import Pool, best_colocated, enumerate_plans, recommend
+from planner.systems import Prediction
+from planner.systems import predict_system
+from planner.workload import Workload
 
-import plot_timeline  # noqa: E402
-from planner.hardware import gpu  # noqa: E402
-from planner.plans import Pool, best_colocated, enumerate_plans, recommend  # noqa: E402
-from planner.systems import Prediction  # noqa: E402
-from planner.systems import predict_system  # noqa: E402
-from planner.workload import Workload  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 WORKLOADS = {
     # DanceGRPO's FLUX setting, scaled to 24 prompts x 16 images.

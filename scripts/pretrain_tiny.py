@@ -35,15 +35,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel  # noqa: E402
+from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 
-from rewards import shapes_world  # noqa: E402
-from models import tiny_text  # noqa: E402
-from models.base import DEFAULTS_FILE  # noqa: E402
-from models.flux import flux_scheduler  # noqa: E402
+from rewards import shapes_world
+from models import tiny_text
+from models.base import DEFAULTS_FILE
+from models.flux import encode_latents as flux_encode_latents
+from models.flux import flux_scheduler
 
 TEXT_LENGTH = 64  # T5 tokens: the longest grammar prompt is 54 bytes + </s>
 FADE_WEIGHTS = (0.30, 0.45)  # colour weight of a faded image, uniform in this range: below 0.5, read as background
@@ -123,9 +123,6 @@ def parse_args() -> Args:
 
 # ----- data -----------------------------------------------------------------------------------
 
-def scene_pixels(images: list[np.ndarray]) -> torch.Tensor:
-    """uint8 (H, W, 3) renders -> (B, 3, H, W) float in [-1, 1], the autoencoder's input."""
-    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
 
 
 class SceneStream:
@@ -158,7 +155,7 @@ class SceneStream:
             if caption_noise and self.rng.random() < caption_noise:
                 spec = self._spec()
             prompts.append(shapes_world.spec_to_prompt(spec))
-        return scene_pixels(images), prompts
+        return shapes_world.scene_pixels(images), prompts
 
 
 # ----- the pipeline -------------------------------------------------------------------------
@@ -243,9 +240,6 @@ def vae_roundtrip_score(vae: AutoencoderKL, data: SceneStream, n: int = 128) -> 
 # ----- phase 2: flow matching -----------------------------------------------------------------
 
 @torch.no_grad()
-def encode_latents(vae: AutoencoderKL, x: torch.Tensor) -> torch.Tensor:
-    z = vae.encode(x).latent_dist.mode()  # (B, 4, 16, 16)
-    return (z - vae.config.shift_factor) * vae.config.scaling_factor
 
 
 def sample_sigmas(n: int, args: Args, gen: torch.Generator) -> torch.Tensor:
@@ -255,7 +249,7 @@ def sample_sigmas(n: int, args: Args, gen: torch.Generator) -> torch.Tensor:
 
 
 def flow_loss(pipe: FluxPipeline, x: torch.Tensor, prompts: list[str], args: Args, gen: torch.Generator) -> torch.Tensor:
-    z0 = encode_latents(pipe.vae, x)  # (B, C, h, w)
+    z0 = flux_encode_latents(pipe.vae, x)  # (B, C, h, w)
     b, c, h, w = z0.shape
     eps = torch.randn(z0.shape, generator=gen)
     s = sample_sigmas(b, args, gen)

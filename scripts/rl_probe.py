@@ -23,7 +23,6 @@ correctly rendered scenes for the same prompts (perfect data, at every sigma of 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import os
 import sys
@@ -32,19 +31,18 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from rl import algorithm
+from rl import sampler
+from rewards import shapes_world
+from runtime.evaluation import evaluate
+from models import load_model
+from models.flux import encode_latents
+from models.lora import apply_lora
+from prompts.sets import load_prompts
+from rewards import RewardSet
 
-import algorithm  # noqa: E402
-import pretrain_tiny  # noqa: E402
-import sampler  # noqa: E402
-from rewards import shapes_world  # noqa: E402
-from evaluation import evaluate  # noqa: E402
-from models import load_model  # noqa: E402
-from models.lora import apply_lora  # noqa: E402
-from prompts import load_prompts  # noqa: E402
-from rewards import RewardSet  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 
 class Batch(NamedTuple):
@@ -129,7 +127,7 @@ def rendered_latents(adapter, prompts: list[str], seed: int) -> torch.Tensor:
     as pretraining encodes them."""
     rng = np.random.default_rng(seed)
     scenes = [shapes_world.render(shapes_world.sample_scene(rng, shapes_world.parse_prompt(p))) for p in prompts]
-    return pretrain_tiny.encode_latents(adapter.pipe.vae, pretrain_tiny.scene_pixels(scenes))
+    return encode_latents(adapter.pipe.vae, shapes_world.scene_pixels(scenes))
 
 
 def train(args, adapter, params, sampling, rewards, records, timesteps) -> list[float]:

@@ -1,5 +1,5 @@
 """Sample images (and trajectories) with the flow-matching SDE sampler, from a base model or a
-training checkpoint. The model and sampling flags are the training run's own (config.py), and
+training checkpoint. The model and sampling flags are the training run's own (config/schema.py), and
 `--config runs/default/config.json` takes them from the run:
 
     python scripts/sample.py --model-path assets/shapes-flux --checkpoint runs/default/checkpoints/step-20 \\
@@ -12,21 +12,19 @@ training checkpoint. The model and sampling flags are the training run's own (co
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import cli  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from config import cli
+import torch
+from PIL import Image
+from safetensors.torch import save_file
 
-import sampler  # noqa: E402
-from checkpoint import load_trained_weights  # noqa: E402
-from config import config_from_args, config_parser  # noqa: E402
-from models import load_model, resolve_device, resolve_dtype, set_attention  # noqa: E402
-from prompts import load_prompts  # noqa: E402
-from rollout import sample_images  # noqa: E402
+from rl import sampler
+from checkpointing.checkpoint import load_trained_weights
+from config.cli import config_from_args, config_parser
+from models import load_model, resolve_device, resolve_dtype, set_attention
+from prompts.sets import load_prompts
+from rollout import sample_images
 
 
 def save_images(images: torch.Tensor, out_dir: str, first_index: int = 0) -> list[str]:

@@ -24,20 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+
+from config import cli
+from planner import cli as plan
+from planner import costs as cm
+from planner import published
+from planner.hardware import GPUS
+from planner.simulator import simulate_run
+from planner.specs import MODELS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import cli  # noqa: E402
-import plan  # noqa: E402
-from planner import costs as cm  # noqa: E402
-from planner import published  # noqa: E402
-from planner.hardware import GPUS  # noqa: E402
-from planner.simulator import simulate_run  # noqa: E402
-from planner.specs import MODELS  # noqa: E402
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:

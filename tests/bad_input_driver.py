@@ -15,12 +15,12 @@ import socket
 import sys
 import time
 
+import train_disagg
+from models import adapter_class, model_names
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.chdir(ROOT)
 
-import train_disagg  # noqa: E402
-from models import adapter_class, model_names  # noqa: E402
 
 for family in model_names():  # the children find every family imported
     adapter_class(family)

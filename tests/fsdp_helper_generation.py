@@ -3,14 +3,13 @@
 between two training forwards of a step leaves the accumulated gradients, the optimizer state
 and the weights as they were, and the training after it accumulates bitwise as without it."""
 import os
-import sys
 from types import SimpleNamespace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 
 def _local(t):
@@ -18,12 +17,12 @@ def _local(t):
 
 
 def main() -> None:
-    import sampler
-    from config import parse_config
+    from rl import sampler
+    from config.cli import parse_config
     from models import load_model
     from models.lora import apply_lora
-    from parallel.plan import plan_step
-    from prompts import load_prompts
+    from parallel.stepplan import plan_step
+    from prompts.sets import load_prompts
     from rewards import RewardSet
     from parallel.tag import GroupAssistant
     from rollout import Generator

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-import checkpoint_files
-from launch import ROOT, TINY
+from checkpointing import files as checkpoint_files
+from runtime.launch import ROOT, TINY
 
 BOUND_S = 20.0  # every rank exits within this (it only reads flags and files)
 SHIPPED = os.path.join(ROOT, "assets", "shapes-flux")
@@ -120,7 +120,7 @@ def results(tmp_path_factory):
     cases = _cases(tmp_path)
     table = [{"name": n, "argv": argv, "env": env, "world": 2} for n, argv, env, _ in cases]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "bad_input_driver.py"), "--limit", "90"],
+    proc = subprocess.run([sys.executable, "-m", "tests.bad_input_driver", "--limit", "90"],
                           input=json.dumps(table), capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = {r["name"]: r for r in map(json.loads, proc.stdout.splitlines())}

@@ -7,14 +7,14 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "scripts", "bench.py")
+BENCH = ["-m", "scripts.bench"]
 QUICK = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--prompts-per-step", "2", "--group-size", "2",
          "--micro-batch", "2", "--sample-steps", "3", "--height", "16", "--width", "16", "--timeout", "120"]
 
 
 def _bench(args, timeout=150):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *BENCH, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from planner import bts
 from planner.simulator import MODES, Costs, StepState, predict_makespan, simulate_run, simulate_step
-from tracing import CATEGORIES
+from telemetry.tracing import CATEGORIES
 
 
 def _costs(gen=(1.0,), train=0.5, trainer_gen=None, **kw):

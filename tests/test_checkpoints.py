@@ -1,4 +1,4 @@
-"""Checkpoints that scale (checkpoint.py): the run state is written in shards by every trainer rank
+"""Checkpoints that scale (checkpointing/checkpoint.py): the run state is written in shards by every trainer rank
 and resumes bitwise under FSDP; the export is diffusers' layout in --export-dtype, one file per
 trainer rank for a full fine-tune; the EMA is exported in diffusers' LoRA naming and loads with
 `load_lora_weights`."""
@@ -9,9 +9,9 @@ import shutil
 import torch
 from safetensors import safe_open
 
-from launch import TINY, torchrun, trained_weights
+from runtime.launch import TINY, torchrun, trained_weights
 
-import checkpoint
+from checkpointing import checkpoint
 
 
 def _state(run: str, step: int, prefix: str) -> dict:

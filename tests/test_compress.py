@@ -6,10 +6,10 @@ import shutil
 import pytest
 import torch
 
-from checkpoint import RESIDUAL, read_state
+from checkpointing.checkpoint import RESIDUAL, read_state
 
-from launch import TINY, torchrun
-from metrics import read_metrics
+from runtime.launch import TINY, torchrun
+from telemetry.metrics import read_metrics
 from parallel import compress
 from parallel.publish import checksum
 

@@ -1,8 +1,10 @@
-"""config.py: typed flags, one validation before any process group, the derived run facts, a
+"""config/schema.py: typed flags, one validation before any process group, the derived run facts, a
 config.json that reads back as the same config, and a --help without internal names."""
 import pytest
 
-from config import RunConfig, build_parser, parse_config
+from config.schema import RunConfig
+from config.validate import validate
+from config.cli import build_parser, parse_config
 
 
 def _cfg(*argv: str) -> RunConfig:
@@ -47,15 +49,15 @@ def test_unparsable_flags_are_argparse_errors(argv, message, capsys):
 ])
 def test_validate_names_the_bad_value(argv, world, message):
     with pytest.raises(ValueError) as e:
-        _cfg(*argv).validate(world)
+        validate(_cfg(*argv), world)
     assert message in str(e.value)
 
 
 def test_facts_are_derived_once():
-    facts = _cfg("--tsp", "--train-micro-batch", "6", "--generators", "1", "--trainers", "3").validate(4)
+    facts = validate(_cfg("--tsp", "--train-micro-batch", "6", "--generators", "1", "--trainers", "3"), 4)
     assert (facts.disagg, facts.tsp, facts.tag, facts.num_trainers, facts.train_micro_batch) == (True, True, False, 3, 6)
     assert facts.log_rank == 1 and facts.train_sharding == "replicate"
-    colocated = _cfg("--mode", "colocated", "--colocated-sharding", "fsdp").validate(2)
+    colocated = validate(_cfg("--mode", "colocated", "--colocated-sharding", "fsdp"), 2)
     assert not colocated.disagg and colocated.train_sharding == "fsdp" and colocated.train_micro_batch == 8
     plan = colocated.plan(_cfg(), 3)
     assert plan.step == 3 and plan.num_samples == 64 and {f.replica for f in plan.fragments} == {0, 1}

@@ -1,7 +1,7 @@
 """The README's main command, shortened: the embedded default (shipped model, shapes prompts and
 reward, disaggregated with fragment streaming) for 2 steps with evaluation."""
-from launch import torchrun
-from metrics import read_metrics
+from runtime.launch import torchrun
+from telemetry.metrics import read_metrics
 
 
 def test_default_configuration_runs(tmp_path):

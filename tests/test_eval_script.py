@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _eval(out, *extra):
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "eval.py"), "--prompts",
+    cmd = [sys.executable, "-m", "scripts.eval", "--prompts",
            os.path.join(ROOT, "data", "shapes_eval.txt"), "--num-prompts", "4", "--height", "16", "--width", "16",
            "--sample-steps", "3", "--reward", "jpeg_compressibility", "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
@@ -20,7 +20,7 @@ def _eval(out, *extra):
 
 
 def test_eval_base_and_checkpoint(tmp_path):
-    from checkpoint import export_weights
+    from checkpointing.checkpoint import export_weights
     from models import load_model
     from models.lora import apply_lora
 
@@ -51,7 +51,7 @@ def test_samples_per_prompt_repeat_each_prompt_with_its_own_seeds(tmp_path):
 def test_eval_records_reject_bad_counts(tmp_path):
     import pytest
 
-    from prompts import eval_records
+    from prompts.sets import eval_records
 
     path = tmp_path / "p.txt"
     path.write_text("a red circle\ntwo blue squares\n")

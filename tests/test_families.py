@@ -10,8 +10,8 @@ import sys
 import pytest
 from PIL import Image
 
-from launch import ROOT
-from metrics import read_metrics
+from runtime.launch import ROOT
+from telemetry.metrics import read_metrics
 
 FAMILIES = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
 VIDEO = {"wan", "hunyuan_video"}
@@ -73,7 +73,7 @@ def test_a_step_with_no_reward_spread_is_flagged_and_warned(runs, family):
 
 
 def test_step_scalars_flag_steps_whose_groups_all_have_zero_std():
-    from runtime import _step_scalars
+    from runtime.loop import _step_scalars
 
     def records(zero_std):
         train = {"loss": 0.0}

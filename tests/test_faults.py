@@ -18,10 +18,10 @@ import time
 import pytest
 import torch
 
-import checkpoint_files
-from checkpoint import KILL_ENV
-from launch import TINY, alive, torchrun, torchrun_background, trained_weights, worker_pids
-from metrics import read_metrics
+from checkpointing import files as checkpoint_files
+from checkpointing.checkpoint import KILL_ENV
+from runtime.launch import TINY, alive, torchrun, torchrun_background, trained_weights, worker_pids
+from telemetry.metrics import read_metrics
 
 BASE = [*TINY, "--lora-rank", "4", "--log-images-every", "0"]
 FOUR = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]

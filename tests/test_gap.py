@@ -133,7 +133,7 @@ def test_pipelined_replica_equals_one_stage(tmp_path, stages):
     order): S stages produce bitwise the trajectories of one stage."""
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(stages),
-           os.path.join(ROOT, "tests", "dist_scripts", "gap_equivalence.py"), str(out)]
+           "-m", "tests.dist_scripts.gap_equivalence", str(out)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from capacity import check_memory_budget, state_bytes
-from launch import TINY, torchrun, trained_weights
-from metrics import read_metrics
-from parallel.plan import plan_step, replica_speeds
-from tracing import Slowdown
+from runtime.probe import check_memory_budget, state_bytes
+from runtime.launch import TINY, torchrun, trained_weights
+from telemetry.metrics import read_metrics
+from parallel.stepplan import plan_step, replica_speeds
+from telemetry.tracing import Slowdown
 
 
 def test_replica_speeds_ignore_noise_and_follow_real_differences():

@@ -4,14 +4,14 @@ import os
 import subprocess
 import sys
 
-from tracing import Tracer
+from telemetry.tracing import Tracer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "merge_traces.py")
+SCRIPT = ["-m", "scripts.merge_traces"]
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, *SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 def test_merges_every_rank_of_a_run_in_rank_order(tmp_path):

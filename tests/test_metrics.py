@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from metrics import MetricsLogger, image_grid, read_metrics
+from telemetry.metrics import MetricsLogger, image_grid, read_metrics
 
 
 def test_logger_writes_jsonl_tensorboard_and_png(tmp_path):

@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-import buckets
-from launch import TINY, torchrun, trained_weights
-from metrics import image_grid, pad_to_largest, read_metrics
-from parallel.plan import (ShapeTable, assign_fragments, assign_lpt, choose_prompts, plan_step, replica_finish,
+from prompts import shapes as buckets
+from runtime.launch import TINY, torchrun, trained_weights
+from telemetry.metrics import image_grid, pad_to_largest, read_metrics
+from parallel.stepplan import (ShapeTable, assign_fragments, assign_lpt, choose_prompts, plan_step, replica_finish,
                            sample_cost)
-from prompts import load_prompts
+from prompts.sets import load_prompts
 
 S16, S24, S32, S48 = (16, 16, None), (24, 24, None), (32, 32, None), (48, 48, None)
 
@@ -33,7 +33,7 @@ def test_shape_fields_must_be_positive_integers(tmp_path, value):
 
 
 def test_shapes_are_checked_against_the_model_naming_file_and_line(tmp_path):
-    import sampler
+    from rl import sampler
     from models import load_model
 
     adapter = load_model("flux", preset="tiny", seed=0)  # VAE factor 2 x 2x2 packing: multiples of 4
@@ -163,17 +163,18 @@ def test_assign_lpt_is_near_the_optimum():
 
 
 def test_dispatch_flag_is_validated_and_reaches_the_plan():
-    from config import parse_config
+    from config.cli import parse_config
+    from config.validate import validate
 
     cfg = parse_config(["--dispatch", "fifo"])
     cfg.resolve_defaults()
     with pytest.raises(ValueError, match=r"unknown --dispatch 'fifo'; choose one of \('lpt', 'round-robin'\)"):
-        cfg.validate(2)
+        validate(cfg, 2)
     table = _table(1500)
     for dispatch in ("lpt", "round-robin"):
         cfg = parse_config(["--dispatch", dispatch, "--generators", "1", "--trainers", "1"])
         cfg.resolve_defaults()
-        plan = cfg.validate(2).plan(cfg, 0, None, table)
+        plan = validate(cfg, 2).plan(cfg, 0, None, table)
         assert plan == plan_step(0, seed=0, num_prompts=1500, prompts_per_step=8, group_size=8, micro_batch=8,
                                  num_replicas=1, num_trainers=1, fragment_groups=1, shapes=table, dispatch=dispatch)
 
@@ -199,11 +200,11 @@ def test_grid_pads_mixed_sizes_to_the_largest():
 
 # ----- gradients: mixed shapes, chunks and TSP against the per-sample loop ---------------------------
 def test_mixed_shape_gradients_equal_the_per_sample_loop():
-    import sampler
-    from config import RunConfig
+    from rl import sampler
+    from config.schema import RunConfig
     from models import load_model
     from parallel.intake import TrainChunk, TransitionBatch, TransitionIntake
-    from prompts import PromptRecord
+    from prompts.sets import PromptRecord
     from rewards import RewardSet
     from rollout import Generator
     from trainer import Trainer

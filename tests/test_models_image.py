@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import models
-import sampler
+from rl import sampler
 from models.base import Conditioning
 
 FAMILIES = ["qwen_image", "sd3"]

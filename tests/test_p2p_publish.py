@@ -15,7 +15,7 @@ from parallel.p2p import pack_payload, unpack_payload
 from parallel.publish import checksum, plan_buckets, state_checksum
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "dist_scripts" / "p2p_publish.py"
+SCRIPT = "tests.dist_scripts.p2p_publish"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool,
@@ -84,7 +84,7 @@ def test_p2p_and_publication_across_ranks(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("DIGENRL_DEBUG_CORRUPT_PUBLISH", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
-           str(SCRIPT), str(tmp_path)]
+           "-m", SCRIPT, str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     results = {}
     for rank in range(3):

@@ -3,19 +3,21 @@ facts, collective formulas by hand, memory accounting, the published step times 
 to, mixed GPU pools and the command line (docs/calibration.md). Pure Python; no torch models."""
 import json
 import os
-import sys
 
 import pytest
 
 from planner import hardware as hw
 from planner import phases as ph
-from planner import plans, published
+from planner import placements as plans, published
 from planner.memory import colocated_memory, trainer_memory, training_state
 from planner.profile import DeviceProfile, with_profile
 from planner.specs import (MODELS, Resolution, attention_share, forward_flops, image_tokens, lora_params,
                            model_spec)
 from planner.systems import dance_grpo, predict_system, verl_omni
 from planner.workload import Workload
+from planner import cli as plan_cli
+from scripts import simulate as simulate_cli
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ANCHORS = os.path.join(ROOT, "data", "anchors.jsonl")
@@ -242,9 +244,6 @@ def test_a_device_profile_replaces_the_datasheet():
 
 
 # ----- command line --------------------------------------------------------------------------
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import plan as plan_cli  # noqa: E402
-import simulate as simulate_cli  # noqa: E402
 
 
 def test_anchors_cli_writes_the_records_and_fails_on_a_row_outside(tmp_path, capsys):

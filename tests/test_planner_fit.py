@@ -8,17 +8,16 @@ predict the target from its config.json; the target's traces are never read for 
 Runs of 3 ranks on 2 cores measure contention, not parallel speed."""
 import json
 import os
-import sys
 
 import pytest
 
 from planner import fit
 from planner.profile import DeviceProfile
 
+from scripts import calibrate
+from planner import cli as plan_cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import calibrate  # noqa: E402
-import plan as plan_cli  # noqa: E402
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "planner_runs")
 PROFILE = os.path.join(FIXTURES, "profile-cpu.json")
 FIT_MODE = "gap-stream"

@@ -1,28 +1,27 @@
 """The planner on mixed-shape workloads and across two sites: per-fragment costs follow each
-fragment's shape, fragments are dispatched by the runtime's own policy (parallel/plan.py), LPT beats
+fragment's shape, fragments are dispatched by the runtime's own policy (parallel/stepplan.py), LPT beats
 round-robin where generation decides the step, publication bytes are the runtime codecs' bytes
 (parallel/compress.py), and a slow cross-site link rewards compressed publication."""
 import os
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
 from parallel import compress
-from parallel.plan import ShapeTable, plan_step
+from parallel.stepplan import ShapeTable, plan_step
 from planner import phases as ph
 from planner.engine import Costs
 from planner.hardware import gpu
 from planner.mixed import PLAN_SEED, step_plan
-from planner.plans import Pool, colocated, disagg_plan, replica_fragment_s, repredict
+from planner.placements import Pool, colocated, disagg_plan, replica_fragment_s, repredict
 from planner.simulator import simulate_run
 from planner.specs import forward_flops
 from planner.workload import Workload, parse_shape_mix
 
+from planner import cli as plan_cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import plan as plan_cli  # noqa: E402
 
 # data/shapes_mixed.jsonl's 16x16 / 32x32 / 48x48 at 1:1:2, at FLUX scale (x32: the same side ratios)
 MIX = "512x512:1,1024x1024:1,1536x1536:2"

@@ -10,9 +10,9 @@ import numpy as np
 
 from rewards import shapes_world
 
+from scripts import pretrain_tiny
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import pretrain_tiny  # noqa: E402
 
 
 def _scores(n: int = 400, **noise: float) -> np.ndarray:
@@ -38,7 +38,7 @@ def _pretrain(out, *extra: str) -> None:
     args = ["--out", str(out), "--threads", "1", "--steps", "2", "--batch-size", "2", "--vae-steps", "2",
             "--vae-batch-size", "2", "--eval-every", "2", "--num-eval", "2", "--eval-steps", "2", "--width", "32",
             "--text-width", "16", "--num-double-blocks", "1", "--num-single-blocks", "1", *extra]
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretrain_tiny.py"), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "scripts.pretrain_tiny", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -9,12 +9,14 @@ import os
 import pytest
 import torch
 
-from config import FULL_LR, LORA_LR, RunConfig, build_parser, load_config_files, parse_config
-from memory import GiB, check_fits, estimate, model_shape
+from config.schema import FULL_LR, LORA_LR, RunConfig
+from config.validate import validate
+from config.cli import build_parser, load_config_files, parse_config
+from runtime.memory import GiB, check_fits, estimate, model_shape
 from models.released import meta_adapter, parameter_counts, released_names
-from tensors import Conditioning
+from rl.conditioning import Conditioning
 
-import preflight  # noqa: E402
+from config import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*_grpo", "*.toml")))
@@ -220,7 +222,7 @@ def test_every_recipe_fits_the_gpus_it_names(adapters, no_model_folder):
     for path in RECIPES:
         for topology in TOPOLOGIES:
             cfg, recipe = _loaded(path, topology)
-            facts = cfg.validate(recipe["gpus"])
+            facts = validate(cfg, recipe["gpus"])
             assert facts.topology.world_size == recipe["gpus"] and facts.disagg
             name = recipe["model_config"]
             shape = shapes.setdefault(path, model_shape(name, cfg, adapters[name]))
@@ -231,7 +233,7 @@ def test_every_recipe_fits_the_gpus_it_names(adapters, no_model_folder):
 def test_memory_estimate_can_refuse_a_recipe(adapters, no_model_folder):
     """DanceGRPO's full fine-tuning of FLUX keeps float32 weights twice on a generator: not on 80 GB."""
     cfg, _ = _loaded(os.path.join(ROOT, "recipes", "dance_grpo", "flux_dev.toml"), TOPOLOGIES[2])
-    facts = cfg.validate(32)
+    facts = validate(cfg, 32)
     shape = model_shape("flux1_dev", cfg, adapters["flux1_dev"])
     with pytest.raises(ValueError, match=r"a generator needs about 10\d\.\d GiB, above the 71\.7 GiB usable on a h100"):
         check_fits(cfg, facts, shape, "h100")
@@ -244,7 +246,7 @@ def test_check_recipe_script_reports_a_misfit():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "check_recipe.py"),
+    out = subprocess.run([sys.executable, "-m", "scripts.check_recipe",
                           os.path.join(ROOT, "recipes", "dance_grpo", "flux_dev.toml"), "--gpu", "h100"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 2, out.stderr[-2000:]

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import checkpoint_files
-import runfolder
-from launch import ROOT
-from nonfinite import RunAbort, SkipTracker
+from checkpointing import files as checkpoint_files
+from checkpointing import folder as runfolder
+from runtime.launch import ROOT
+from rl.nonfinite import RunAbort, SkipTracker
 
 
 # ----- atomic checkpoints -------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def test_tensorboard_shows_every_step_once_after_a_resume(tmp_path):
     """The resumed logger purges the first run's events from the checkpoint's step on."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from metrics import MetricsLogger
+    from telemetry.metrics import MetricsLogger
 
     with MetricsLogger(tmp_path) as first:
         for step in range(5):
@@ -263,7 +263,7 @@ def test_timeouts_follow_the_slowest_step():
     """5 x the slowest step, at least 60 s, at most --dist-timeout-s; the flat value when relaxed."""
     from parallel import p2p
     from parallel.topology import Topology
-    from runguard import RunGuard
+    from runtime.guard import RunGuard
 
     class Store:
         timeouts = []

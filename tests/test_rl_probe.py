@@ -1,18 +1,16 @@
 """scripts/rl_probe.py: the policy gradient it probes is keyed by the batch's noise alone, and an
 update of size 0 leaves the evaluation unchanged."""
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import rl_probe  # noqa: E402
+from scripts import rl_probe
 
-import sampler  # noqa: E402
-from models import load_model  # noqa: E402
-from models.lora import apply_lora  # noqa: E402
-from prompts import load_prompts  # noqa: E402
-from rewards import RewardSet  # noqa: E402
+from rl import sampler
+from models import load_model
+from models.lora import apply_lora
+from prompts.sets import load_prompts
+from rewards import RewardSet
 
 
 def test_gradient_depends_on_the_noise_key_only():

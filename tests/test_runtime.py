@@ -1,13 +1,12 @@
 """The runtime through torchrun: placement invariance (docs/DESIGN.md section 4), on-policy ratio == 1,
 verified publication, resume, outputs, topology errors."""
 import json
-import os
 
 import pytest
 import torch
 
-from launch import TINY, torchrun, trained_weights
-from metrics import read_metrics
+from runtime.launch import TINY, torchrun, trained_weights
+from telemetry.metrics import read_metrics
 
 
 def _assert_same_weights(a, b, what):

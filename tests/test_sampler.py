@@ -1,14 +1,13 @@
 """The sampler against float64 formulas, diffusers' own FluxPipeline, and placement invariance."""
 import math
 
-import numpy as np
 import pytest
 import torch
 from diffusers import FluxPipeline
 
 from scripts import sample as sample_script
-import sampler
-import seeding
+from rl import sampler
+from rl import seeding
 from models import load_model
 
 

@@ -3,21 +3,20 @@ run's config maps to, and properties the planner has by construction (simulate.p
 import functools
 import json
 import os
-import sys
 
 import pytest
 
-from config import RunConfig
+from config.schema import RunConfig
 from planner import costs as cm
-from planner import plans
+from planner import placements as plans
 from planner.hardware import gpu
 from planner.workload import Workload
-from tracing import Tracer
+from telemetry.tracing import Tracer
+
+from scripts import simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-import simulate  # noqa: E402
 
 
 def _config(**topology) -> dict:
@@ -140,7 +139,7 @@ def test_mode_mapping(world, topology, expected):
 
 
 # ---------------------------------------------------------------------------------------------
-# --cluster: the planner on one pool (planner/plans.py; more in tests/test_planner.py)
+# --cluster: the planner on one pool (planner/placements.py; more in tests/test_planner.py)
 # ---------------------------------------------------------------------------------------------
 
 FLUX_FULL = Workload("flux", 512, 512, sampling_steps=10, trained_timesteps=9, prompts_per_step=8, group_size=16,

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launch import TINY, torchrun, torchrun_script, trained_weights
-from metrics import read_metrics
-from parallel.plan import plan_step
+from runtime.launch import TINY, torchrun, torchrun_module, trained_weights
+from telemetry.metrics import read_metrics
+from parallel.stepplan import plan_step
 from parallel.intake import TrainingSpec, make_intake
 from parallel.tag import Assistant, group_windows
 
@@ -122,7 +122,7 @@ def test_tag_with_gap_stages_or_scorers_trains_the_colocated_data(tmp_path, colo
 
 
 def test_fsdp_helper_generation_leaves_gradients_alone():
-    proc = torchrun_script(2, "fsdp_helper_generation.py", timeout=120)
+    proc = torchrun_module(2, "tests.fsdp_helper_generation", timeout=120)
     assert proc.stdout.count("helper generation left") == 2, proc.stdout[-2000:]
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tracing import Tracer, bubble_fraction, merge_traces, summarize_step
+from telemetry.tracing import Tracer, bubble_fraction, merge_traces, summarize_step
 
 
 def test_busy_seconds_unions_nested_and_overlapping_spans():

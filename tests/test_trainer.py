@@ -3,8 +3,8 @@ import torch
 
 
 def _trainer_and_chunk(**overrides):
-    import sampler
-    from config import RunConfig
+    from rl import sampler
+    from config.schema import RunConfig
     from parallel.intake import TrainChunk
     from models import load_model
     from rollout import encode_batch

@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
-import algorithm
-from launch import TINY, torchrun, trained_weights
-from metrics import read_metrics
+from rl import algorithm
+from runtime.launch import TINY, torchrun, trained_weights
+from telemetry.metrics import read_metrics
 from parallel import tsp
 
 
@@ -89,10 +89,10 @@ def test_packing_of_trained_timestep_selections(name, window):
 # ----- gradients: packed micro-batches == the per-timestep loop -------------------------------------
 def _rollout(algorithm_name, cfg_scale, window, beta):
     """A tiny FLUX trainer and the two chunks of one fragment from a real SDE rollout."""
-    import sampler
-    from config import RunConfig
+    from rl import sampler
+    from config.schema import RunConfig
     from models import load_model
-    from parallel.plan import plan_step
+    from parallel.stepplan import plan_step
     from rollout import encode_batch
     from parallel.intake import TrainChunk
     from trainer import Trainer
@@ -173,7 +173,7 @@ def test_packed_gradients_equal_the_per_timestep_loop(case):
 def test_packed_steps_with_mixed_noise_levels_match_per_transition_steps():
     """A windowed sampler is deterministic outside its window: one packed micro-batch may hold
     transitions at different noise levels, each scored as sampler.sde_step scores it alone."""
-    import sampler
+    from rl import sampler
 
     trainer, _, chunks = _rollout("flow_grpo", 1.0, (1, 3), 0.0)
     c = chunks[0]

@@ -7,9 +7,11 @@ import pytest
 import torch
 from PIL import Image
 
-from config import VIDEO_MODELS, parse_config
-from metrics import LOGGED_FRAMES, LOGGED_VIDEOS, THUMBNAIL_PX, MetricsLogger, frame_strip, image_grid, thumbnails
-from metrics import video_grid
+from config.schema import VIDEO_MODELS
+from config.validate import validate
+from config.cli import parse_config
+from telemetry.metrics import LOGGED_FRAMES, LOGGED_VIDEOS, THUMBNAIL_PX, MetricsLogger, frame_strip, image_grid, thumbnails
+from telemetry.metrics import video_grid
 from models import adapter_class, model_names
 from rewards import RewardSet, build_reward
 
@@ -87,6 +89,6 @@ def test_a_video_reward_needs_a_video_model():
     cfg = parse_config(["--preset", "tiny", "--reward", "temporal_consistency"])
     cfg.resolve_defaults()
     with pytest.raises(ValueError, match=r"reward\(s\) \['temporal_consistency'\] score videos; 'flux' makes images"):
-        cfg.validate(2)
+        validate(cfg, 2)
     cfg.model.model = "wan"
-    cfg.validate(2)
+    validate(cfg, 2)

@@ -10,17 +10,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+from rl import sampler
+from models import load_model
+from parallel.stepplan import plan_step
+from parallel.schedule import partition_blocks
+from parallel.gap import PipelinedReplica, StageLayout, release_other_blocks
+from prompts.sets import PromptRecord
+from rewards import RewardSet
+from rollout import Generator
 
-import sampler  # noqa: E402
-from models import load_model  # noqa: E402
-from parallel.plan import plan_step  # noqa: E402
-from parallel.schedule import partition_blocks  # noqa: E402
-from parallel.gap import PipelinedReplica, StageLayout, release_other_blocks  # noqa: E402
-from prompts import PromptRecord  # noqa: E402
-from rewards import RewardSet  # noqa: E402
-from rollout import Generator  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 FAMILIES = {"flux": {}, "wan": {"num_frames": 5, "cfg_scale": 2.0}, "hunyuan_video": {"num_frames": 5}}
 PROMPTS = ["a red circle", "two blue squares on the left", "three green triangles", "a cyan square"]

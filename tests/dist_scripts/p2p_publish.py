@@ -16,10 +16,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from parallel.p2p import comm_device, isend_payload, recv_payload, send_payload  # noqa: E402
-from parallel.publish import (  # noqa: E402
+from parallel.p2p import comm_device, isend_payload, recv_payload, send_payload
+from parallel.publish import (
     CORRUPT_ENV, PublicationError, WeightPublisher, WeightReceiver, checksum, state_checksum,
 )
 

@@ -12,11 +12,11 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from planner import fit  # noqa: E402
-from planner.profile import DeviceProfile  # noqa: E402
-from tracing import Span, Tracer  # noqa: E402
+from planner import fit
+from planner.profile import DeviceProfile
+from telemetry.tracing import Span, Tracer
 
 COLORS = {"generate": "tab:green", "score": "tab:olive", "train": "tab:blue", "optimizer": "tab:purple",
           "comm": "tab:gray", "publish": "tab:orange", "eval": "tab:brown"}

@@ -13,11 +13,11 @@ import os
 
 import torch
 
-import checkpoint
+from checkpointing import checkpoint
 from models import ATTENTION_BACKENDS, adapter_class
 from models.base import check_model_folder, preset_defaults, read_folder_defaults
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
-from prompts import load_prompts
+from prompts.sets import load_prompts
 from rewards import parse_reward_spec, reward_class
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

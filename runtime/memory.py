@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from config import RunConfig, RunFacts
+from config.schema import RunConfig
+from config.validate import RunFacts
 from models.released import count_parameters, meta_adapter
 from rewards import parse_reward_spec
 

@@ -38,7 +38,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from nonfinite import RunAbort
+from rl.nonfinite import RunAbort
 from parallel import p2p
 from parallel.store import StepStore
 

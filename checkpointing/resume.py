@@ -1,11 +1,11 @@
-"""What a run carries across a checkpoint besides the weights and the optimizer (checkpoint.py
+"""What a run carries across a checkpoint besides the weights and the optimizer (checkpointing/checkpoint.py
 writes the files), so that a resumed run repeats the uninterrupted one bitwise in every mode:
 
 - the version each rank starts from: trainers hold version N; with --tcss the generators hold
   N-1 (the checkpoint's stale.safetensors), since the uninterrupted run generates step N with it;
 - the running reward std of the last two steps (with --tcss, step k's advantages read the std of
   the steps before k-1, which the logging rank publishes on the store);
-- the skipped-step counters of the non-finite check (nonfinite.py);
+- the skipped-step counters of the non-finite check (rl/nonfinite.py);
 - with --tcss, the trainers send version N to the generators again at the start, as the
   uninterrupted run did after step N-1, and keep it as the next checkpoint's stale version.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-import checkpoint
+from checkpointing import checkpoint
 from parallel import publish
 from parallel.fsdp import full_tensor
 

@@ -11,7 +11,7 @@ Two more tables are not config:
   the run that wrote the file.
 
 Several files merge in order, a later file's value replacing an earlier one's key by key within a
-section (a recipe, then a topology file); command-line flags override them all (config.py).
+section (a recipe, then a topology file); command-line flags override them all (config/schema.py).
 A leaf module: it imports nothing of the project.
 """
 from __future__ import annotations
@@ -26,13 +26,13 @@ import subprocess
 import sys
 import tomllib
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "recipe"
 PROVENANCE = "provenance"
 RECIPE_KEYS = {"name": str, "summary": str, "source": str, "gpu": str, "gpus": int, "model_config": str,
                "needs": dict, "notes": str}
 """What a [recipe] table may hold: name, one-line summary, the published setting it follows, the GPU
-kind and count it is sized for (`memory.py` checks the fit), the released config under
+kind and count it is sized for (`runtime/memory.py` checks the fit), the released config under
 models/configs/ it runs, the flags it needs, free notes."""
 PACKAGES = ("torch", "diffusers", "transformers", "peft", "accelerate", "safetensors", "tokenizers",
             "huggingface_hub", "numpy", "pillow", "tensorboard")

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-import sampler
-from tracing import Slowdown
+from rl import sampler
+from telemetry.tracing import Slowdown
 
 ADAMW_BYTES = 8  # two float32 moments per trainable parameter
 GB = 1e9

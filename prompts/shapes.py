@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import sampler
-from parallel.plan import ATTENTION_WIDTH, ShapeTable, sample_cost
+from rl import sampler
+from parallel.stepplan import ATTENTION_WIDTH, ShapeTable, sample_cost
 
 Shape = tuple  # (height, width, frames or None)
 

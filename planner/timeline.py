@@ -7,8 +7,8 @@ import os
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
 COLORS = {"generate": "#4c78a8", "score": "#72b7b2", "train": "#f58518", "optimizer": "#e45756",
           "switch": "#9d755d", "comm": "#bab0ac", "other": "#d3d3d3"}

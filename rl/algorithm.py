@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from seeding import derive_seed
+from rl.seeding import derive_seed
 
 ALGORITHMS = ("flow_grpo", "dance_grpo", "window")
 STD_EPS = 1e-4

@@ -1,5 +1,5 @@
 """Prompt sets: a .txt file (one prompt per line) or a .jsonl file (a `prompt` field plus free metadata;
-`height`, `width` and `frames`, when present, give the prompt its own shape: buckets.py)."""
+`height`, `width` and `frames`, when present, give the prompt its own shape: prompts/shapes.py)."""
 from __future__ import annotations
 
 import io

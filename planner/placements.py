@@ -14,7 +14,7 @@ Plans:
   (streaming), tag (TAG with BTS), tcss (one step stale) and naive disagg for reference. With two
   GPU pools, generators go on one and trainers on the other.
 
-The simulator runs the runtime's own policies: parallel/plan.py's fragment assignment,
+The simulator runs the runtime's own policies: parallel/stepplan.py's fragment assignment,
 parallel/schedule.py's stage partition and GAP schedule, parallel/tsp.py's packing, BTS.
 """
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Run train_disagg.py, or a torchrun script of tests/, under torchrun in a subprocess (tiny settings, a timeout,
-offline)."""
+"""Run train_disagg.py, or a module such as a distributed test script, under torchrun in a subprocess
+(tiny settings, a timeout, offline): the tests, the bench and the fault figures start runs through here."""
 import os
 import subprocess
 import sys
+
+from checkpointing.checkpoint import checkpoint_dir, read_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch", "2",
@@ -12,14 +14,17 @@ TINY = ["--preset", "tiny", "--prompts-per-step", "2", "--group-size", "2", "--m
 
 def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: int = 300,
              check: bool = True) -> subprocess.CompletedProcess:
-    return torchrun_script(nproc, os.path.join(ROOT, "train_disagg.py"), args, env, timeout, check)
+    return _torchrun(nproc, [os.path.join(ROOT, "train_disagg.py")], args, env, timeout, check)
 
 
-def torchrun_script(nproc: int, script: str, args: list[str] = (), env: dict | None = None, timeout: int = 300,
+def torchrun_module(nproc: int, module: str, args: list[str] = (), env: dict | None = None, timeout: int = 300,
                     check: bool = True) -> subprocess.CompletedProcess:
-    """`script`: a path, or a file name in tests/."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *args]
+    """`python -m module` on every rank (e.g. tests.dist_scripts.p2p_publish), from the project root."""
+    return _torchrun(nproc, ["-m", module], args, env, timeout, check)
+
+
+def _torchrun(nproc: int, target: list[str], args, env, timeout, check) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *target, *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -30,8 +35,6 @@ def torchrun_script(nproc: int, script: str, args: list[str] = (), env: dict | N
 
 def trained_weights(run_dir: str, step: int):
     """The trained weights of checkpoint `step`, float32 as trained (the run state, not the export)."""
-    from checkpoint import checkpoint_dir, read_state
-
     return read_state(checkpoint_dir(run_dir, step))
 
 

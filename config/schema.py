@@ -2,27 +2,15 @@
 field is a flag (`--prompts-per-step`), the resolved tree is written to DIR/config.json."""
 from __future__ import annotations
 
-import argparse
-import copy
 import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 
-import algorithm
-import configfile
-import preflight
-import runfolder
-import sampler
-from checkpoint import EXPORT_DTYPES
-from parallel import compress
-from parallel.plan import DISPATCHES, ShapeTable, StepPlan, plan_step
-from parallel.topology import SHARDINGS, Topology
-from prompts import eval_records, load_prompts
-from rewards import VIDEO_REWARDS, parse_reward_specs, reward_model_paths
+from config import files as configfile
 
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED_MODEL = os.path.join(ROOT, "assets", "shapes-flux")
 DATA_DIR = os.path.join(ROOT, "data")
 PRESETS = ("auto", "tiny", "mid")
@@ -204,9 +192,9 @@ class RunConfig:
             if name == "seed":
                 kwargs[name] = configfile.typed("seed", dataclasses.fields(cls)[0], value)
                 continue
-            sub = _SECTIONS.get(name)
+            sub = SECTIONS.get(name)
             if sub is None or not isinstance(value, dict):
-                raise ValueError(f"config has no section {name!r}; sections: {['seed', *_SECTIONS]}")
+                raise ValueError(f"config has no section {name!r}; sections: {['seed', *SECTIONS]}")
             fields = {f.name: f for f in dataclasses.fields(sub)}
             unknown = sorted(set(value) - set(fields))
             if unknown:
@@ -235,11 +223,6 @@ class RunConfig:
             self.output.save_every = max(1, self.rl.steps // 10)
         self.optim.lr = self.optim.learning_rate()  # config.json records the value used
 
-    def validate(self, world_size: int) -> "RunFacts":
-        """Every user error that needs no process group, raised alike on every rank before any
-        rank waits on another. Returns the facts the roles read (`RunFacts`)."""
-        return validate(self, world_size)
-
 
 def _parse_pair(text, sep: str, types, flag: str) -> tuple:
     """'A<sep>B' -> (types[0](A), types[1](B)); a tuple or list (from config.json) passes through
@@ -254,226 +237,7 @@ def _parse_pair(text, sep: str, types, flag: str) -> tuple:
         raise ValueError(f"{flag} {text!r}: expected two values as A{sep}B") from None
 
 
-_SECTIONS = {"model": ModelConfig, "sampling": SamplingArgs, "rl": RLConfig, "optim": OptimConfig,
+SECTIONS = {"model": ModelConfig, "sampling": SamplingArgs, "rl": RLConfig, "optim": OptimConfig,
              "topology": TopologyConfig, "output": OutputConfig}
-_FLAGS = {"--" + f.name.replace("_", "-"): (section, f.name) for section, cls in _SECTIONS.items()
+FLAGS = {"--" + f.name.replace("_", "-"): (section, f.name) for section, cls in SECTIONS.items()
           for f in dataclasses.fields(cls)}
-
-
-def _arg_type(f: dataclasses.Field):
-    """argparse's `type` of a field: its `parse` (user errors become argparse's clear message), or
-    int / float / str from the annotation."""
-    parse = f.metadata.get("parse")
-    if parse is not None:
-        def typed(text: str):
-            try:
-                return parse(text)
-            except ValueError as e:
-                raise argparse.ArgumentTypeError(str(e)) from None
-        typed.__name__ = f.name
-        return typed
-    base = f.type.replace(" | None", "")
-    return {"int": int, "float": float, "str": str}.get(base, str)
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default unless its help already says what the default is."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.default in (None, [], False):
-            return text
-        return super()._get_help_string(action)
-
-
-def build_parser(description: str, sections: tuple[str, ...] | None = None,
-                 base: RunConfig | None = None) -> argparse.ArgumentParser:
-    """One flag per field (`--prompts-per-step`); `sections` limits the parser to some sections
-    (scripts that share the model and sampling flags); `base` (read from --config files) gives
-    the defaults, so that flags override the files."""
-    base = base or RunConfig()
-    parser = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
-    configfile.add_config_flag(parser)
-    parser.add_argument("--seed", type=int, default=base.seed, help=dataclasses.fields(RunConfig)[0].metadata["help"])
-    for section, cls in _SECTIONS.items():
-        if sections is not None and section not in sections:
-            continue
-        group = parser.add_argument_group(section)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            meta = f.metadata
-            default = getattr(getattr(base, section), f.name)
-            common = dict(dest=f"{section}.{f.name}", help=meta["help"])
-            metavar = meta.get("metavar", f.name.upper())
-            if meta.get("action") == "append":
-                group.add_argument(flag, action="append", default=None, metavar=metavar, **common)
-            elif f.type == "bool":
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **common)
-            else:
-                group.add_argument(flag, type=_arg_type(f), default=default, metavar=metavar, **common)
-    return parser
-
-
-def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
-    """The RunConfig of parsed flags (`section.field` destinations; other attributes are ignored)
-    over `base` (the --config files), whose lists a repeatable flag replaces when given."""
-    ns = vars(args)
-    cfg = copy.deepcopy(base) if base is not None else RunConfig()
-    cfg.seed = ns["seed"]
-    for key, value in ns.items():
-        if "." not in key:
-            continue
-        section, name = key.split(".")
-        if value is None and isinstance(getattr(getattr(cfg, section), name), list):
-            continue
-        setattr(getattr(cfg, section), name, value)
-    return cfg
-
-
-def parse_config(argv: list[str] | None, description: str = "DigenRL") -> RunConfig:
-    """Flags over --config files (read first, in order). A recipe's `[recipe.needs]` flags must be
-    given by then: ValueError naming the flag and what it names, before any rank waits."""
-    parser, base, recipe = config_parser(argv, description)
-    cfg = config_from_args(parser.parse_args(argv), base)
-    configfile.check_needs(recipe, lambda flag: getattr(getattr(cfg, _FLAGS[flag][0]), _FLAGS[flag][1]))
-    return cfg
-
-
-def config_parser(argv: list[str] | None, description: str, sections: tuple[str, ...] | None = None):
-    """(parser whose defaults are the --config files of argv, their config or None, their [recipe])."""
-    files = configfile.config_flag().parse_known_args(argv)[0].config
-    base, recipe = load_config_files(files) if files else (None, {})
-    return build_parser(description, sections, base), base, recipe
-
-
-def load_config_files(paths: list[str]) -> tuple[RunConfig, dict]:
-    """Recipes and config.json files merged in order (configfile.py) -> (config, [recipe] table)."""
-    tree, recipe = configfile.read_config_files(paths, RunConfig.from_dict, set(_FLAGS))
-    return RunConfig.from_dict(tree), recipe
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What a validated config and the world size imply, computed once and read by every role:
-    no module decides again whether TSP or TAG is on, or counts the trainers."""
-
-    topology: Topology
-    disagg: bool
-    tsp: bool
-    tag: bool
-    tcss: bool
-    train_sharding: str
-    """sharding of the ranks that train: --colocated-sharding in colocated mode, else --train-sharding"""
-    train_micro_batch: int
-    """transitions per packed training forward (TSP); without TSP a forward trains one timestep of a chunk"""
-    fragment_split: str
-    lora: bool
-    num_prompts: int
-    log_rank: int
-    """the rank that logs: the first trainer, since trainers finish every step (generators may run ahead)"""
-    resume: runfolder.ResumePoint | None = None
-    """--resume: the verified checkpoint the run continues from"""
-
-    @property
-    def num_trainers(self) -> int:
-        return self.topology.num_trainers
-
-    @property
-    def speed_split(self) -> bool:
-        """Fragments are shared among replicas by measured speed (else evenly)."""
-        return self.fragment_split == "speed" or (self.fragment_split == "auto" and self.disagg)
-
-    def plan(self, cfg: RunConfig, step: int, replica_speeds: list[float] | None = None,
-             shapes: ShapeTable | None = None) -> StepPlan:
-        """Step k's fragment plan: a pure function of (seed, k, config, replica speeds, prompt
-        shapes), the same on every rank (the speeds are measured once at start-up and shared)."""
-        rl = cfg.rl
-        return plan_step(step, seed=cfg.seed, num_prompts=self.num_prompts, prompts_per_step=rl.prompts_per_step,
-                         group_size=rl.group_size, micro_batch=rl.micro_batch,
-                         num_replicas=self.topology.num_replicas, num_trainers=self.num_trainers,
-                         fragment_groups=cfg.topology.fragment_groups or None, colocated=not self.disagg,
-                         replica_speeds=replica_speeds if self.speed_split else None, shapes=shapes,
-                         dispatch=cfg.topology.dispatch)
-
-
-def _choice(flag: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {flag} {value!r}; choose one of {tuple(choices)}")
-
-
-def validate(cfg: RunConfig, world_size: int) -> RunFacts:
-    """Every user error that needs no process group, each naming the bad value (see RunConfig.validate)."""
-    rl, t, o, s = cfg.rl, cfg.topology, cfg.output, cfg.sampling
-    topo = Topology.build(world_size, t.mode, t.generators, t.trainers, t.scorers, t.gap_stages)
-    for name, value in (("--steps", rl.steps), ("--prompts-per-step", rl.prompts_per_step),
-                        ("--group-size", rl.group_size), ("--micro-batch", rl.micro_batch),
-                        ("--eval-num-prompts", o.eval_num_prompts),
-                        ("--eval-samples-per-prompt", o.eval_samples_per_prompt),
-                        ("--train-micro-batch", 1 if t.train_micro_batch is None else t.train_micro_batch),
-                        ("--dist-timeout-s", t.dist_timeout_s)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    for name, value in (("--save-every", o.save_every), ("--log-images-every", o.log_images_every),
-                        ("--eval-every", o.eval_every), ("--lora-rank", cfg.optim.lora_rank),
-                        ("--fragment-groups", t.fragment_groups or 0)):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    if rl.group_size < 2:
-        raise ValueError(f"--group-size must be >= 2 for group-relative advantages, got {rl.group_size}")
-    if t.fragment_groups and t.fragment_groups > rl.prompts_per_step:
-        raise ValueError(f"--fragment-groups {t.fragment_groups} must be between 1 and --prompts-per-step "
-                         f"{rl.prompts_per_step}")
-    _choice("--algorithm", rl.algorithm, algorithm.ALGORITHMS)
-    _choice("--std-mode", rl.std_mode, ("group", "running"))
-    _choice("--sde-type", s.sde_type, sampler.SDE_TYPES)
-    _choice("--colocated-sharding", t.colocated_sharding, SHARDINGS)
-    _choice("--train-sharding", t.train_sharding, SHARDINGS)
-    _choice("--lora-targets", cfg.optim.lora_targets, ("attn", "attn+ff"))
-    _choice("--fragment-split", t.fragment_split, ("auto", "even", "speed"))
-    _choice("--dispatch", t.dispatch, DISPATCHES)
-    _choice("--export-dtype", o.export_dtype, EXPORT_DTYPES)
-    compress.parse(t.publish_compression)
-    if o.debug_link_bandwidth is not None and not o.debug_link_bandwidth > 0:
-        raise ValueError(f"--debug-link-bandwidth must be > 0 MB/s, got {o.debug_link_bandwidth}")
-    if t.memory_budget_gb is not None and not t.memory_budget_gb > 0:
-        raise ValueError(f"--memory-budget-gb must be > 0, got {t.memory_budget_gb}")
-    if not 0 < rl.timestep_fraction <= 1:
-        raise ValueError(f"--timestep-fraction must be in (0, 1], got {rl.timestep_fraction}")
-    if s.noise_level is not None and not s.noise_level >= 0:
-        raise ValueError(f"--noise-level must be >= 0, got {s.noise_level}")
-    if s.sample_steps is not None and s.sample_steps < 1:
-        raise ValueError(f"--sample-steps must be >= 1, got {s.sample_steps}")
-    if s.sde_window is not None:
-        start, end = s.sde_window
-        top = s.sample_steps if s.sample_steps is not None else end
-        if not 0 <= start < end <= top:
-            raise ValueError(f"--sde-window {start}:{end} must satisfy 0 <= START < END <= --sample-steps ({top})")
-        if rl.algorithm != "window":
-            raise ValueError(f"--sde-window {start}:{end} samples ODE steps outside the window, which have no "
-                             f"log-probability to train: use --algorithm window (got {rl.algorithm!r})")
-    if rl.algorithm == "window" and s.sde_window is None:
-        raise ValueError("--algorithm window needs --sde-window START:END")
-    if o.debug_slow_rank is not None:
-        rank, factor = o.debug_slow_rank
-        if not 0 <= rank < world_size or not factor >= 1:
-            raise ValueError(f"--debug-slow-rank {rank}:{factor}: the rank must be in [0, {world_size}) and the "
-                             f"factor >= 1")
-    if t.tag and topo.mode != "disagg":
-        raise ValueError(f"--tag needs --mode disagg (got {topo.mode}): colocated ranks all generate already")
-    if t.tcss and topo.mode != "disagg":
-        raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
-    names = [n for n, _ in parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))]
-    if cfg.model.model not in VIDEO_MODELS and VIDEO_REWARDS & set(names):
-        raise ValueError(f"reward(s) {sorted(VIDEO_REWARDS & set(names))} score videos; {cfg.model.model!r} makes "
-                         f"images (video models: {VIDEO_MODELS})")
-    num_prompts = len(load_prompts(rl.prompts))  # a missing or empty prompt file raises here
-    if o.eval_every:
-        eval_records(o.eval_prompts, o.eval_num_prompts, o.eval_samples_per_prompt)
-    preflight.check_run(cfg)  # every other flag, the model folder and sizes, the prompts' grammar
-    resume = runfolder.check(cfg)  # the run folder and --resume
-    disagg = topo.mode == "disagg"
-    return RunFacts(topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
-                    train_sharding=t.train_sharding if disagg else t.colocated_sharding,
-                    train_micro_batch=t.train_micro_batch or rl.micro_batch, fragment_split=t.fragment_split,
-                    lora=cfg.optim.lora_rank > 0, num_prompts=num_prompts, log_rank=topo.trainer_ranks[0],
-                    resume=resume)

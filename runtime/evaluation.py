@@ -7,8 +7,8 @@ import dataclasses
 import torch
 from tqdm import tqdm
 
-import buckets
-import sampler
+from prompts import shapes as buckets
+from rl import sampler
 from rollout import sample_images
 
 EVAL_STEP = -1  # the noise key of evaluation samples: never a training step
@@ -20,7 +20,7 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
     """Returns (scores by reward name plus "combined", each a list of floats in record order; the
     images of the first `keep_images` records, all by default, each passed through `thumbnail` when
     given). Record j is sample first_sample_id + j (or sample_ids[j]: its fixed seed), sampled and
-    scored batch by batch with the records of its shape (buckets.py), with a progress bar when
+    scored batch by batch with the records of its shape (prompts/shapes.py), with a progress bar when
     `progress`; a sample does not depend on its batch, so the batch size changes no score. The
     images are a tensor [n, 3, H, W] (videos [n, 3, F, H, W]) when they share one shape, else a list
     in record order (metrics.image_grid pads them to the largest)."""

@@ -16,8 +16,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import Tensor
 
-from seeding import initial_noise, step_noise
-from tensors import Conditioning
+from rl.seeding import initial_noise, step_noise
+from rl.conditioning import Conditioning
 
 # Adapters (models.DiTAdapter) are passed in and used through their interface only: the sampler
 # imports no model family.

@@ -22,33 +22,34 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import buckets
-import capacity
-import checkpoint
-import evaluation
-import runfolder
-import runguard
-import runstate
-import sampler
-from algorithm import RunningStd
-from config import RunConfig, RunFacts
-from metrics import LOGGED_IMAGES, MetricsLogger, thumbnails
+from prompts import shapes as buckets
+from runtime import probe as capacity
+from checkpointing import checkpoint
+from runtime import evaluation
+from checkpointing import folder as runfolder
+from runtime import guard as runguard
+from checkpointing import resume as runstate
+from rl import sampler
+from rl.algorithm import RunningStd
+from config.schema import RunConfig
+from config.validate import RunFacts
+from telemetry.metrics import LOGGED_IMAGES, MetricsLogger, thumbnails
 from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, set_attention
 from models.lora import apply_lora
 from parallel import compress, publish
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
 from parallel.intake import TrainingSpec, make_intake
-from parallel.plan import replica_speeds
+from parallel.stepplan import replica_speeds
 from parallel.scoring import LocalScorer, RemoteScorer, scorer_step
 from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
-from prompts import eval_records, load_prompts
+from prompts.sets import eval_records, load_prompts
 from rewards import RewardSet, reward_model_paths
 from rollout import Generator, VersionSync, generator_step
-from runguard import RunGuard
-from tracing import Slowdown, Tracer, summarize_step
+from runtime.guard import RunGuard
+from telemetry.tracing import Slowdown, Tracer, summarize_step
 from trainer import Trainer, trainer_step
 
 

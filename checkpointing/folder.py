@@ -8,7 +8,7 @@
   algorithm (everything that changes what its weights mean) and that --steps leaves work to do.
 - Continuing in the same folder cuts the run back to the checkpoint: metrics.jsonl keeps the rows
   up to it (the later ones move to discarded/), newer checkpoints, unfinished writes and later
-  sample grids move to discarded/ too, and TensorBoard purges the later events (metrics.py).
+  sample grids move to discarded/ too, and TensorBoard purges the later events (telemetry/metrics.py).
 
 `check` runs inside RunConfig.validate on every rank, before anything loads; `prepare` runs once,
 on rank 0, before any other rank writes into the folder.
@@ -22,8 +22,8 @@ import shutil
 import time
 from dataclasses import dataclass
 
-import checkpoint
-import checkpoint_files
+from checkpointing import checkpoint
+from checkpointing import files as checkpoint_files
 
 RUN_ENTRIES = ("config.json", "metrics.jsonl", "tb", "trace", "checkpoints", "samples", "eval", "discarded")
 # (section, field, flag): settings that change what a checkpoint's weights mean
