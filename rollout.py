@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rl import algorithm
+from rl import advantages
 from prompts import shapes as buckets
 from rl import sampler
 from parallel import p2p
@@ -171,8 +171,8 @@ class Generator:
         combined = scores.pop("combined")
         ids = list(fragment.sample_ids)
         group_ids = torch.tensor([i // plan.group_size for i in ids])
-        adv = algorithm.group_advantages(combined, group_ids, adv_clip=self.adv_clip, std=reward_std)
-        zero_std = algorithm.zero_std_groups(combined, group_ids)
+        adv = advantages.group_advantages(combined, group_ids, adv_clip=self.adv_clip, std=reward_std)
+        zero_std = advantages.zero_std_groups(combined, group_ids)
         keep = ~zero_std if self.drop_zero_std else torch.ones_like(zero_std)
         chunks, start = [], 0
         d = scoring.denoised

@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from rl import algorithm
+from rl import algorithms
 from rl import sampler
 from config.schema import RunConfig
 from models import DiTAdapter, autocast
 from models.lora import trainable_names
+from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
 from parallel import compress
 from parallel.fsdp import copy_full, count_allgathers, full_tensor, shard_modules
@@ -34,9 +36,24 @@ from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
 from parallel.publish import WeightPublisher
 from telemetry.tracing import Slowdown
 
-STAT_KEYS = ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_high", "clipfrac_low", "ratio",
-             "staleness_mean", "staleness_frac_1")
+COUNTS = ("staleness_mean", "staleness_frac_1")
+"""per-transition statistics the trainer counts itself, beside its loss's"""
 
+
+@dataclass
+class Transitions:
+    """The (sample, timestep) transitions one training forward trains, at their own timesteps (a
+    chunk's rows at one timestep, or a TSP micro-batch that mixes samples and timesteps)."""
+
+    x_t: Tensor  # (n, *latent) float32
+    x_next: Tensor  # (n, *latent) float32: the stored next latent whose log-probability is scored
+    sigma: Tensor  # (n,)
+    sigma_next: Tensor  # (n,)
+    timesteps: list[int]  # n step indices t (the noise level of each)
+    cond: Conditioning
+    neg: Conditioning | None
+    logp_old: Tensor  # (n,)
+    adv: Tensor  # (n,)
 
 class Trainer:
     def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig, group=None,
@@ -52,7 +69,8 @@ class Trainer:
         if not self.lora:
             model.requires_grad_(True)
         self.names = trainable_names(model)
-        self.reference = self._make_reference() if cfg.rl.beta > 0 else None
+        self.loss = algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl)
+        self.reference = self._make_reference() if self.loss.needs_reference else None
         if sharding == "fsdp":
             shard_modules(model, group)
             count_allgathers(model, group, self._on_allgather)
@@ -88,12 +106,19 @@ class Trainer:
             block.forward = lambda *a, _f=fwd, **kw: checkpoint(_f, *a, use_reentrant=False, **kw)
 
     def reset_stats(self) -> None:
-        self.sums = {k: 0.0 for k in STAT_KEYS}
+        self.loss_sums = torch.zeros(len(self.loss.STATS), dtype=torch.float64, device=self.device)
+        self.counts = {k: 0.0 for k in COUNTS}
         self.max_staleness = 0
         self.num_transitions = 0
         self.num_forwards = 0
         self.num_allgathers = 0
         self.nonfinite_advantages = 0
+
+    @property
+    def sums(self) -> dict[str, float]:
+        """This step's statistic sums so far, by name (reads the device: for tests and reports,
+        not for the training loop)."""
+        return {**dict(zip(self.loss.STATS, self.loss_sums.tolist())), **self.counts}
 
     def _on_allgather(self) -> None:
         self.num_allgathers += 1
@@ -119,94 +144,34 @@ class Trainer:
             self.train_chunk(item)
 
     def train_chunk(self, chunk: TrainChunk) -> None:
-        """Forward + backward of every trained transition of a chunk, one timestep per forward."""
-        dev = self.device
+        """Every trained transition of a chunk, one timestep per forward."""
         ids = chunk.sample_ids.tolist()
-        cond = chunk.cond.to(dev)
-        neg = chunk.neg_cond.to(dev) if chunk.neg_cond is not None else None
+        cond = chunk.cond.to(self.device)
+        neg = chunk.neg_cond.to(self.device) if chunk.neg_cond is not None else None
         spec = self.spec
         for t in spec.forward_timesteps(chunk.step, tuple(ids)):
             rows = [j for j, i in enumerate(ids) if t in spec.timesteps(chunk.step, i) and chunk.keep[j]]
             self._start_forward()
-            if not rows:
-                self._dummy_forward(chunk, t, cond, neg)
+            if not rows:  # keeps FSDP ranks' forward counts equal
+                self._forward(self._chunk_rows(chunk, [0], t, cond, neg), weight=0.0)
                 continue
-            sel = torch.tensor(rows)
-            whole = len(rows) == len(ids)  # keep the generation batch intact: bitwise-equal forwards
-            c = cond if whole else cond.select(sel)
-            n = neg if (neg is None or whole) else neg.select(sel)
-            x_t = chunk.latents[sel, t].to(dev)
-            x_next = chunk.latents[sel, t + 1].to(dev)
-            with self.slowdown():
-                loss = self._transition_loss(x_t, x_next, chunk.sigmas, t, c, n, chunk.log_probs[sel, t].to(dev),
-                                             chunk.advantages[sel].to(dev))
-                loss.backward()
+            self._forward(self._chunk_rows(chunk, rows, t, cond, neg))
             self._count(len(rows), chunk.version)
 
-    def _transition_loss(self, x_t, x_next, sigmas, t, cond, neg, logp_old, adv) -> Tensor:
-        s = self.sampling
-        sigma, sigma_next = sigmas[t].item(), sigmas[t + 1].item()
-        sigma_vec = sigmas[t].to(self.device).expand(x_t.shape[0])
-        with autocast(self.device, self.cfg.model.dtype):
-            v = sampler.guided_velocity(self.adapter, x_t, sigma_vec, cond, neg, s)
-        out = sampler.sde_step(x_t, v, sigma, sigma_next, sde_type=s.sde_type, noise_level=s.noise_level_at(t),
-                               x_next=x_next)
-        return self._loss(out, lambda: self._reference_mean(x_t, sigma_vec, cond, neg, t, sigmas), logp_old, adv)
+    def _chunk_rows(self, chunk: TrainChunk, rows: list[int], t: int, cond, neg) -> Transitions:
+        dev, n = self.device, len(rows)
+        whole = n == len(chunk.sample_ids)  # keep the generation batch intact: bitwise-equal forwards
+        sel = torch.tensor(rows)
+        return Transitions(chunk.latents[sel, t].to(dev), chunk.latents[sel, t + 1].to(dev),
+                           chunk.sigmas[t].to(dev).expand(n), chunk.sigmas[t + 1].to(dev).expand(n), [t] * n,
+                           cond if whole else cond.select(sel),
+                           neg if (neg is None or whole) else neg.select(sel),
+                           chunk.log_probs[sel, t].to(dev), chunk.advantages[sel].to(dev))
 
-    def _loss(self, out: sampler.StepOutput, reference_mean, logp_old, adv, record: bool = True) -> Tensor:
-        """Sum over transitions of the clipped policy loss plus beta x KL to the reference policy
-        (`reference_mean()` gives the reference step's mean; called only when beta > 0)."""
-        policy, ratio = algorithm.clipped_policy_loss(out.log_prob, logp_old, adv, self.cfg.rl.clip_range)
-        loss, kl = policy, None
-        if self.cfg.rl.beta > 0:
-            kl = algorithm.kl_to_reference(out.mean, reference_mean(), out.std)
-            loss = loss + self.cfg.rl.beta * kl
-        if record:
-            self._record_stats(loss, policy, ratio, out.log_prob, logp_old, kl)
-        return loss.sum()
-
-    @torch.no_grad()
-    def _record_stats(self, loss, policy, ratio, logp_new, logp_old, kl) -> None:
-        """Add per-transition sums; finish_step divides by the batch's transition count."""
-        eps = self.cfg.rl.clip_range
-        if kl is not None:
-            self.sums["kl"] += kl.detach().sum().item()
-        d = (logp_new - logp_old).detach()
-        self.sums["loss"] += loss.detach().sum().item()
-        self.sums["policy_loss"] += policy.detach().sum().item()
-        self.sums["approx_kl"] += (0.5 * d.pow(2)).sum().item()
-        self.sums["clipfrac"] += ((ratio - 1).abs() > eps).float().sum().item()
-        self.sums["clipfrac_high"] += (ratio > 1 + eps).float().sum().item()
-        self.sums["clipfrac_low"] += (ratio < 1 - eps).float().sum().item()
-        self.sums["ratio"] += ratio.detach().sum().item()
-
-    @torch.no_grad()
-    def _reference_velocity(self, x_t, sigma_vec, cond, neg) -> Tensor:
-        """The reference policy's guided velocity: LoRA disabled, or the frozen copy."""
-        lora = self.reference is None
-        if lora:
-            self.adapter.transformer.disable_adapters()
-        try:
-            with autocast(self.device, self.cfg.model.dtype):
-                return sampler.guided_velocity(self.reference or self.adapter, x_t, sigma_vec, cond, neg,
-                                               self.sampling)
-        finally:
-            if lora:
-                self.adapter.transformer.enable_adapters()
-
-    @torch.no_grad()
-    def _reference_mean(self, x_t, sigma_vec, cond, neg, t, sigmas) -> Tensor:
-        s = self.sampling
-        v = self._reference_velocity(x_t, sigma_vec, cond, neg)
-        out = sampler.sde_step(x_t, v, sigmas[t].item(), sigmas[t + 1].item(), sde_type=s.sde_type,
-                               noise_level=s.noise_level_at(t), x_next=x_t)
-        return out.mean
-
-    # ----- TSP: packed micro-batches of (sample, timestep) transitions ---------------------
     def train_transitions(self, batch: TransitionBatch) -> None:
-        """Forward + backward of this trainer's packed micro-batches of one fragment, each mixing
-        samples and timesteps (per-sample sigma vectors; CFG runs the unconditional branch of every
-        transition in the same packed batch)."""
+        """This trainer's packed micro-batches of one fragment (TSP), each mixing samples and
+        timesteps (per-sample sigma vectors; CFG runs the unconditional branch of every transition
+        in the same packed batch)."""
         cond = batch.cond.to(self.device)
         neg = batch.neg_cond.to(self.device) if batch.neg_cond is not None else None
         for lo, hi in batch.bounds():
@@ -214,95 +179,95 @@ class Trainer:
             if not rows:
                 if self.sharding == "fsdp":  # the other FSDP ranks run this forward's collectives
                     self._start_forward()
-                    self._packed_forward(batch, [lo], cond, neg, weight=0.0)
+                    self._forward(self._packed_rows(batch, [lo], cond, neg), weight=0.0)
                 continue
             self._start_forward()
-            self._packed_forward(batch, rows, cond, neg)
+            self._forward(self._packed_rows(batch, rows, cond, neg))
             self._count(len(rows), batch.version)
 
-    def _packed_forward(self, batch: TransitionBatch, rows: list[int], cond, neg, weight: float = 1.0) -> None:
-        """One forward + backward over `rows` of `batch`. weight 0 is a dummy that runs the same
-        collectives as a real forward (FSDP padding) and records nothing."""
+    def _packed_rows(self, batch: TransitionBatch, rows: list[int], cond, neg) -> Transitions:
         dev = self.device
         sel = torch.tensor(rows)
         idx = batch.cond_index[sel].to(dev)
+        return Transitions(batch.x_t[sel].to(dev), batch.x_next[sel].to(dev), batch.sigma[sel].to(dev),
+                           batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
+                           neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
+                           batch.advantages[sel].to(dev))
+
+    def _forward(self, tr: Transitions, weight: float = 1.0) -> None:
+        """One forward + backward of the loss of `tr`. Weight 0 is padding: the same computation
+        and collectives as a real forward (FSDP ranks must run equally many), nothing recorded."""
         with self.slowdown():
-            loss = self._packed_loss(batch.x_t[sel].to(dev), batch.x_next[sel].to(dev), batch.sigma[sel].to(dev),
-                                     batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
-                                     neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
-                                     batch.advantages[sel].to(dev), record=weight != 0)
+            with autocast(self.device, self.cfg.model.dtype):
+                v = sampler.guided_velocity(self.adapter, tr.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
+            out = self._score_steps(tr, v, tr.x_next)
+            mean_ref = self._score_steps(tr, self._reference_velocity(tr), tr.x_t).mean \
+                if self.loss.needs_reference else None
+            loss, stats = self.loss(out.log_prob, tr.logp_old, tr.adv, out.mean, mean_ref, out.std)
             (loss if weight == 1.0 else loss * weight).backward()
+        if weight:
+            self.loss_sums += stats
 
-    def _packed_loss(self, x_t, x_next, sigma, sigma_next, ts, cond, neg, logp_old, adv, record=True) -> Tensor:
-        """Sum of the losses of n transitions at per-transition sigmas (n,) and timesteps `ts`."""
-        with autocast(self.device, self.cfg.model.dtype):
-            v = sampler.guided_velocity(self.adapter, x_t, sigma, cond, neg, self.sampling)
-        out = self._score_steps(x_t, v, sigma, sigma_next, ts, x_next)
+    @torch.no_grad()
+    def _reference_velocity(self, tr: Transitions) -> Tensor:
+        """The reference policy's guided velocity: LoRA disabled, or the frozen copy."""
+        lora = self.reference is None
+        if lora:
+            self.adapter.transformer.disable_adapters()
+        try:
+            with autocast(self.device, self.cfg.model.dtype):
+                return sampler.guided_velocity(self.reference or self.adapter, tr.x_t, tr.sigma, tr.cond, tr.neg,
+                                               self.sampling)
+        finally:
+            if lora:
+                self.adapter.transformer.enable_adapters()
 
-        def reference_mean():
-            ref_v = self._reference_velocity(x_t, sigma, cond, neg)
-            return self._score_steps(x_t, ref_v, sigma, sigma_next, ts, x_t).mean
-
-        return self._loss(out, reference_mean, logp_old, adv, record)
-
-    def _score_steps(self, x_t, v, sigma, sigma_next, ts, x_next) -> sampler.StepOutput:
+    def _score_steps(self, tr: Transitions, v: Tensor, x_next: Tensor) -> sampler.StepOutput:
         """sampler.sde_step over transitions at different timesteps: one call per distinct noise
         level (a windowed sampler is deterministic outside its window), rows put back in order."""
         s = self.sampling
-        levels = [s.noise_level_at(t) for t in ts]
+        levels = [s.noise_level_at(t) for t in tr.timesteps]
         if len(set(levels)) == 1:
-            return sampler.sde_step(x_t, v, sigma, sigma_next, sde_type=s.sde_type, noise_level=levels[0],
+            return sampler.sde_step(tr.x_t, v, tr.sigma, tr.sigma_next, sde_type=s.sde_type, noise_level=levels[0],
                                     x_next=x_next)
         parts, order = [], []
         for level in sorted(set(levels)):
-            rows = torch.tensor([j for j, l in enumerate(levels) if l == level], device=x_t.device)
-            parts.append(sampler.sde_step(x_t[rows], v[rows], sigma[rows], sigma_next[rows], sde_type=s.sde_type,
-                                          noise_level=level, x_next=x_next[rows]))
+            rows = torch.tensor([j for j, l in enumerate(levels) if l == level], device=tr.x_t.device)
+            parts.append(sampler.sde_step(tr.x_t[rows], v[rows], tr.sigma[rows], tr.sigma_next[rows],
+                                          sde_type=s.sde_type, noise_level=level, x_next=x_next[rows]))
             order.append(rows)
         inverse = torch.argsort(torch.cat(order))
         return sampler.StepOutput(*(torch.cat([getattr(p, k) for p in parts])[inverse]
                                     for k in ("x_next", "log_prob", "mean", "std")))
 
-    def _dummy_forward(self, chunk: TrainChunk, t: int, cond, neg) -> None:
-        """A zero-weight forward + backward: keeps FSDP ranks' collectives in step when a rank has
-        fewer transitions than another."""
-        x = chunk.latents[:1, t].to(self.device)
-        sigma_vec = chunk.sigmas[t].to(self.device).expand(1)
-        c, n = cond.select([0]), neg.select([0]) if neg is not None else None
-        with self.slowdown():
-            with autocast(self.device, self.cfg.model.dtype):
-                v = sampler.guided_velocity(self.adapter, x, sigma_vec, c, n, self.sampling)
-            if self.cfg.rl.beta > 0:  # a real forward also runs the reference (the LoRA-disabled model under FSDP)
-                self._reference_velocity(x, sigma_vec, c, n)
-            (v.float().sum() * 0.0).backward()
-
-    def pad_forwards(self, count: int, template: TrainChunk | None) -> None:
-        """FSDP only: run dummy forwards until this rank has done `count` forwards this step."""
+    def pad_forwards(self, count: int, template: TrainChunk | TransitionBatch | None) -> None:
+        """FSDP only: run padding forwards until this rank has done `count` forwards this step."""
         while self.num_forwards < count:
             if template is None:
                 raise RuntimeError("a trainer with no chunk cannot pad FSDP forwards")
             self._start_forward()
             cond = template.cond.to(self.device)
             neg = template.neg_cond.to(self.device) if template.neg_cond is not None else None
-            if isinstance(template, TransitionBatch):
-                self._packed_forward(template, [0], cond, neg, weight=0.0)
-            else:
-                self._dummy_forward(template, 0, cond, neg)
+            rows = self._packed_rows(template, [0], cond, neg) if isinstance(template, TransitionBatch) \
+                else self._chunk_rows(template, [0], 0, cond, neg)
+            self._forward(rows, weight=0.0)
 
     def _count(self, n: int, version: int) -> None:
         """n transitions trained; their staleness is this update's version minus the generating one
         (0 on-policy, at most 1 with TCSS)."""
         stale = 0 if self.current_step is None else self.current_step - version
         self.num_transitions += n
-        self.sums["staleness_mean"] += n * stale
-        self.sums["staleness_frac_1"] += n * (stale == 1)
+        self.counts["staleness_mean"] += n * stale
+        self.counts["staleness_frac_1"] += n * (stale == 1)
         self.max_staleness = max(self.max_staleness, stale)
 
     def finish_step(self) -> dict[str, float]:
         """Sum gradients and statistics over trainer ranks, normalize by the batch's transition
         count, clip, step, update the EMA. Every trainer rank waits here for the others."""
-        counts = torch.tensor([float(self.num_transitions)] + [self.sums[k] for k in STAT_KEYS]
-                              + [float(self.nonfinite_advantages)], dtype=torch.float64)
+        names = self.loss.STATS + COUNTS
+        host = torch.tensor([float(self.num_transitions)] + [self.counts[k] for k in COUNTS]
+                            + [float(self.nonfinite_advantages)], dtype=torch.float64)
+        counts = torch.cat([host[:1], self.loss_sums.cpu(), host[1:]])  # the step's one read of the loss sums
         if self.group is not None and dist.get_world_size(self.group) > 1:
             counts = counts.to(self._comm_device())
             dist.all_reduce(counts, group=self.group)  # sync point: all trainers
@@ -324,7 +289,7 @@ class Trainer:
         grad_norm = float(full_tensor(grad_norm)) if hasattr(grad_norm, "full_tensor") else float(grad_norm)
         # Before the update and the EMA: the same reduced values on every trainer, the same decision.
         bad = (["advantages (non-finite rewards)"] if counts[-1].item() else []) + SkipTracker.nonfinite(
-            {"loss": counts[1].item(), "gradients": grad_norm})
+            {"loss": counts[1 + names.index("loss")].item(), "gradients": grad_norm})
         skip = self.skips.record(self.current_step if self.current_step is not None else self.num_updates, bad)
         if skip:
             self.optimizer.zero_grad(set_to_none=True)
@@ -337,7 +302,7 @@ class Trainer:
             with torch.no_grad():
                 for e, p in zip(self.ema, self.params):
                     e.lerp_(p.detach(), 1 - decay)
-        stats = {f"train/{k}": counts[1 + i].item() / total for i, k in enumerate(STAT_KEYS)}
+        stats = {f"train/{k}": counts[1 + i].item() / total for i, k in enumerate(names)}
         stats["train/staleness_frac_0"] = 1.0 - stats["train/staleness_frac_1"]  # staleness is 0 or 1 by design
         stats["train/staleness_max"] = self._all_reduce_max(float(self.max_staleness))
         stats.update({"train/grad_norm": grad_norm, "train/num_transitions": total,

@@ -14,10 +14,15 @@ import os
 import torch
 
 from checkpointing import checkpoint
+from checkpointing.checkpoint import EXPORT_DTYPES
 from models import ATTENTION_BACKENDS, adapter_class
 from models.base import check_model_folder, preset_defaults, read_folder_defaults
+from parallel import compress
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
+from parallel.stepplan import DISPATCHES
+from parallel.topology import SHARDINGS
 from prompts.sets import load_prompts
+from rl import sampler
 from rewards import parse_reward_spec, reward_class
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -36,8 +41,34 @@ def _need(ok: bool, flag: str, value, what: str) -> None:
 
 
 def check_numbers(cfg) -> None:
-    """Every numeric flag the older checks in config.validate leave open, against its range."""
-    o, s, rl, opt, t = cfg.optim, cfg.sampling, cfg.rl, cfg.optim, cfg.topology
+    """Every numeric flag against its range, each once (config.validate calls this first)."""
+    o, s, rl, t = cfg.optim, cfg.sampling, cfg.rl, cfg.topology
+    for name, value in (("--steps", rl.steps), ("--prompts-per-step", rl.prompts_per_step),
+                        ("--group-size", rl.group_size), ("--micro-batch", rl.micro_batch),
+                        ("--eval-num-prompts", cfg.output.eval_num_prompts),
+                        ("--eval-samples-per-prompt", cfg.output.eval_samples_per_prompt),
+                        ("--train-micro-batch", 1 if t.train_micro_batch is None else t.train_micro_batch),
+                        ("--dist-timeout-s", t.dist_timeout_s)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    for name, value in (("--save-every", cfg.output.save_every), ("--log-images-every", cfg.output.log_images_every),
+                        ("--eval-every", cfg.output.eval_every), ("--lora-rank", cfg.optim.lora_rank),
+                        ("--fragment-groups", t.fragment_groups or 0)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if rl.group_size < 2:
+        raise ValueError(f"--group-size must be >= 2 for group-relative advantages, got {rl.group_size}")
+    if t.fragment_groups and t.fragment_groups > rl.prompts_per_step:
+        raise ValueError(f"--fragment-groups {t.fragment_groups} must be between 1 and --prompts-per-step "
+                         f"{rl.prompts_per_step}")
+    if cfg.output.debug_link_bandwidth is not None and not cfg.output.debug_link_bandwidth > 0:
+        raise ValueError(f"--debug-link-bandwidth must be > 0 MB/s, got {cfg.output.debug_link_bandwidth}")
+    if t.memory_budget_gb is not None and not t.memory_budget_gb > 0:
+        raise ValueError(f"--memory-budget-gb must be > 0, got {t.memory_budget_gb}")
+    if not 0 < rl.timestep_fraction <= 1:
+        raise ValueError(f"--timestep-fraction must be in (0, 1], got {rl.timestep_fraction}")
+    if s.sample_steps is not None and s.sample_steps < 1:
+        raise ValueError(f"--sample-steps must be >= 1, got {s.sample_steps}")
     _need(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2 ** 63, "--seed", cfg.seed, "an integer in [0, 2**63)")
     _need(_finite(o.lr) and o.lr > 0, "--lr", o.lr, "a finite number > 0")
     _need(_finite(o.weight_decay) and o.weight_decay >= 0, "--weight-decay", o.weight_decay, "a finite number >= 0")
@@ -68,7 +99,23 @@ def check_numbers(cfg) -> None:
     _need(cfg.output.keep_checkpoints >= 0, "--keep-checkpoints", cfg.output.keep_checkpoints, ">= 0 (0 = keep all)")
 
 
+def _choice(flag: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {flag} {value!r}; choose one of {tuple(choices)}")
+
+
 def check_choices(cfg) -> None:
+    """Every flag with a set of values (the algorithm's name: rl.algorithms)."""
+    rl, s, t, o = cfg.rl, cfg.sampling, cfg.topology, cfg.output
+    _choice("--std-mode", rl.std_mode, ("group", "running"))
+    _choice("--sde-type", s.sde_type, sampler.SDE_TYPES)
+    _choice("--colocated-sharding", t.colocated_sharding, SHARDINGS)
+    _choice("--train-sharding", t.train_sharding, SHARDINGS)
+    _choice("--lora-targets", cfg.optim.lora_targets, ("attn", "attn+ff"))
+    _choice("--fragment-split", t.fragment_split, ("auto", "even", "speed"))
+    _choice("--dispatch", t.dispatch, DISPATCHES)
+    _choice("--export-dtype", o.export_dtype, EXPORT_DTYPES)
+    compress.parse(t.publish_compression)
     m = cfg.model
     if m.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {m.dtype!r}; choose one of {DTYPES}")
@@ -183,8 +230,8 @@ def check_prompts(cfg) -> None:
 
 
 def check_run(cfg) -> None:
-    check_numbers(cfg)
-    check_choices(cfg)
+    """What config.validate checks after the flags: the environment, the model folder and sizes,
+    the prompt files' grammar."""
     check_environment()
     check_model(cfg)
     check_prompts(cfg)

@@ -8,13 +8,14 @@ import os
 from dataclasses import dataclass, field
 
 from config import files as configfile
+from models import model_names
+from rl import algorithms
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED_MODEL = os.path.join(ROOT, "assets", "shapes-flux")
 DATA_DIR = os.path.join(ROOT, "data")
 PRESETS = ("auto", "tiny", "mid")
-VIDEO_MODELS = ("hunyuan_video", "wan")  # the families whose samples are videos (models/)
 LORA_LR, FULL_LR = 3e-4, 1e-5  # docs/ALGORITHMS.md: LoRA 3e-4, full fine-tuning 1e-5
 
 
@@ -28,7 +29,7 @@ def _f(default, help: str, **kw):
 
 @dataclass
 class ModelConfig:
-    model: str = _f("flux", "model family: flux, wan, qwen_image, hunyuan_video, sd3")
+    model: str = _f("flux", f"model family: {', '.join(model_names())}")
     model_path: str | None = _f(None, "local diffusers folder of the base model; default: the shipped "
                                       "shapes model (flux) if present, else the offline tiny preset")
     preset: str = _f("auto", "without --model-path: auto (the shipped shapes model for flux, else tiny), tiny "
@@ -68,8 +69,9 @@ class RLConfig:
     prompts_per_step: int = _f(8, "B: prompts (groups) per step")
     group_size: int = _f(8, "G: samples per prompt")
     micro_batch: int = _f(8, "samples per forward pass, in generation and in training")
-    algorithm: str = _f("flow_grpo", "trained-timestep selection: flow_grpo (first frac*K steps in order), "
-                                     "dance_grpo (random per-sample subset), window (the SDE window only)")
+    algorithm: str = _f("flow_grpo", "RL algorithm: flow_grpo (trains the first frac*K steps in order), dance_grpo "
+                                     "(a random subset of frac*K steps per sample), flow_grpo_fast (SDE and training "
+                                     "only inside --sde-window; old spelling: window)")
     timestep_fraction: float = _f(0.99, "fraction of the K steps trained (Flow-GRPO 0.99, DanceGRPO 0.6)")
     clip_range: float = _f(1e-4, "PPO clip range eps of the importance ratio")
     adv_clip: float = _f(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
@@ -222,6 +224,8 @@ class RunConfig:
         if self.output.save_every is None:
             self.output.save_every = max(1, self.rl.steps // 10)
         self.optim.lr = self.optim.learning_rate()  # config.json records the value used
+        if self.rl.algorithm in algorithms.ALIASES:  # config.json records the current spelling
+            self.rl.algorithm = algorithms.algorithm(self.rl.algorithm).name
 
 
 def _parse_pair(text, sep: str, types, flag: str) -> tuple:

@@ -5,15 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpointing import folder as runfolder
-from checkpointing.checkpoint import EXPORT_DTYPES
 from config import preflight
-from config.schema import VIDEO_MODELS, RunConfig
-from parallel import compress
-from parallel.stepplan import DISPATCHES, ShapeTable, StepPlan, plan_step
-from parallel.topology import SHARDINGS, Topology
+from config.schema import RunConfig
+from models import adapter_class, model_names
+from parallel.stepplan import ShapeTable, StepPlan, plan_step
+from parallel.topology import Topology
 from prompts.sets import eval_records, load_prompts
 from rewards import VIDEO_REWARDS, parse_reward_specs, reward_model_paths
-from rl import algorithm, sampler
+from rl import algorithms
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class RunFacts:
         """Fragments are shared among replicas by measured speed (else evenly)."""
         return self.fragment_split == "speed" or (self.fragment_split == "auto" and self.disagg)
 
-    def plan(self, cfg: RunConfig, step: int, replica_speeds: list[float] | None = None,
+    def step_plan(self, cfg: RunConfig, step: int, replica_speeds: list[float] | None = None,
              shapes: ShapeTable | None = None) -> StepPlan:
         """Step k's fragment plan: a pure function of (seed, k, config, replica speeds, prompt
         shapes), the same on every rank (the speeds are measured once at start-up and shared)."""
@@ -60,63 +59,23 @@ class RunFacts:
                          dispatch=cfg.topology.dispatch)
 
 
-def _choice(flag: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {flag} {value!r}; choose one of {tuple(choices)}")
-
-
 def validate(cfg: RunConfig, world_size: int) -> RunFacts:
     """Every user error that needs no process group, each naming the bad value (see RunConfig.validate)."""
     rl, t, o, s = cfg.rl, cfg.topology, cfg.output, cfg.sampling
     topo = Topology.build(world_size, t.mode, t.generators, t.trainers, t.scorers, t.gap_stages)
-    for name, value in (("--steps", rl.steps), ("--prompts-per-step", rl.prompts_per_step),
-                        ("--group-size", rl.group_size), ("--micro-batch", rl.micro_batch),
-                        ("--eval-num-prompts", o.eval_num_prompts),
-                        ("--eval-samples-per-prompt", o.eval_samples_per_prompt),
-                        ("--train-micro-batch", 1 if t.train_micro_batch is None else t.train_micro_batch),
-                        ("--dist-timeout-s", t.dist_timeout_s)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    for name, value in (("--save-every", o.save_every), ("--log-images-every", o.log_images_every),
-                        ("--eval-every", o.eval_every), ("--lora-rank", cfg.optim.lora_rank),
-                        ("--fragment-groups", t.fragment_groups or 0)):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    if rl.group_size < 2:
-        raise ValueError(f"--group-size must be >= 2 for group-relative advantages, got {rl.group_size}")
-    if t.fragment_groups and t.fragment_groups > rl.prompts_per_step:
-        raise ValueError(f"--fragment-groups {t.fragment_groups} must be between 1 and --prompts-per-step "
-                         f"{rl.prompts_per_step}")
-    _choice("--algorithm", rl.algorithm, algorithm.ALGORITHMS)
-    _choice("--std-mode", rl.std_mode, ("group", "running"))
-    _choice("--sde-type", s.sde_type, sampler.SDE_TYPES)
-    _choice("--colocated-sharding", t.colocated_sharding, SHARDINGS)
-    _choice("--train-sharding", t.train_sharding, SHARDINGS)
-    _choice("--lora-targets", cfg.optim.lora_targets, ("attn", "attn+ff"))
-    _choice("--fragment-split", t.fragment_split, ("auto", "even", "speed"))
-    _choice("--dispatch", t.dispatch, DISPATCHES)
-    _choice("--export-dtype", o.export_dtype, EXPORT_DTYPES)
-    compress.parse(t.publish_compression)
-    if o.debug_link_bandwidth is not None and not o.debug_link_bandwidth > 0:
-        raise ValueError(f"--debug-link-bandwidth must be > 0 MB/s, got {o.debug_link_bandwidth}")
-    if t.memory_budget_gb is not None and not t.memory_budget_gb > 0:
-        raise ValueError(f"--memory-budget-gb must be > 0, got {t.memory_budget_gb}")
-    if not 0 < rl.timestep_fraction <= 1:
-        raise ValueError(f"--timestep-fraction must be in (0, 1], got {rl.timestep_fraction}")
-    if s.noise_level is not None and not s.noise_level >= 0:
-        raise ValueError(f"--noise-level must be >= 0, got {s.noise_level}")
-    if s.sample_steps is not None and s.sample_steps < 1:
-        raise ValueError(f"--sample-steps must be >= 1, got {s.sample_steps}")
+    preflight.check_numbers(cfg)  # every range, in one place
+    preflight.check_choices(cfg)
+    algo = algorithms.algorithm(rl.algorithm)
     if s.sde_window is not None:
         start, end = s.sde_window
         top = s.sample_steps if s.sample_steps is not None else end
         if not 0 <= start < end <= top:
             raise ValueError(f"--sde-window {start}:{end} must satisfy 0 <= START < END <= --sample-steps ({top})")
-        if rl.algorithm != "window":
+        if not algo.needs_window:
             raise ValueError(f"--sde-window {start}:{end} samples ODE steps outside the window, which have no "
-                             f"log-probability to train: use --algorithm window (got {rl.algorithm!r})")
-    if rl.algorithm == "window" and s.sde_window is None:
-        raise ValueError("--algorithm window needs --sde-window START:END")
+                             f"log-probability to train: use --algorithm flow_grpo_fast (got {rl.algorithm!r})")
+    if algo.needs_window and s.sde_window is None:
+        raise ValueError(f"--algorithm {algo.name} needs --sde-window START:END")
     if o.debug_slow_rank is not None:
         rank, factor = o.debug_slow_rank
         if not 0 <= rank < world_size or not factor >= 1:
@@ -127,9 +86,10 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
     if t.tcss and topo.mode != "disagg":
         raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
     names = [n for n, _ in parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))]
-    if cfg.model.model not in VIDEO_MODELS and VIDEO_REWARDS & set(names):
+    video_models = [n for n in model_names() if adapter_class(n).video]
+    if not adapter_class(cfg.model.model).video and VIDEO_REWARDS & set(names):
         raise ValueError(f"reward(s) {sorted(VIDEO_REWARDS & set(names))} score videos; {cfg.model.model!r} makes "
-                         f"images (video models: {VIDEO_MODELS})")
+                         f"images (video models: {video_models})")
     num_prompts = len(load_prompts(rl.prompts))  # a missing or empty prompt file raises here
     if o.eval_every:
         eval_records(o.eval_prompts, o.eval_num_prompts, o.eval_samples_per_prompt)

@@ -22,20 +22,15 @@ _ADAPTERS = {
 }
 
 
-def _registry() -> dict[str, str]:
-    return _ADAPTERS
-
-
 def adapter_class(name: str) -> type[DiTAdapter]:
-    registry = _registry()
-    if name not in registry:
-        raise ValueError(f"unknown model {name!r}; known models: {sorted(registry)}")
-    module_name, class_name = registry[name].split(":")
+    if name not in _ADAPTERS:
+        raise ValueError(f"unknown model {name!r}; known models: {sorted(_ADAPTERS)}")
+    module_name, class_name = _ADAPTERS[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
 def model_names() -> list[str]:
-    return sorted(_registry())
+    return sorted(_ADAPTERS)
 
 
 def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny", seed: int = 0,

@@ -41,6 +41,12 @@ class DiTAdapter:
 
     family: ClassVar[str]
     pipeline_class: ClassVar[type]
+    video: ClassVar[bool] = False
+    """samples are videos [B, C, F, H, W] (else images)"""
+    static_shift: ClassVar[float | None] = None
+    """the scheduler's static timestep shift (None: FLUX and Qwen-Image shift by resolution)"""
+    release: ClassVar[str]
+    """the released config in models/configs/ this family is known by (its full-scale model)"""
     # Components a diffusers folder of this family must have (subfolder names in model_index.json).
     required_components: ClassVar[tuple[str, ...]]
     defaults: ClassVar[SamplingDefaults]
@@ -63,6 +69,17 @@ class DiTAdapter:
         adapter = cls(pipe)
         adapter.defaults = read_folder_defaults(path, cls.defaults)
         return adapter
+
+    @classmethod
+    def scheduler(cls):
+        """The scheduler the family's released pipeline ships (the tiny presets use it too)."""
+        raise NotImplementedError
+
+    @classmethod
+    def offline_tokenizer(cls, key: str, length: int):
+        """A tiny offline tokenizer standing in for the released `key` tokenizer (tokenizer,
+        tokenizer_2, ...) with its text length: enough to build the pipeline on the meta device."""
+        raise NotImplementedError
 
     @classmethod
     def tiny(cls, seed: int = 0) -> "DiTAdapter":

@@ -13,6 +13,7 @@ from models.base import (MID_SAMPLING, TINY_SAMPLING, Conditioning, DiTAdapter, 
 class FluxAdapter(DiTAdapter):
     family = "flux"
     pipeline_class = FluxPipeline
+    release = "flux1_dev"
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
     # FluxPipeline's defaults; noise level 0.9 and DanceGRPO eta 0.3 / shift 3 from docs/ALGORITHMS.md.
     defaults = SamplingDefaults(height=512, width=512, num_steps=28, shift="dynamic", noise_level=0.9,
@@ -124,6 +125,14 @@ class FluxAdapter(DiTAdapter):
         return to_unit_range(images)
 
     # ----- presets --------------------------------------------------------------------------
+    @classmethod
+    def scheduler(cls):
+        return flux_scheduler()
+
+    @classmethod
+    def offline_tokenizer(cls, key: str, length: int):
+        return tiny_text.t5_tokenizer() if key == "tokenizer_2" else tiny_text.clip_tokenizer(length)
+
     @classmethod
     def tiny(cls, seed: int = 0):
         return cls._random(seed, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,

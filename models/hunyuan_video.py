@@ -29,6 +29,8 @@ BARE_PROMPT_TEMPLATE = {"template": "{}<|eot_id|>", "crop_start": 0}
 class HunyuanVideoAdapter(DiTAdapter):
     family = "hunyuan_video"
     pipeline_class = HunyuanVideoPipeline
+    release = "hunyuan_video"
+    video = True
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                            "scheduler")
     # HunyuanVideoPipeline's defaults (720p, 129 frames, guidance embedding 6.0, no true CFG); noise
@@ -171,6 +173,16 @@ class HunyuanVideoAdapter(DiTAdapter):
         return to_unit_range(video)
 
     # ----- presets --------------------------------------------------------------------------
+    @classmethod
+    def scheduler(cls):
+        return hunyuan_video_scheduler()
+
+    @classmethod
+    def offline_tokenizer(cls, key: str, length: int):
+        if key == "tokenizer":
+            return tiny_text.byte_bpe_tokenizer(["<|eot_id|>", "<|end_of_text|>"], pad_token="<|end_of_text|>")
+        return tiny_text.clip_tokenizer(length)
+
     @classmethod
     def tiny(cls, seed: int = 0):
         torch.manual_seed(seed)

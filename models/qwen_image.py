@@ -24,6 +24,7 @@ _QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision
 class QwenImageAdapter(DiTAdapter):
     family = "qwen_image"
     pipeline_class = QwenImagePipeline
+    release = "qwen_image"
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
     # QwenImagePipeline's defaults (1024 px, 50 steps, true CFG 4.0, no guidance embedding);
     # noise level 1.2 and DanceGRPO eta 0.3 / shift 3 from docs/ALGORITHMS.md.
@@ -162,6 +163,15 @@ class QwenImageAdapter(DiTAdapter):
         return to_unit_range(images)
 
     # ----- presets --------------------------------------------------------------------------
+    @classmethod
+    def scheduler(cls):
+        return qwen_image_scheduler()
+
+    @classmethod
+    def offline_tokenizer(cls, key: str, length: int):
+        return tiny_text.byte_bpe_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                            pad_token="<|endoftext|>", eos_token="<|im_end|>")
+
     @classmethod
     def tiny(cls, seed: int = 0):
         torch.manual_seed(seed)

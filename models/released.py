@@ -18,20 +18,12 @@ import torch
 import transformers
 from torch import nn
 
-from models import adapter_class, tiny_text
+from models import adapter_class
 from models.base import DiTAdapter
-from models.flux import flux_scheduler
-from models.hunyuan_video import hunyuan_video_scheduler
-from models.qwen_image import qwen_image_scheduler
-from models.sd3 import sd3_scheduler
-from models.wan import wan_scheduler
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 _NOT_MODULES = ("repo", "family", "tokenizer_max_length")
-SCHEDULERS = {"flux": flux_scheduler, "wan": wan_scheduler, "qwen_image": qwen_image_scheduler,
-              "hunyuan_video": hunyuan_video_scheduler, "sd3": sd3_scheduler}
-"""The scheduler config each family ships (the same functions the tiny presets use)."""
 
 
 def released_names() -> list[str]:
@@ -84,20 +76,8 @@ def meta_adapter(name: str) -> DiTAdapter:
     parts = meta_components(name)
     lengths = config["tokenizer_max_length"]
     for key, length in lengths.items():
-        parts[key] = _tokenizer(family, key, length)
-    parts["scheduler"] = SCHEDULERS[family]()
+        parts[key] = cls.offline_tokenizer(key, length)
+        parts[key].model_max_length = length
+    parts["scheduler"] = cls.scheduler()
     return cls(cls.pipeline_class(**parts))
 
-
-def _tokenizer(family: str, key: str, length: int):
-    if family == "hunyuan_video" and key == "tokenizer":
-        tok = tiny_text.byte_bpe_tokenizer(["<|eot_id|>", "<|end_of_text|>"], pad_token="<|end_of_text|>")
-    elif family == "qwen_image":
-        tok = tiny_text.byte_bpe_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                           pad_token="<|endoftext|>", eos_token="<|im_end|>")
-    elif key == "tokenizer_2" and family == "flux" or key == "tokenizer_3" or family == "wan":
-        tok = tiny_text.t5_tokenizer()
-    else:
-        tok = tiny_text.clip_tokenizer(length)
-    tok.model_max_length = length
-    return tok

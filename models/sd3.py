@@ -17,6 +17,7 @@ from models.base import (TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaul
 class SD3Adapter(DiTAdapter):
     family = "sd3"
     pipeline_class = StableDiffusion3Pipeline
+    release = "sd3_5_medium"
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                            "text_encoder_3", "tokenizer_3", "scheduler")
     # StableDiffusion3Pipeline's size and step defaults (1024 px, 28 steps); CFG 4.5 and noise level 0.7
@@ -139,6 +140,14 @@ class SD3Adapter(DiTAdapter):
         return to_unit_range(images)
 
     # ----- presets --------------------------------------------------------------------------
+    @classmethod
+    def scheduler(cls):
+        return sd3_scheduler()
+
+    @classmethod
+    def offline_tokenizer(cls, key: str, length: int):
+        return tiny_text.t5_tokenizer() if key == "tokenizer_3" else tiny_text.clip_tokenizer(length)
+
     @classmethod
     def tiny(cls, seed: int = 0):
         torch.manual_seed(seed)

@@ -16,6 +16,8 @@ from models.base import (TINY_FRAMES, TINY_SAMPLING, Conditioning, DiTAdapter, S
 class WanAdapter(DiTAdapter):
     family = "wan"
     pipeline_class = WanPipeline
+    release = "wan2_1_t2v_14b"
+    video = True
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
     # WanPipeline's defaults (480p, 81 frames, CFG 5.0, no guidance embedding); noise level 0.7 and
     # DanceGRPO eta 0.3 / shift 3 from docs/ALGORITHMS.md.
@@ -142,6 +144,14 @@ class WanAdapter(DiTAdapter):
         return to_unit_range(video)
 
     # ----- presets --------------------------------------------------------------------------
+    @classmethod
+    def scheduler(cls):
+        return wan_scheduler()
+
+    @classmethod
+    def offline_tokenizer(cls, key: str, length: int):
+        return tiny_text.t5_tokenizer()
+
     @classmethod
     def tiny(cls, seed: int = 0):
         torch.manual_seed(seed)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rl import algorithm
+from rl import algorithms
+from rl.timesteps import trained_timesteps
 from parallel import p2p, tsp
 from parallel.stepplan import StepPlan
 from rl.conditioning import Conditioning
@@ -146,9 +147,9 @@ class TransitionBatch:
 
 @dataclass(frozen=True)
 class TrainingSpec:
-    """What decides which transitions a step trains: the algorithm's timestep selection."""
+    """What decides which transitions a step trains: the algorithm's timestep rule (rl/timesteps.py)."""
 
-    algorithm: str
+    rule: str
     num_steps: int
     timestep_fraction: float
     seed: int
@@ -157,11 +158,12 @@ class TrainingSpec:
     @classmethod
     def of(cls, cfg, sampling) -> "TrainingSpec":
         """From a config.RunConfig and the run's sampler.SamplingConfig."""
-        return cls(cfg.rl.algorithm, sampling.num_steps, cfg.rl.timestep_fraction, cfg.seed, sampling.sde_window)
+        return cls(algorithms.algorithm(cfg.rl.algorithm).timesteps, sampling.num_steps, cfg.rl.timestep_fraction,
+                   cfg.seed, sampling.sde_window)
 
     def timesteps(self, step: int, sample_id: int) -> tuple[int, ...]:
-        return algorithm.trained_timesteps(self.algorithm, self.num_steps, self.timestep_fraction, seed=self.seed,
-                                           step=step, sample_id=sample_id, window=self.sde_window)
+        return trained_timesteps(self.rule, self.num_steps, self.timestep_fraction, seed=self.seed, step=step,
+                                 sample_id=sample_id, window=self.sde_window)
 
     def forward_timesteps(self, step: int, sample_ids: tuple[int, ...]) -> list[int]:
         """The timesteps at which a chunk needs a forward pass without TSP (all its samples that
@@ -270,7 +272,7 @@ class TransitionIntake(_Intake):
         """The step's packing: a pure function of (seed, step, config), computed alike by the
         generator that routes a fragment and by every trainer that receives a share of it."""
         s = self.spec
-        return _packing(tuple(f.sample_ids for f in plan.fragments), plan.step, s.algorithm, s.num_steps,
+        return _packing(tuple(f.sample_ids for f in plan.fragments), plan.step, s.rule, s.num_steps,
                         s.timestep_fraction, s.seed, s.sde_window, self.micro_batch, self.num_trainers)
 
     def key_of(self, item: TransitionBatch):
@@ -337,9 +339,8 @@ class TransitionIntake(_Intake):
 
 
 @functools.lru_cache(maxsize=8)
-def _packing(fragment_ids, step, algorithm_name, num_steps, fraction, seed, window, micro_batch, num_trainers):
-    timesteps = {i: algorithm.trained_timesteps(algorithm_name, num_steps, fraction, seed=seed, step=step,
-                                                sample_id=i, window=window)
+def _packing(fragment_ids, step, rule, num_steps, fraction, seed, window, micro_batch, num_trainers):
+    timesteps = {i: trained_timesteps(rule, num_steps, fraction, seed=seed, step=step, sample_id=i, window=window)
                  for ids in fragment_ids for i in ids}
     return tsp.pack_step(fragment_ids, timesteps, micro_batch=micro_batch, num_trainers=num_trainers)
 

@@ -5,7 +5,7 @@ idle trainer takes the next unclaimed fragment with an atomic `add` on the TCP s
 fragment is generated twice and none is lost. Whoever generates a fragment records itself as its
 owner and marks the fragment landed once its data is on the way; trainers receive each fragment
 from its owner. A trainer claims only at an idle window (the next fragment it needs has not
-landed) and only when BTS (planner/bts.py) predicts a shorter step. Trainer weights during a
+landed) and only when BTS (parallel/bts.py) predicts a shorter step. Trainer weights during a
 step are exactly the step's version, generation runs without grad, and accumulated gradients are
 never touched, so a fragment is the same whoever generates it.
 
@@ -22,8 +22,8 @@ import time
 import torch
 
 from parallel import p2p
-from planner.bts import CostTracker, decide
-from planner.simulator import StepState
+from parallel.bts import CostTracker, decide
+from parallel.engine import StepState
 
 POLL_S = 0.003
 

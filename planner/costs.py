@@ -45,7 +45,7 @@ from typing import Any
 from parallel.stepplan import plan_step
 from parallel.schedule import fragments_in_flight
 from telemetry.metrics import read_metrics
-from planner.engine import Costs, SimResult
+from parallel.engine import Costs, SimResult
 from parallel.topology import Topology
 from telemetry.tracing import BUSY_CATEGORIES, bubble_fraction
 

@@ -31,7 +31,7 @@ from parallel.stepplan import plan_step
 from parallel.schedule import makespan_slots, partition_blocks
 from parallel.tsp import pack
 from planner import costs as cm
-from planner.engine import Costs
+from parallel.engine import Costs
 from planner.profile import DeviceProfile
 from planner.simulator import simulate_run
 
@@ -107,11 +107,6 @@ def _train_profile_s(profile: DeviceProfile, shape: dict, samples: int, trainers
 
 
 COMPUTE_CATS = ("generate", "train")
-
-
-def _intervals(spans) -> list[tuple[float, float, int]]:
-    """(start, end, rank) of every compute span (generation, training)."""
-    return [(a, b, r) for a, b, r in spans if b > a]
 
 
 def stretch(span: tuple[float, float], busy: list[tuple[float, float, int]], cores: float) -> float:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from parallel.schedule import fragments_in_flight, makespan_slots, partition_blocks
 from parallel.tsp import pack
 from planner import phases as ph
-from planner.engine import Costs
+from parallel.engine import Costs
 from planner.hardware import GPU, LINK_LATENCY_S, Sharding, allgather_s, allreduce_s, p2p_bytes_s
 from planner.hardware import busbw as hw_busbw
 from planner.mixed import colocated_phases, step_plan

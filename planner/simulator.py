@@ -44,8 +44,8 @@ Times are seconds from the start of the run (the first step starts at 0).
 from __future__ import annotations
 
 from parallel.stepplan import assign_fragments
-from planner import bts
-from planner.engine import Costs, Policy, SimResult, StepState, _colocated, _Engine, predict_makespan
+from parallel import bts
+from parallel.engine import Costs, Policy, SimResult, StepState, _colocated, _Engine, predict_makespan
 
 MODES = ("colocated", "disagg", "gap", "tag", "tcss")
 TAG_POLICIES = ("never", "always", "bts")

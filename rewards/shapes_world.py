@@ -70,10 +70,6 @@ class Spec:
             return "pair"
         return {1: "one", 2: "two", 3: "three"}[self.objects[0].count]
 
-    @property
-    def num_objects(self) -> int:
-        return sum(o.count for o in self.objects)
-
 
 def spec_to_prompt(spec: Spec) -> str:
     if len(spec.objects) == 2:

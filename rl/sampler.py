@@ -41,7 +41,7 @@ def flow_scheduler(adapter: "DiTAdapter") -> FlowMatchEulerDiscreteScheduler:
     sched = adapter.pipe.scheduler
     if isinstance(sched, FlowMatchEulerDiscreteScheduler):
         return FlowMatchEulerDiscreteScheduler.from_config(sched.config)
-    return FlowMatchEulerDiscreteScheduler(shift=getattr(adapter, "static_shift", 1.0))
+    return FlowMatchEulerDiscreteScheduler(shift=adapter.static_shift or 1.0)
 
 
 def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, schedule: str,
@@ -183,7 +183,7 @@ class SamplingConfig:
         base = dict(height=d.height, width=d.width, num_steps=d.num_steps, sde_type=sde_type,
                     noise_level=d.dance_eta if sde_type == "dance" else d.noise_level,
                     schedule="dance" if sde_type == "dance" else d.shift,
-                    shift=d.dance_shift if sde_type == "dance" else getattr(adapter, "static_shift", None),
+                    shift=d.dance_shift if sde_type == "dance" else adapter.static_shift,
                     guidance=d.guidance, cfg_scale=d.cfg_scale, num_frames=d.num_frames)
         base.update({k: v for k, v in overrides.items() if v is not None})
         cfg = cls(**base)

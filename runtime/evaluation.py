@@ -5,11 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from prompts import shapes as buckets
+from prompts.sets import eval_records
+from rewards import RewardSet, reward_model_paths
 from rl import sampler
 from rollout import sample_images
+from telemetry.metrics import LOGGED_IMAGES, thumbnails
 
 EVAL_STEP = -1  # the noise key of evaluation samples: never a training step
 
@@ -65,3 +69,40 @@ def summarize(scores: dict[str, list[float]], shape_names: list[str] | None = No
             out[f"eval/reward/{name}"] = float(torch.tensor([s for s, n in zip(scores["combined"], shape_names)
                                                              if n == name]).mean())
     return out
+
+
+def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, logger, tracer, group) -> None:
+    """During training: trainer ranks hold the newest version (k+1 right after update k) and the
+    whole model, so they evaluate. The held-out prompts of each shape are split evenly over them
+    (equal counts, so FSDP ranks run equally many forwards); results are gathered on the first
+    trainer, which logs. Other ranks return at once."""
+    out = cfg.output
+    records = eval_records(out.eval_prompts, out.eval_num_prompts, out.eval_samples_per_prompt)
+    evaluators = list(topo.trainer_ranks)
+    if rank not in evaluators:
+        return
+    default = buckets.default_shape(sampling)
+    names = [buckets.shape_name(buckets.record_shape(r, default)) for r in records]
+    share = buckets.evaluation_share(names, len(evaluators), evaluators.index(rank))
+    rows = [j for j, _ in share]  # record j is sample j: its fixed seed
+    rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model))
+    with tracer.span("evaluate", "eval", done):
+        scores, images = evaluate(adapter, sampling, [records[j] for j in rows], rewards,
+                                  batch_size=cfg.rl.micro_batch, sample_ids=rows,
+                                  negative_prompt=cfg.sampling.negative_prompt, thumbnail=thumbnails,
+                                  progress=rank == evaluators[0])
+    real = [n for n, (_, keep) in enumerate(share) if keep]
+    # Only what the grid shows travels, as uint8 thumbnails.
+    result = [(rows[n], {k: v[n] for k, v in scores.items()},
+               (images[n].clamp(0, 1) * 255).round().to(torch.uint8) if rows[n] < LOGGED_IMAGES else None)
+              for n in real]
+    everyone = [None] * len(evaluators)
+    dist.all_gather_object(everyone, result, group=group)  # sync point: the trainer ranks
+    if rank == evaluators[0]:
+        got = sorted((item for part in everyone for item in part), key=lambda item: item[0])  # record order
+        scores = {k: [item[1][k] for item in got] for k in got[0][1]}
+        logger.log(done, summarize(scores, names))
+        shown = [(j, image.float() / 255) for j, _, image in got if image is not None][:LOGGED_IMAGES]
+        same = len({tuple(image.shape) for _, image in shown}) == 1
+        grid = torch.stack([image for _, image in shown]) if same else [image for _, image in shown]
+        logger.log_images(done, "eval", grid, [records[j].prompt for j, _ in shown])

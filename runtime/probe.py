@@ -9,11 +9,16 @@ emulated slow device is seen as slow, as a real one would be.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from rl import sampler
+from models import autocast
+from prompts import shapes as buckets
 from telemetry.tracing import Slowdown
 
 ADAMW_BYTES = 8  # two float32 moments per trainable parameter
@@ -133,3 +138,23 @@ def check_memory_budget(budget_gb: float | None, transformer: torch.nn.Module, f
         if per_generator > budget_gb * GB:
             raise ValueError(f"--memory-budget-gb {budget_gb:g}: a generator holds {per_generator / GB:.3g} GB of "
                              f"inference weights; use more --gap-stages")
+
+
+def gather_speeds(ctx, out_dir: str, shapes=None) -> list[dict | None]:
+    """Every rank's start-up speed probe (`probe_speed`; scorer ranks: None), gathered on every
+    rank; the first rank writes them to DIR/speeds.json. With prompts of several shapes, generator
+    ranks also time a chunk at each shape ("shape_s", for the dispatch's costs)."""
+    mine = None
+    if not ctx.topo.is_scorer(ctx.rank):
+        amp = lambda: autocast(ctx.device, ctx.cfg.model.dtype)  # noqa: E731
+        mine = probe_speed(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch, ctx.slowdown, amp)
+        if shapes is not None and ctx.topo.is_generator(ctx.rank):
+            seconds = probe_shapes(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch,
+                                   sorted(shapes.costs, key=buckets.shape_name), ctx.slowdown, amp)
+            mine["shape_s"] = {buckets.shape_name(k): s for k, s in seconds.items()}
+    everyone = [None] * ctx.topo.world_size
+    dist.all_gather_object(everyone, mine)  # sync point
+    if ctx.rank == 0:
+        with open(os.path.join(out_dir, "speeds.json"), "w") as f:
+            json.dump([{"rank": r, "role": ctx.topo.role(r), **(s or {})} for r, s in enumerate(everyone)], f, indent=1)
+    return everyone

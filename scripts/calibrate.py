@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from config import cli
-from models import adapter_class, load_model, resolve_device
+from models import adapter_class, load_model, model_names, resolve_device
 from models.lora import apply_lora
 from rl.conditioning import Conditioning, State
 
@@ -193,7 +193,7 @@ def guess_gpu_key(name: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("--model", default="flux", help="model family (flux, wan, qwen_image, hunyuan_video, sd3)")
+    p.add_argument("--model", default="flux", choices=model_names(), help="model family")
     p.add_argument("--model-path", default=None, help="a local diffusers folder to measure instead")
     p.add_argument("--preset", default="auto", choices=("auto", "tiny", "mid", "released"),
                    help="auto: the released block configuration on CUDA, the shipped or tiny model on CPU")

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from rl import algorithm
+from rl import advantages
 from rl import sampler
 from rewards import shapes_world
 from runtime.evaluation import evaluate
@@ -63,7 +63,7 @@ def sample_batch(adapter, sampling, records, rewards, *, group_size: int, step: 
     with torch.no_grad():
         images = adapter.decode(traj.latents[:, -1])
     scores = rewards.combine(rewards.score(images, prompts, [r.metadata for r in records for _ in range(group_size)]))
-    adv = algorithm.group_advantages(scores, torch.tensor(ids) // group_size, adv_clip=5.0)
+    adv = advantages.group_advantages(scores, torch.tensor(ids) // group_size, adv_clip=5.0)
     return Batch(prompts, cond, traj, scores, adv)
 
 

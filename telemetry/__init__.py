@@ -1,0 +1,4 @@
+"""What a run records about itself: metrics (metrics.jsonl, TensorBoard, image grids), per-rank
+traces, and the communication trace that scripts/check_comm.py replays under NCCL's rules.
+
+A leaf layer: it imports nothing of the project."""

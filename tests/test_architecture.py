@@ -16,7 +16,13 @@ from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROLES = {"train_disagg", "runtime", "rollout", "trainer", "evaluation"}
+ROOT_MODULES = {"train_disagg", "rollout", "trainer"}
+"""the only modules at the root: the entry and the two roles (docs/architecture.md)"""
+ROLES = {"train_disagg", "rollout", "trainer"}
+LAYERS = [("train_disagg",), ("runtime",), ("rollout", "trainer"), ("config",),
+          ("checkpointing", "prompts", "planner"), ("parallel",), ("models", "rewards"), ("rl", "telemetry")]
+"""top to bottom: a package (or root module) imports only its own layer's or lower ones"""
+MAX_RUNTIME_FUNCTION_LINES = 80
 
 # Function-level imports allowed. A key ending in ".py" exempts every function-level import in that
 # file; any other key is the top-level name of an optional dependency (modules not importable in this
@@ -115,7 +121,7 @@ def find_leaks(root: Path) -> list[list[str]]:
     """Shortest chain from each parallel/planner module to each models or role module it reaches
     (not walking past the first such module)."""
     graph, leaks = _graph(root), []
-    bad = lambda m: _in(m, "models") or m in ROLES
+    bad = lambda m: _in(m, "models") or m in ROLES or _in(m, "runtime")
     for src in sorted(m for m in graph if _in(m, "parallel") or _in(m, "planner")):
         prev = _bfs(graph, src, bad)
         for v in sorted(filter(bad, prev)):
@@ -150,6 +156,74 @@ def find_function_imports(root: Path) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def find_folder_cycles(root: Path) -> list[list[str]]:
+    """Cycles between packages (and root modules): a folder imports another that imports it back."""
+    graph: dict[str, set[str]] = {}
+    for mod, deps in _graph(root).items():
+        graph.setdefault(_top(mod), set()).update(_top(d) for d in deps if _top(d) != _top(mod))
+    for deps in list(graph.values()):
+        for d in deps:
+            graph.setdefault(d, set())
+    reach = {v: _bfs(graph, v) for v in graph}
+    sccs = {tuple(sorted(w for w in reach[v] if v in reach[w])) for v in graph}
+    return sorted(list(scc) for scc in sccs if len(scc) > 1)
+
+
+def find_layer_breaks(root: Path, layers=LAYERS) -> list[str]:
+    """Imports of a higher layer (LAYERS), and packages that belong to no layer."""
+    rank = {name: i for i, layer in enumerate(layers) for name in layer}
+    out = []
+    for mod, path, stmt, name, dep, _ in _imports(root):
+        if dep is None or _top(dep) == _top(mod):
+            continue
+        a, b = rank.get(_top(mod)), rank.get(_top(dep))
+        if a is None or b is None:
+            out.append(f"{path}:{stmt.lineno} {mod} -> {dep}: {_top(mod) if a is None else _top(dep)} is in no layer")
+        elif b < a:
+            out.append(f"{path}:{stmt.lineno} {mod} -> {dep}: imports a higher layer")
+    return list(dict.fromkeys(out))
+
+
+def find_root_modules(root: Path, allowed=ROOT_MODULES) -> list[str]:
+    """Modules at the root besides the entry and the roles."""
+    return sorted(str(p) for m, p in _sources(root).items() if "." not in m and p.parent == Path(".")
+                  and p.name != "__init__.py" and m not in allowed)
+
+
+def find_long_functions(root: Path, package: str = "runtime", limit: int = MAX_RUNTIME_FUNCTION_LINES) -> list[str]:
+    """Functions of `package` longer than `limit` lines (the step loop and the rank's build read
+    on one screen)."""
+    out = []
+    for mod, path in sorted(_sources(root).items()):
+        if not _in(mod, package):
+            continue
+        for node in ast.walk(ast.parse((root / path).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{path}:{node.lineno} {node.name} is {n} lines")
+    return out
+
+
+def find_sys_path_edits(root: Path) -> list[str]:
+    """Any use of sys.path in a tracked Python file (scripts run as `python -m scripts.NAME`, tests
+    import through pytest's configuration)."""
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "*.py"], capture_output=True, text=True, check=True)
+    hits = []
+    for rel in out.stdout.split():
+        if not (root / rel).is_file():
+            continue
+        for node in ast.walk(ast.parse((root / rel).read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+                    and node.value.id == "sys":
+                hits.append(f"{rel}:{node.lineno}")
+    return hits
+
+
 def _lines(items) -> str:
     return "\n  " + "\n  ".join(items)
 
@@ -177,6 +251,31 @@ def test_rewards_import_no_role_or_parallel():
 def test_no_imports_in_functions():
     bad = find_function_imports(ROOT)
     assert not bad, "imports inside functions (move to top level, or allow in ALLOWED_IN_FUNCTIONS):" + _lines(bad)
+
+
+def test_no_folder_cycles():
+    cycles = find_folder_cycles(ROOT)
+    assert not cycles, "packages that import each other:" + _lines(", ".join(c) for c in cycles)
+
+
+def test_layers_import_only_downward():
+    bad = find_layer_breaks(ROOT)
+    assert not bad, "imports against the layers of docs/architecture.md:" + _lines(bad)
+
+
+def test_the_root_holds_only_the_entry_and_the_roles():
+    extra = find_root_modules(ROOT)
+    assert not extra, f"modules at the root besides {sorted(ROOT_MODULES)}:" + _lines(extra)
+
+
+def test_runtime_functions_fit_on_a_screen():
+    long = find_long_functions(ROOT)
+    assert not long, f"runtime/ functions over {MAX_RUNTIME_FUNCTION_LINES} lines:" + _lines(long)
+
+
+def test_nothing_patches_sys_path():
+    hits = find_sys_path_edits(ROOT)
+    assert not hits, "sys.path used (run scripts with python -m scripts.NAME):" + _lines(hits)
 
 
 def test_checker_can_fail(tmp_path):
@@ -208,3 +307,16 @@ def test_checker_can_fail(tmp_path):
                                                     "models/n.py:1 models.n -> torch.distributed"]
     assert find_bad_imports(tmp_path, "rewards") == ["rewards/r.py:1 rewards.r -> trainer"]
     assert find_function_imports(tmp_path) == ["rewards/r.py:4 import json"]
+    assert find_folder_cycles(tmp_path) == [["x", "y"]]
+    assert find_root_modules(tmp_path) == ["x.py", "y.py"]
+    assert find_layer_breaks(tmp_path, [("trainer",), ("rewards", "models"), ("parallel",), ("planner",)]) == [
+        "parallel/a.py:1 parallel.a -> models.b: imports a higher layer",
+        "planner/q.py:4 planner.q -> models.m: imports a higher layer",
+        "rewards/r.py:1 rewards.r -> trainer: imports a higher layer",
+        "x.py:1 x -> y: x is in no layer", "y.py:1 y -> x: y is in no layer"]
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime/loop.py").write_text("import sys\nsys.path.insert(0, '.')\n\ndef run():\n"
+                                               + "    x = 1\n" * 80)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+    assert find_long_functions(tmp_path) == ["runtime/loop.py:4 run is 81 lines"]
+    assert find_sys_path_edits(tmp_path) == ["runtime/loop.py:2"]

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from planner import bts
+from parallel import bts
 from planner.simulator import MODES, Costs, StepState, predict_makespan, simulate_run, simulate_step
 from telemetry.tracing import CATEGORIES
 

@@ -14,7 +14,7 @@ def _cfg(*argv: str) -> RunConfig:
 
 
 def test_string_flags_become_typed_fields():
-    cfg = _cfg("--sde-window", "1:3", "--algorithm", "window", "--adam-betas", "0.8,0.95",
+    cfg = _cfg("--sde-window", "1:3", "--algorithm", "flow_grpo_fast", "--adam-betas", "0.8,0.95",
                "--debug-slow-rank", "1:2.5")
     assert cfg.sampling.sde_window == (1, 3)
     assert cfg.optim.adam_betas == (0.8, 0.95)
@@ -33,9 +33,9 @@ def test_unparsable_flags_are_argparse_errors(argv, message, capsys):
 
 
 @pytest.mark.parametrize("argv,world,message", [
-    (["--sde-window", "3:2", "--algorithm", "window"], 2, "--sde-window 3:2 must satisfy 0 <= START < END"),
-    (["--sde-window", "1:3"], 2, "use --algorithm window (got 'flow_grpo')"),
-    (["--algorithm", "window"], 2, "--algorithm window needs --sde-window START:END"),
+    (["--sde-window", "3:2", "--algorithm", "flow_grpo_fast"], 2, "--sde-window 3:2 must satisfy 0 <= START < END"),
+    (["--sde-window", "1:3"], 2, "use --algorithm flow_grpo_fast (got 'flow_grpo')"),
+    (["--algorithm", "flow_grpo_fast"], 2, "--algorithm flow_grpo_fast needs --sde-window START:END"),
     (["--debug-slow-rank", "5:2"], 2, "--debug-slow-rank 5:2.0: the rank must be in [0, 2)"),
     (["--debug-slow-rank", "0:0.5"], 2, "the factor >= 1"),
     (["--train-micro-batch", "0"], 2, "--train-micro-batch must be >= 1, got 0"),
@@ -59,12 +59,12 @@ def test_facts_are_derived_once():
     assert facts.log_rank == 1 and facts.train_sharding == "replicate"
     colocated = validate(_cfg("--mode", "colocated", "--colocated-sharding", "fsdp"), 2)
     assert not colocated.disagg and colocated.train_sharding == "fsdp" and colocated.train_micro_batch == 8
-    plan = colocated.plan(_cfg(), 3)
+    plan = colocated.step_plan(_cfg(), 3)
     assert plan.step == 3 and plan.num_samples == 64 and {f.replica for f in plan.fragments} == {0, 1}
 
 
 def test_config_json_reads_back_as_the_same_config(tmp_path):
-    cfg = _cfg("--sde-window", "1:3", "--algorithm", "window", "--adam-betas", "0.8,0.95", "--reward", "shapes:0.5")
+    cfg = _cfg("--sde-window", "1:3", "--algorithm", "flow_grpo_fast", "--adam-betas", "0.8,0.95", "--reward", "shapes:0.5")
     cfg.save(str(tmp_path / "config.json"))
     import json
 
@@ -81,3 +81,10 @@ def test_help_reads_cleanly(monkeypatch):
     assert "--sde-window START:END" in text and "--adam-betas B1,B2" in text
     assert "training steps (one optimizer update each) (default: 50)" in text
     assert "(default: the model's) (default" not in text and "default: None" not in text  # said once, or not at all
+
+
+def test_the_old_algorithm_spelling_warns_and_is_recorded_in_the_new_one():
+    with pytest.warns(UserWarning, match="--algorithm window is now spelled --algorithm flow_grpo_fast"):
+        cfg = _cfg("--sde-window", "1:3", "--algorithm", "window")
+    assert cfg.rl.algorithm == "flow_grpo_fast"
+    assert validate(cfg, 2).tsp is False  # the window checks pass under the new name

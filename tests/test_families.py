@@ -73,7 +73,7 @@ def test_a_step_with_no_reward_spread_is_flagged_and_warned(runs, family):
 
 
 def test_step_scalars_flag_steps_whose_groups_all_have_zero_std():
-    from runtime.loop import _step_scalars
+    from runtime.steplog import step_scalars as _step_scalars
 
     def records(zero_std):
         train = {"loss": 0.0}
@@ -87,7 +87,7 @@ def test_step_scalars_flag_steps_whose_groups_all_have_zero_std():
 
 
 def test_a_size_the_model_cannot_take_fails_on_every_rank_with_a_clear_message(tmp_path):
-    from launch import torchrun
+    from runtime.launch import torchrun
 
     proc = torchrun(2, ["--model", "wan", "--preset", "tiny", "--height", "480", "--steps", "1", "--eval-every", "0",
                         "--output-dir", str(tmp_path / "run")], check=False, timeout=300)

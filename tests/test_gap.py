@@ -148,7 +148,7 @@ def test_placement_invariance_across_fragments_and_stages(tmp_path):
     """Fragment streaming and block pipelines train on the same data as the colocated baseline."""
     import torch
 
-    from launch import TINY, torchrun, trained_weights
+    from runtime.launch import TINY, torchrun, trained_weights
 
     runs = {"colocated": (2, ["--mode", "colocated"]),
             "stream": (2, ["--fragment-groups", "1"]),
@@ -166,7 +166,7 @@ def test_placement_invariance_across_fragments_and_stages(tmp_path):
 def test_trainers_start_before_generation_ends(tmp_path):
     """Fragment streaming: in every step the trainer's first train span starts before the
     generator's last generate span of that step ends."""
-    from launch import TINY, torchrun
+    from runtime.launch import TINY, torchrun
 
     out = tmp_path / "run"
     args = [a if a != "2" or i != TINY.index("--prompts-per-step") + 1 else "4" for i, a in enumerate(TINY)]

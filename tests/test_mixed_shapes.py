@@ -174,7 +174,7 @@ def test_dispatch_flag_is_validated_and_reaches_the_plan():
     for dispatch in ("lpt", "round-robin"):
         cfg = parse_config(["--dispatch", dispatch, "--generators", "1", "--trainers", "1"])
         cfg.resolve_defaults()
-        plan = validate(cfg, 2).plan(cfg, 0, None, table)
+        plan = validate(cfg, 2).step_plan(cfg, 0, None, table)
         assert plan == plan_step(0, seed=0, num_prompts=1500, prompts_per_step=8, group_size=8, micro_batch=8,
                                  num_replicas=1, num_trainers=1, fragment_groups=1, shapes=table, dispatch=dispatch)
 

@@ -11,7 +11,7 @@ import torch
 from parallel import compress
 from parallel.stepplan import ShapeTable, plan_step
 from planner import phases as ph
-from planner.engine import Costs
+from parallel.engine import Costs
 from planner.hardware import gpu
 from planner.mixed import PLAN_SEED, step_plan
 from planner.placements import Pool, colocated, disagg_plan, replica_fragment_s, repredict

@@ -89,7 +89,7 @@ def test_lr_default_follows_the_fine_tuning_kind():
 
 
 def test_config_json_records_provenance_and_reads_back(tmp_path):
-    cfg = parse_config(["--preset", "tiny", "--sde-window", "0:2", "--algorithm", "window", "--steps", "7"])
+    cfg = parse_config(["--preset", "tiny", "--sde-window", "0:2", "--algorithm", "flow_grpo_fast", "--steps", "7"])
     cfg.resolve_defaults()
     cfg.save(str(tmp_path / "config.json"))
     written = json.loads((tmp_path / "config.json").read_text())
@@ -128,7 +128,7 @@ def test_recipes_carry_the_published_settings():
         got = (s.height, s.width, s.num_frames, s.sample_steps, s.sde_type, s.noise_level, s.guidance, s.cfg_scale,
                rl.group_size, o.lora_rank, o.lr, rl.beta)
         assert got == expected, rel
-        assert rl.algorithm == ("dance_grpo" if rel.startswith("dance") else "window" if "qwen" in rel else "flow_grpo")
+        assert rl.algorithm == ("dance_grpo" if rel.startswith("dance") else "flow_grpo_fast" if "qwen" in rel else "flow_grpo")
         assert rl.timestep_fraction == (0.6 if rel.startswith("dance") else 0.99), rel
         assert o.lr == (FULL_LR if o.lora_rank == 0 else o.lr) and recipe["source"] and recipe["model_config"]
 

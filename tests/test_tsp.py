@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from rl import algorithm
+from rl import algorithms
+from rl.timesteps import trained_timesteps
 from runtime.launch import TINY, torchrun, trained_weights
 from telemetry.metrics import read_metrics
 from parallel import tsp
@@ -69,10 +70,10 @@ def test_packing_is_deterministic_and_validates():
         tsp.pack([[(0, 1), (0, 1)]], micro_batch=2, num_trainers=1)
 
 
-@pytest.mark.parametrize("name,window", [("flow_grpo", None), ("dance_grpo", None), ("window", (1, 3))])
+@pytest.mark.parametrize("name,window", [("flow_grpo", None), ("dance_grpo", None), ("flow_grpo_fast", (1, 3))])
 def test_packing_of_trained_timestep_selections(name, window):
     num_steps, ids = 6, [list(range(0, 4)), list(range(4, 8)), list(range(8, 12))]
-    timesteps = {i: algorithm.trained_timesteps(name, num_steps, 0.6, seed=3, step=1, sample_id=i, window=window)
+    timesteps = {i: trained_timesteps(algorithms.algorithm(name).timesteps, num_steps, 0.6, seed=3, step=1, sample_id=i, window=window)
                  for f in ids for i in f}
     packing = tsp.pack_step(ids, timesteps, micro_batch=8, num_trainers=2)
     fragments = [tsp.fragment_transitions(f, timesteps) for f in ids]
@@ -81,7 +82,7 @@ def test_packing_of_trained_timestep_selections(name, window):
         assert len({timesteps[i] for i in timesteps}) > 1
         assert any(len({t for _, t in m.transitions}) > 1 and len({i for i, _ in m.transitions}) > 1
                    for m in packing.micro_batches)
-    if name == "window":
+    if name == "flow_grpo_fast":
         assert {t for m in packing.micro_batches for _, t in m.transitions} == {1, 2}
     assert packing == tsp.pack_step(ids, timesteps, micro_batch=8, num_trainers=2)
 
@@ -138,7 +139,7 @@ CASES = {
     "flow_grpo-cfg": ("flow_grpo", 2.0, None, 0.0),
     "dance_grpo": ("dance_grpo", 1.0, None, 0.0),
     "dance_grpo-cfg": ("dance_grpo", 2.0, None, 0.0),
-    "window": ("window", 1.0, (1, 4), 0.0),
+    "flow_grpo_fast": ("flow_grpo_fast", 1.0, (1, 4), 0.0),
     "flow_grpo-kl": ("flow_grpo", 1.0, None, 0.01),
 }
 
@@ -146,7 +147,6 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_gradients_equal_the_per_timestep_loop(case):
     from parallel.intake import TransitionBatch
-    from trainer import STAT_KEYS
 
     trainer, plan, chunks = _rollout(*CASES[case])
     chunks[1].keep[1] = False  # a dropped sample is left out alike
@@ -164,7 +164,7 @@ def test_packed_gradients_equal_the_per_timestep_loop(case):
         got = _grads(trainer)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, (case, num_trainers)
         assert trainer.num_transitions == ref_n
-        for k in STAT_KEYS:
+        for k in ref_sums:
             assert trainer.sums[k] == pytest.approx(ref_sums[k], rel=1e-5, abs=1e-6), k
         if num_trainers == 1:  # micro-batches of only dropped transitions are skipped (replicated)
             assert trainer.num_forwards <= len(_tsp(trainer, 1).forward_fragments(plan)[0]) <= ref_forwards
@@ -174,6 +174,7 @@ def test_packed_steps_with_mixed_noise_levels_match_per_transition_steps():
     """A windowed sampler is deterministic outside its window: one packed micro-batch may hold
     transitions at different noise levels, each scored as sampler.sde_step scores it alone."""
     from rl import sampler
+    from trainer import Transitions
 
     trainer, _, chunks = _rollout("flow_grpo", 1.0, (1, 3), 0.0)
     c = chunks[0]
@@ -183,7 +184,8 @@ def test_packed_steps_with_mixed_noise_levels_match_per_transition_steps():
     x_next = torch.stack([c.latents[j, t + 1] for j, t in zip(rows, ts)])
     v = torch.randn_like(x_t)
     sigma, sigma_next = c.sigmas[ts], c.sigmas[[t + 1 for t in ts]]
-    out = trainer._score_steps(x_t, v, sigma, sigma_next, ts, x_next)
+    rows_of = Transitions(x_t, x_next, sigma, sigma_next, ts, None, None, None, None)
+    out = trainer._score_steps(rows_of, v, x_next)
     for n, t in enumerate(ts):
         one = sampler.sde_step(x_t[n:n + 1], v[n:n + 1], sigma[n].item(), sigma_next[n].item(), sde_type="sde",
                                noise_level=trainer.sampling.noise_level_at(t), x_next=x_next[n:n + 1])
@@ -195,7 +197,7 @@ def test_packed_steps_with_mixed_noise_levels_match_per_transition_steps():
 def test_forwards_drop_by_the_packing_factor():
     """2 samples x 3 trained timesteps per chunk: the loop runs 3 forwards of 2 transitions per
     chunk, TSP with --train-micro-batch 6 one forward of 6 per chunk's worth."""
-    trainer, plan, chunks = _rollout("window", 1.0, (1, 4), 0.0)
+    trainer, plan, chunks = _rollout("flow_grpo_fast", 1.0, (1, 4), 0.0)
     for chunk in chunks:
         trainer.train_chunk(chunk)
     loop = trainer.num_forwards

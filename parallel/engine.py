@@ -122,10 +122,6 @@ class SimResult:
         return [b - a for a, b in zip([0.0] + self.step_end_s[:-1], self.step_end_s)]
 
     @property
-    def mean_step_s(self) -> float:
-        return self.makespan_s / len(self.step_end_s)
-
-    @property
     def steady_step_s(self) -> float:
         """Mean step time without the first step (its pipeline fill): the steady state of a run."""
         if len(self.step_end_s) < 2:

@@ -1,0 +1,29 @@
+"""Which of the K denoising steps of a sample are trained (docs/ALGORITHMS.md, "Which timesteps are
+trained"): a pure function of (seed, step, sample), so every rank and the planner agree."""
+from __future__ import annotations
+
+import numpy as np
+
+from rl.seeding import derive_seed
+
+RULES = ("first", "random", "window")
+
+
+def trained_timesteps(rule: str, num_steps: int, fraction: float, *, seed: int, step: int, sample_id: int,
+                      window: tuple[int, int] | None = None) -> tuple[int, ...]:
+    """first (Flow-GRPO): the first floor(K * fraction) steps in order; random (DanceGRPO): a
+    random subset of round(K * fraction) steps seeded by (seed, step, sample), the last step
+    excluded; window (Flow-GRPO-Fast): the SDE window only."""
+    if rule == "first":
+        n = max(1, min(num_steps, int(num_steps * fraction)))
+        return tuple(range(n))
+    if rule == "random":
+        candidates = max(1, num_steps - 1)
+        n = max(1, min(candidates, round(num_steps * fraction)))
+        rng = np.random.default_rng(derive_seed(seed, step, sample_id, "timesteps"))
+        return tuple(sorted(int(t) for t in rng.choice(candidates, size=n, replace=False)))
+    if rule == "window":
+        if window is None:
+            raise ValueError("the window rule needs an SDE window START:END")
+        return tuple(range(*window))
+    raise ValueError(f"unknown timestep rule {rule!r}; choose one of {RULES}")

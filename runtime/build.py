@@ -1,0 +1,383 @@
+"""Building one rank: the model, its role objects (generator, trainer, scorer, TAG helper), the
+mechanisms they use (intake, GAP stages, publication, version sync), the run guard and the step
+log, as one `Rank` whose methods are the phases of a step (runtime/loop.py runs them).
+
+Every rank builds version 0 identically (same weights, same seeded LoRA init), checks every user
+error it can before it waits on another rank, and measures its speed once (the start-up probe)."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from checkpointing import checkpoint
+from checkpointing import folder as runfolder
+from checkpointing import resume as runstate
+from config.schema import RunConfig
+from config.validate import RunFacts
+from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, set_attention
+from models.lora import apply_lora
+from parallel import compress, publish
+from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
+from parallel.gap import stage_param_names
+from parallel.intake import TrainingSpec, make_intake
+from parallel.scoring import LocalScorer, RemoteScorer, scorer_step
+from parallel.stepplan import replica_speeds
+from parallel.store import StepStore
+from parallel.tag import Assistant, FragmentBoard, GroupAssistant
+from parallel.topology import ProcessGroups, Topology
+from prompts import shapes as buckets
+from prompts.sets import eval_records, load_prompts
+from rewards import RewardSet, reward_model_paths
+from rl import algorithms, sampler
+from rollout import Generator, VersionSync, generator_step
+from runtime import guard as runguard
+from runtime import probe
+from runtime.evaluation import evaluate_on_trainers
+from runtime.steplog import StepLog
+from telemetry.tracing import Slowdown, Tracer
+from trainer import Trainer, trainer_step
+
+
+@dataclass
+class RankContext:
+    """What every role's step needs to know about its rank, passed as one object."""
+
+    cfg: RunConfig
+    facts: RunFacts
+    rank: int
+    device: torch.device
+    tracer: Tracer
+    adapter: DiTAdapter
+    sampling: sampler.SamplingConfig
+    records: list  # list[prompts.sets.PromptRecord]: the training prompt set
+    intake: object  # parallel.intake.ChunkIntake or TransitionIntake: routing and the trainer's intake
+    slowdown: Slowdown  # --debug-slow-rank: wraps every kind of this rank's work
+
+    @property
+    def topo(self) -> Topology:
+        return self.facts.topology
+
+
+@dataclass
+class Rank:
+    """One rank, built: what its steps run with. Its methods are the phases of a step."""
+
+    ctx: RankContext
+    store: StepStore
+    groups: ProcessGroups
+    guard: runguard.RunGuard
+    log: StepLog
+    start: int
+    """the first step this run trains (a resumed run's checkpoint step)"""
+    shares: list[float]
+    """each generator replica's share of fragments (measured speeds, or even)"""
+    shapes: object  # prompts.shapes table of the prompts' shapes, or None for one shape
+    publish_names: dict[int, list[str]]
+    """the weights each generator rank holds (a GAP stage: its blocks'), by rank"""
+    generator: Generator | None = None
+    replica: PipelinedReplica | None = None
+    versions: VersionSync | None = None
+    trainer: Trainer | None = None
+    publisher: publish.WeightPublisher | None = None
+    assistant: Assistant | None = None
+    scorer_rewards: RewardSet | None = None
+    deferred: list = field(default_factory=list)
+    """TCSS: (step, sends) still in flight"""
+    saved: int = 0
+    """the last step a checkpoint holds"""
+
+    @property
+    def cfg(self) -> RunConfig:
+        return self.ctx.cfg
+
+    @property
+    def topo(self) -> Topology:
+        return self.ctx.topo
+
+    # ----- the phases of a step -----------------------------------------------------------
+    def plan(self, step: int):
+        """Step k's fragment plan, the same on every rank."""
+        return self.ctx.facts.step_plan(self.cfg, step, self.shares, self.shapes)
+
+    def generate(self, plan) -> tuple[list, dict]:
+        """A generator's step: its replica's fragments, generated, scored and sent to the trainers.
+        Returns (the fragment results, what stays on this rank for its own training: colocated)."""
+        if self.generator is None:
+            return [], {}
+        return generator_step(self.ctx, self.generator, self.versions, plan, lambda: self._reward_std(plan.step),
+                              self.replica, self.store, self.deferred if self.ctx.facts.tcss else None)
+
+    def score(self, plan) -> None:
+        """A scorer rank's step: score the fragments sent to it."""
+        if self.scorer_rewards is not None:
+            scorer_step(self.ctx, self.scorer_rewards, plan, _image_source(self.ctx, self.store, plan))
+
+    def train(self, plan, local: dict) -> tuple[dict | None, list]:
+        """A trainer's step: train what lands, one update, publish. Returns (its statistics, the
+        fragments its TAG helper generated: their rewards count too)."""
+        if self.trainer is None:
+            return None, []
+        stats = trainer_step(self.ctx, self.trainer, plan, local, self.publish_names, self.publisher, self.assistant,
+                             self.store, self._reward_std(plan.step))
+        return stats, (self.assistant.results if self.assistant is not None else [])
+
+    def record(self, plan, started: float, gen_out: list, train_stats: dict | None) -> None:
+        """Every rank's step record; the logging rank logs the step from all of them."""
+        ended, step = time.time(), plan.step
+        busy = self.ctx.tracer.busy_seconds(step) if self.cfg.output.trace else ended - started
+        self.log.record(step, self.topo.role(self.ctx.rank), started, ended, busy, train_stats, gen_out)
+        if self.log.logging:
+            self.log.log(plan)
+        self.guard.step_done(ended - started)
+
+    def save(self, done: int) -> None:
+        """Checkpoint the run after `done` steps (every trainer rank writes its shards)."""
+        if self.trainer is not None:
+            self.guard.set_phase("checkpoint")
+            c, lora = self.cfg, self.ctx.adapter.transformer.peft_config["default"] if self.ctx.facts.lora else None
+            checkpoint.save_run_state(c.output.output_dir, done, self.trainer, self.ctx.adapter, self.log.running,
+                                      lora, write=self.ctx.rank == self.topo.trainer_ranks[0],
+                                      extra=runstate.extra_state(self.trainer, self.log.std_history, done),
+                                      stale=self.publisher.kept(done - 1) if self.ctx.facts.tcss else None,
+                                      config=c.to_dict(), keep=c.output.keep_checkpoints,
+                                      export_dtype=c.output.export_dtype)
+        self.saved = done
+
+    def evaluate(self, done: int) -> None:
+        """Held-out evaluation of the version after `done` updates, on the trainer ranks."""
+        self.guard.set_phase("evaluation")
+        c = self.ctx
+        evaluate_on_trainers(c.cfg, c.adapter, c.sampling, c.topo, c.rank, done, self.log.logger, c.tracer,
+                             self.groups.trainers)
+
+    def finish(self) -> None:
+        """After the last step (or a signal): the publications still addressed to generators are
+        received, TCSS sends complete, and a stopped run saves the steps it finished."""
+        guard, start = self.guard, self.start
+        last = guard.stop_at if guard.stopping else self.cfg.rl.steps
+        guard.set_timeouts(relaxed=True)
+        guard.set_phase("exit")
+        if self.versions is not None:
+            self.versions.drain(last, last)  # the trainers publish after every step
+        for _, handles in self.deferred:  # after the drain: the trainers need the publications to get there
+            for h in handles:
+                h.wait()
+        if guard.stopping and self.saved != last and last > start:
+            self.save(last)  # a signal stopped the run: the steps it finished are kept
+        if guard.stopping:
+            out_dir = self.cfg.output.output_dir
+            path = checkpoint.checkpoint_dir(out_dir, last)
+            line = (f"stopped on a signal after step {last - 1}: checkpoint {path}; continue with --resume {out_dir} "
+                    f"--output-dir {out_dir}" if last > start else
+                    "stopped on a signal before this run's first step: nothing new to save")
+            runguard.write_error_file(line)  # torchrun's summary shows why the exit code is 4
+            if self.log.logging:
+                runguard.say(line)
+
+    def close(self) -> None:
+        self.log.close()
+        if self.cfg.output.trace:
+            self.ctx.tracer.save(os.path.join(self.cfg.output.output_dir, "trace", f"rank{self.ctx.rank}.json"))
+
+    def exit_code(self) -> int:
+        return runguard.EXIT_STOPPED if self.guard.stopping else runguard.EXIT_OK
+
+    def _reward_std(self, step: int) -> float | None:
+        """The advantage std: None (each group's own) or the running std of the batches before this
+        one, published by the logging rank (with TCSS, of the batches before the previous one; a
+        resumed run's logging rank publishes the checkpoint's last two first)."""
+        if self.cfg.rl.std_mode != "running":
+            return None
+        last = step - 1 - (1 if self.cfg.topology.tcss else 0)
+        return None if last < 0 else self.store.get(f"std/{last}")
+
+
+# ----- building -------------------------------------------------------------------------------
+def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
+    """Everything rank `rank` runs its steps with. Collective: every rank calls it."""
+    topo, t = facts.topology, cfg.topology
+    store = StepStore(t.dist_timeout_s)
+    groups = ProcessGroups.create(topo, t.dist_timeout_s)
+    guard = runguard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
+                              stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
+                              groups=_member_groups(topo, rank, groups),
+                              start_step=facts.resume.step if facts.resume else 0).start()
+    if rank == 0:
+        runfolder.prepare(cfg, facts.resume, say=runguard.say)  # before any other rank writes there
+    ctx, shapes = _context(cfg, facts, rank)
+    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, shapes)  # sync point: before FSDP shards the model
+    if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
+        shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
+    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
+        if topo.is_trainer(rank) else None
+    in_place = facts.resume is not None and facts.resume.same_folder
+    log = StepLog(cfg, rank, rank == facts.log_rank, store, topo.world_size, facts.resume.step if facts.resume else 0,
+                  in_place, algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl).SUMMARY)
+    begin = runstate.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
+    log.std_history = begin.std_history
+    all_names = _publish_names(ctx.adapter, facts.lora)
+    runstate.check_same_weights(ctx.adapter, all_names, begin.version)  # every rank starts from its version
+    layouts = _stage_layouts(ctx) if topo.gap_stages > 1 else {}
+    shares = replica_speeds({g: speeds[g]["generate_s"] for g in topo.generator_ranks},
+                            [topo.replica_ranks(r) for r in range(topo.num_replicas)])
+    publish_names = {g: _stage_names(ctx.adapter, all_names, layouts.get(g)) for g in topo.generator_ranks}
+    r = Rank(ctx, store, groups, guard, log, begin.step, shares, shapes, publish_names, trainer=trainer,
+             saved=begin.step)
+    _build_generator(r, layouts, begin.version)
+    if trainer is not None:
+        _build_trainer_side(r, speeds, all_names)
+    if topo.is_scorer(rank):
+        r.scorer_rewards = _reward_set(cfg, ctx.device)
+    return r
+
+
+def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, object]:
+    """The model and what every role reads; checks every size and prompt before any rank waits."""
+    topo = facts.topology
+    device = _device(cfg)
+    torch.manual_seed(cfg.seed)
+    adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
+                         dtype=model_dtypes(cfg.model.dtype, device), device=device)
+    set_attention(adapter, cfg.model.attention)
+    if facts.lora:
+        apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
+    s = cfg.sampling
+    sampling = sampler.SamplingConfig.for_adapter(
+        adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
+        noise_level=s.noise_level, guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed,
+        num_frames=s.num_frames, sde_window=s.sde_window)
+    adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails alike everywhere
+    records = load_prompts(cfg.rl.prompts)
+    shapes = buckets.shape_table(adapter, records, sampling, cfg.rl.prompts)  # before any wait: names a bad line
+    if cfg.output.eval_every:
+        buckets.check_shapes(adapter, eval_records(cfg.output.eval_prompts, cfg.output.eval_num_prompts), sampling,
+                             cfg.output.eval_prompts)
+    probe.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts)  # same on every rank
+    tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
+                    sync=torch.cuda.synchronize if device.type == "cuda" else None)
+    is_train = topo.is_trainer(rank)
+    intake = make_intake(facts.tsp, TrainingSpec.of(cfg, sampling), topo.trainer_ranks,
+                         lambda r: topo.replica_ranks(r)[-1], facts.train_micro_batch,
+                         topo.trainer_ranks.index(rank) if is_train else None, tracer)
+    slow = cfg.output.debug_slow_rank
+    slowdown = Slowdown(slow[1] if slow and slow[0] == rank else 1.0)
+    return RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown), shapes
+
+
+def _build_generator(r: Rank, layouts: dict, version: int) -> None:
+    """A generator rank's generator, its GAP stage and the version sync with the trainers."""
+    ctx, topo, facts = r.ctx, r.topo, r.ctx.facts
+    rank = ctx.rank
+    if not topo.is_generator(rank):
+        return
+    scorer = RemoteScorer(topo.scorer_ranks) if topo.scorer_ranks else LocalScorer(_reward_set(ctx.cfg, ctx.device))
+    r.generator = _generator(ctx, scorer)
+    if layouts:
+        release_other_blocks(ctx.adapter, layouts[rank].blocks)
+        r.replica = PipelinedReplica(r.generator, layouts[rank])
+    if facts.disagg:
+        receiver = publish.WeightReceiver(_params(ctx.adapter, r.publish_names[rank]))
+        r.versions = VersionSync(receiver, r.store, topo.trainer_ranks[0], version, 1 if facts.tcss else 0,
+                                 layouts.get(rank), topo.replica_of(rank), ctx.tracer)
+
+
+def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
+    """A trainer rank's TAG helper, publisher and publication codec."""
+    ctx, topo, facts, cfg = r.ctx, r.topo, r.ctx.facts, r.cfg
+    rank, trainer = ctx.rank, r.trainer
+    if facts.tag:
+        helper = GroupAssistant if facts.train_sharding == "fsdp" else Assistant  # FSDP trainers generate together
+        replica_s = sum(speeds[g]["generate_s"] for g in topo.generator_ranks) / len(topo.generator_ranks)
+        r.assistant = helper(ctx, _generator(ctx, LocalScorer(_reward_set(cfg, ctx.device))), r.store,
+                             facts.num_trainers, topo.trainer_ranks.index(rank),
+                             trainer_ratio=speeds[rank]["generate_s"] / replica_s)
+    if facts.disagg:  # with TCSS the sending trainer keeps the last two versions for checkpoints
+        r.publisher = publish.WeightPublisher(compression=cfg.topology.publish_compression,
+                                              link_mbps=cfg.output.debug_link_bandwidth,
+                                              keep=facts.tcss and rank == topo.trainer_ranks[0])
+    if compress.lossy(cfg.topology.publish_compression):  # every placement trains through the codec
+        trainer.start_codec(cfg.topology.publish_compression, all_names, runstate.residual(facts))
+    if facts.tcss:  # the generators' version at the next checkpoint; resent at a resume
+        runstate.publish_start(facts, rank, trainer, r.publisher, r.publish_names, r.start,
+                               facts.resume is not None and facts.resume.has_stale, r.store)
+
+
+def _generator(ctx: RankContext, scorer) -> Generator:
+    cfg = ctx.cfg
+    return Generator(ctx.adapter, ctx.sampling, scorer, ctx.records, seed=cfg.seed,
+                     negative_prompt=cfg.sampling.negative_prompt, same_group_noise=cfg.sampling.same_group_noise,
+                     adv_clip=cfg.rl.adv_clip, drop_zero_std=cfg.rl.drop_zero_std,
+                     autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype), slowdown=ctx.slowdown)
+
+
+def _reward_set(cfg: RunConfig, device) -> RewardSet:
+    return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model))
+
+
+def _member_groups(topo: Topology, rank: int, groups: ProcessGroups) -> list:
+    """The process groups this rank belongs to (their timeouts adapt to the step time)."""
+    out = [dist.group.WORLD]
+    if topo.is_trainer(rank) and groups.trainers is not dist.group.WORLD:
+        out.append(groups.trainers)
+    return out
+
+
+def _device(cfg: RunConfig) -> torch.device:
+    if cfg.model.device == "cpu":
+        return torch.device("cpu")
+    dev = resolve_device(cfg.model.device)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
+
+
+def _image_source(ctx: RankContext, store: StepStore, plan):
+    """Where a scorer rank receives fragment f's images from: the last stage of the replica that
+    generates it, planned or, with TAG, the one that claimed it. None: a trainer claimed it (TAG),
+    and scores it on its own rank."""
+    topo = ctx.topo
+    if not ctx.facts.tag:
+        return lambda f: topo.replica_ranks(f.replica)[-1]
+    board = FragmentBoard(store, plan.step, len(plan.fragments))
+
+    def source(f):
+        owner = board.wait_owner(f.index)
+        return None if owner["replica"] is None else topo.replica_ranks(owner["replica"])[-1]
+
+    return source
+
+
+def _params(adapter, names: list[str]) -> dict[str, torch.Tensor]:
+    params = dict(adapter.transformer.named_parameters())
+    return {n: params[n] for n in names}
+
+
+def _publish_names(adapter, lora: bool) -> list[str]:
+    """LoRA runs send only the adapter tensors; full fine-tuning sends every transformer weight."""
+    named = adapter.transformer.named_parameters()
+    return [n for n, _ in named if ".lora_" in n] if lora else [n for n, _ in named]
+
+
+def _stage_layouts(ctx: RankContext) -> dict:
+    """GAP stages: every generator rank measures its per-block cost (scaled by its slow-down);
+    every rank then computes the same partition of every replica from the gathered measurements."""
+    cfg, topo, rank, adapter = ctx.cfg, ctx.topo, ctx.rank, ctx.adapter
+    costs = None
+    if topo.is_generator(rank):
+        with autocast(adapter.device, cfg.model.dtype):
+            costs = [c * ctx.slowdown.factor for c in measure_block_costs(adapter, ctx.sampling, cfg.rl.micro_batch)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, costs)  # sync point
+    layouts = {}
+    for r in range(topo.num_replicas):
+        ranks = topo.replica_ranks(r)
+        ranges = plan_stages({g: everyone[g] for g in ranks}, ranks)
+        for stage, g in enumerate(ranks):
+            layouts[g] = StageLayout(ranks, stage, ranges[stage])
+    return layouts
+
+
+def _stage_names(adapter, names: list[str], layout) -> list[str]:
+    return names if layout is None else stage_param_names(adapter, names, layout.blocks, layout.first, layout.last)
