@@ -173,6 +173,7 @@ def flux_scheduler() -> FlowMatchEulerDiscreteScheduler:
         base_image_seq_len=256, max_image_seq_len=4096)
 
 
+@torch.no_grad()
 def encode_latents(vae, x: torch.Tensor) -> torch.Tensor:
     """Images in [-1, 1] -> the transformer's latents (the autoencoder's shift and scale applied)."""
     z = vae.encode(x).latent_dist.mode()  # (B, 4, 16, 16)

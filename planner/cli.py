@@ -1,22 +1,22 @@
 """The planner from the command line (docs/calibration.md). Three uses:
 
-    python scripts/plan.py --model flux --gpus h100:16 [--gpus h20:16] [workload flags]
+    python -m scripts.plan --model flux --gpus h100:16 [--gpus h20:16] [workload flags]
         Every feasible plan of the cluster (colocated replicate / fsdp / sleepwake; disaggregated
         generators x trainers x GAP stages x fragment size with TSP, TAG and TCSS), ranked by
         predicted step time, with samples/s, samples per dollar, bubble, end-to-end MFU and peak
         memory per role, and one recommendation. The best colocated plan is always listed.
 
-    python scripts/plan.py --model flux --gpus h100:16 --shape-mix 512x512:1,1024x1024:1
+    python -m scripts.plan --model flux --gpus h100:16 --shape-mix 512x512:1,1024x1024:1
         The same for prompts of several shapes (one shape per group): fragments are dispatched by the
         runtime's policy (--dispatch lpt | round-robin) and the recommended plan is also predicted
         with the other one.
 
-    python scripts/plan.py --model flux --finetune full --gpus h20:8 --gpus h100:8 --link-gbps 25 \
+    python -m scripts.plan --model flux --finetune full --gpus h20:8 --gpus h100:8 --link-gbps 25 \
             --publish-compression delta-topk:0.01
         Generators in one site, trainers in the other, joined by a 25 Gb/s link that trajectories
         and compressed publications cross.
 
-    python scripts/plan.py --fit-run RUN --profile PROFILE --predict RUN2 [RUN3 ...] [--out OUT.json]
+    python -m scripts.plan --fit-run RUN --profile PROFILE --predict RUN2 [RUN3 ...] [--out OUT.json]
         Fit per-unit costs on one measured run folder (traces of scripts/bench.py or of any run) and
         predict the step time of other runs from their config alone (planner/fit.py).
 

@@ -6,12 +6,12 @@ its own --output-dir under the bench folder. Its metrics.jsonl gives the per-ste
 first --warmup steps are dropped and the rest summarized by their median. The table is printed,
 written as JSON (--json) and as a markdown table (--markdown).
 
-    python scripts/bench.py                                    # the default modes and workload
-    python scripts/bench.py --list                             # known modes and scenarios
-    python scripts/bench.py --scenarios fits,sharded,hetero,window --json OUT
-    python scripts/bench.py --modes disagg,gap --preset mid --steps 6
-    python scripts/bench.py --modes disagg -- --lora-rank 0    # flags after -- go to every run
-    python scripts/bench.py --workload "--reward jpeg_compressibility --sample-steps 10"
+    python -m scripts.bench                                    # the default modes and workload
+    python -m scripts.bench --list                             # known modes and scenarios
+    python -m scripts.bench --scenarios fits,sharded,hetero,window --json OUT
+    python -m scripts.bench --modes disagg,gap --preset mid --steps 6
+    python -m scripts.bench --modes disagg -- --lora-rank 0    # flags after -- go to every run
+    python -m scripts.bench --workload "--reward jpeg_compressibility --sample-steps 10"
 
 Every mode trains the same transitions in the same forwards: the workload packs transitions
 (TSP, --train-micro-batch) in every mode, colocated ones included, so a ratio isolates placement

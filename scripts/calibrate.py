@@ -1,8 +1,8 @@
 """Calibration probe: measure this device's per-block costs for the planner (docs/calibration.md,
 "Calibration probe").
 
-    python scripts/calibrate.py --model flux --out profile.json
-    torchrun --standalone --nproc_per_node 8 scripts/calibrate.py --model flux --out profile.json  # + all-gathers
+    python -m scripts.calibrate --model flux --out profile.json
+    torchrun --standalone --nproc_per_node 8 -m scripts.calibrate --model flux --out profile.json  # + all-gathers
 
 For micro-batches 1..N it times every DiT block's forward and forward + backward (inputs and
 weights requiring gradients; with --lora-rank R, peft LoRA adapters on frozen weights, as a LoRA

@@ -1,8 +1,8 @@
 """Check a recipe without weights or GPUs: its config validates on the GPU count it names, and the
 memory estimate of each role (runtime/memory.py) fits the GPU kind it names.
 
-    python scripts/check_recipe.py recipes/flow_grpo/flux_dev.toml
-    python scripts/check_recipe.py recipes/dance_grpo/hunyuan_video.toml --config recipes/topology/32gpus.toml
+    python -m scripts.check_recipe recipes/flow_grpo/flux_dev.toml
+    python -m scripts.check_recipe recipes/dance_grpo/hunyuan_video.toml --config recipes/topology/32gpus.toml
 
 Exit 0 when it fits; 2 (with the reason) when not.
 """

@@ -1,7 +1,7 @@
 """Evaluate a model or a training checkpoint on a prompt set with the ODE sampler and fixed seeds.
 
-    python scripts/eval.py --model-path assets/shapes-flux --prompts data/shapes_eval.txt --out eval/base
-    python scripts/eval.py --model-path assets/shapes-flux --checkpoint runs/default/checkpoints/step-20 \\
+    python -m scripts.eval --model-path assets/shapes-flux --prompts data/shapes_eval.txt --out eval/base
+    python -m scripts.eval --model-path assets/shapes-flux --checkpoint runs/default/checkpoints/step-20 \\
         --prompts data/shapes_eval.txt --out eval/step-20
 
 Writes OUT/metrics.json (mean of every reward, and per-prompt scores) and OUT/grid.png (videos: a

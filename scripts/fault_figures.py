@@ -2,7 +2,7 @@
 torchrun and print, as a markdown table, the seconds until the other ranks and torchrun have
 exited, the line the run printed, and the checkpoint left behind.
 
-    python scripts/fault_figures.py [--repeats 2] [--out /tmp/fault-figures]
+    python -m scripts.fault_figures [--repeats 2] [--out /tmp/fault-figures]
 
 Faults: kill -9 of the generator and of the trainer (1 + 1 ranks) and of a generator of 2 + 2
 ranks, SIGSTOP of the generator (alive, silent), SIGTERM and SIGINT on one rank, SIGTERM to

@@ -4,7 +4,7 @@ back to back on the tiny FLUX preset, so that the run the costs are fitted on an
 predict see the same machine load; then the run folders reduced to what the planner reads
 (config.json, metrics.jsonl, compact traces), and a CPU device profile of scripts/calibrate.py.
 
-    python scripts/make_plan_fixtures.py --out tests/fixtures/planner_runs [--bench-dir DIR]
+    python -m scripts.make_plan_fixtures --out tests/fixtures/planner_runs [--bench-dir DIR]
 
 With --bench-dir existing pair folders (DIR/<target>/{gap-stream,<target>}) are compacted instead.
 """

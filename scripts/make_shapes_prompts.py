@@ -6,7 +6,7 @@ The grammar (rewards/shapes_world.py) has exactly 1800 distinct prompts. One six
 (one object, two, three, a pair of different objects), drawn with a fixed seed, is held out for
 evaluation (300 prompts); the train set is the other 1500. Re-running gives the same files.
 
-    python scripts/make_shapes_prompts.py [--out-dir data] [--seed 0]
+    python -m scripts.make_shapes_prompts [--out-dir data] [--seed 0]
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Merge the per-rank Chrome traces of a run into one file that Perfetto (https://ui.perfetto.dev) or
 chrome://tracing opens with a lane per rank.
 
-    python scripts/merge_traces.py runs/default                  # -> runs/default/trace/merged.json
-    python scripts/merge_traces.py a/trace/rank0.json b/trace/rank1.json --out merged.json
+    python -m scripts.merge_traces runs/default                  # -> runs/default/trace/merged.json
+    python -m scripts.merge_traces a/trace/rank0.json b/trace/rank1.json --out merged.json
 
 Each rank writes DIR/trace/rank{R}.json with microseconds since the Unix epoch, so the lanes line up
 as they ran; across nodes that needs their clocks in sync (NTP): a lane shifted by a constant offset

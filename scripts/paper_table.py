@@ -2,7 +2,7 @@
 testbeds (H100; H800 with its slower NVLink; a mixed pool of H20 and H100), each cell the best
 on-policy DigenRL plan against the modelled peers (as they run) and our own best colocated plan.
 
-    python scripts/paper_table.py --out docs/planner [--readme README.md] [--quick]
+    python -m scripts.paper_table --out docs/planner [--readme README.md] [--quick]
 
 Writes OUT/paper-table.md and .json, OUT/cross-site.json, one step timeline per mode
 (OUT/timeline-*.png) for the reference cell, and with --readme replaces the README section between

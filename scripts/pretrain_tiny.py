@@ -15,8 +15,8 @@ stays held out. The base model is meant to be imperfect: RL needs headroom.
 
 The shipped model is made in two stages (its README.md records both commands and their figures):
 
-    python scripts/pretrain_tiny.py                     # 4000 steps from scratch
-    python scripts/pretrain_tiny.py --init-from assets/shapes-flux --fade 0.8 --steps 1000 \
+    python -m scripts.pretrain_tiny                     # 4000 steps from scratch
+    python -m scripts.pretrain_tiny --init-from assets/shapes-flux --fade 0.8 --steps 1000 \
         --lr 3e-4 --warmup 0 --eval-every 500          # continue in place, most images faded
 """
 from __future__ import annotations
@@ -238,9 +238,6 @@ def vae_roundtrip_score(vae: AutoencoderKL, data: SceneStream, n: int = 128) -> 
 
 
 # ----- phase 2: flow matching -----------------------------------------------------------------
-
-@torch.no_grad()
-
 
 def sample_sigmas(n: int, args: Args, gen: torch.Generator) -> torch.Tensor:
     if args.timestep_sampling == "uniform":

@@ -2,11 +2,11 @@
 training checkpoint. The model and sampling flags are the training run's own (config/schema.py), and
 `--config runs/default/config.json` takes them from the run:
 
-    python scripts/sample.py --model-path assets/shapes-flux --checkpoint runs/default/checkpoints/step-20 \\
+    python -m scripts.sample --model-path assets/shapes-flux --checkpoint runs/default/checkpoints/step-20 \\
         --prompt "a red circle" --sample-steps 20 --out-dir out/
-    python scripts/sample.py --config runs/default/config.json --checkpoint runs/default/checkpoints/step-20 \\
+    python -m scripts.sample --config runs/default/config.json --checkpoint runs/default/checkpoints/step-20 \\
         --prompt "a red circle" --out-dir out/
-    python scripts/sample.py --config runs/default/config.json --checkpoint runs/default/checkpoints/step-20/ema \\
+    python -m scripts.sample --config runs/default/config.json --checkpoint runs/default/checkpoints/step-20/ema \\
         --prompt "a red circle" --out-dir out-ema/     # the EMA weights (--ema-decay)
 """
 from __future__ import annotations

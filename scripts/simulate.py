@@ -1,16 +1,16 @@
 """The step simulator from the command line (docs/DESIGN.md 9), in three uses:
 
-    python scripts/simulate.py --run DIR
+    python -m scripts.simulate --run DIR
         Read a training run's config.json and trace/rank*.json, measure the per-action costs,
         simulate the run's mode with them and print predicted vs measured step time and bubble
         fraction (medians over the steps after the first) with their relative errors.
 
-    python scripts/simulate.py --cluster flux-12b --gpus 16 [--gpu h100]
+    python -m scripts.simulate --cluster flux-12b --gpus 16 [--gpu h100]
         The planner of scripts/plan.py on one pool of N GPUs (`plan.py --model flux --gpus h100:16`):
         every feasible colocated and disaggregated plan, ranked, with a recommendation. Predictions
         of the calibrated cost model of docs/calibration.md, not measurements.
 
-    python scripts/simulate.py --anchors data/anchors.jsonl [--json OUT]
+    python -m scripts.simulate --anchors data/anchors.jsonl [--json OUT]
         Predict the published runs of a JSON-lines file (one run per line, schema in
         planner/published.py) and print predicted vs published step time per row; OUT gets a JSON
         list of {name, predicted_step_s, published_step_s, rel_error}. Exits 1 when a row is off by

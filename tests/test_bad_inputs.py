@@ -66,8 +66,8 @@ def _cases(tmp_path):
     tiny = [*TINY, "--output-dir", out]
     cases = [  # (name, argv, env, text the message must hold)
         ("lr nan", [*tiny, "--lr", "nan"], {}, "--lr must be a finite number > 0, got nan"),
-        ("noise nan", [*tiny, "--noise-level", "nan"], {}, "--noise-level must be >= 0, got nan"),
-        ("noise -1", [*tiny, "--noise-level", "-1"], {}, "--noise-level must be >= 0, got -1.0"),
+        ("noise nan", [*tiny, "--noise-level", "nan"], {}, "--noise-level must be a finite number >= 0, got nan"),
+        ("noise -1", [*tiny, "--noise-level", "-1"], {}, "--noise-level must be a finite number >= 0, got -1.0"),
         ("height 17", [*tiny, "--height", "17"], {}, "height 17 must be a positive multiple of 4"),
         ("dtype fp7", [*tiny, "--dtype", "fp7"], {}, "unknown --dtype 'fp7'"),
         ("frames on image", [*tiny, "--num-frames", "5"], {}, "num_frames 5 given for 'flux', an image model"),

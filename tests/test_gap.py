@@ -146,9 +146,9 @@ def test_pipelined_replica_equals_one_stage(tmp_path, stages):
 
 def test_placement_invariance_across_fragments_and_stages(tmp_path):
     """Fragment streaming and block pipelines train on the same data as the colocated baseline."""
-    import torch
 
     from runtime.launch import TINY, torchrun, trained_weights
+    from weights import assert_same_weights
 
     runs = {"colocated": (2, ["--mode", "colocated"]),
             "stream": (2, ["--fragment-groups", "1"]),
@@ -159,22 +159,22 @@ def test_placement_invariance_across_fragments_and_stages(tmp_path):
         torchrun(nproc, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement])
         weights[name] = trained_weights(str(out), 2)
     for name, w in weights.items():
-        for key in w:
-            torch.testing.assert_close(w[key], weights["colocated"][key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+        assert_same_weights(w, weights["colocated"], name)
 
 
 def test_trainers_start_before_generation_ends(tmp_path):
     """Fragment streaming: in every step the trainer's first train span starts before the
-    generator's last generate span of that step ends."""
+    generator's last generate span of that step ends (8 fragments: 7 fragments' time of slack,
+    so a loaded machine does not decide it)."""
     from runtime.launch import TINY, torchrun
 
     out = tmp_path / "run"
-    args = [a if a != "2" or i != TINY.index("--prompts-per-step") + 1 else "4" for i, a in enumerate(TINY)]
+    args = [a if a != "2" or i != TINY.index("--prompts-per-step") + 1 else "8" for i, a in enumerate(TINY)]
     torchrun(2, [*args, "--lora-rank", "4", "--steps", "2", "--fragment-groups", "1", "--output-dir", str(out)])
     spans = {r: [e for e in json.loads((out / "trace" / f"rank{r}.json").read_text())["traceEvents"]
                  if e.get("ph") == "X"] for r in (0, 1)}
     for step in (0, 1):
         gen = [e for e in spans[0] if e["cat"] == "generate" and e["args"]["step"] == step]
         train = [e for e in spans[1] if e["cat"] == "train" and e["args"]["step"] == step]
-        assert len(gen) == 4 and train, (len(gen), len(train))
+        assert len(gen) == 8 and train, (len(gen), len(train))
         assert min(e["ts"] for e in train) < max(e["ts"] + e["dur"] for e in gen)

@@ -10,6 +10,7 @@ import torch
 
 from runtime.probe import check_memory_budget, state_bytes
 from runtime.launch import TINY, torchrun, trained_weights
+from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel.stepplan import plan_step, replica_speeds
 from telemetry.tracing import Slowdown
@@ -73,12 +74,6 @@ def test_memory_budget_refuses_replicated_training_state_that_does_not_fit():
     check_memory_budget(budget, model, _facts("replicate"))
 
 
-def _same(a, b, what):
-    """Equal up to reduction order: colocated TSP packs a step over two trainers, one trainer packs
-    it alone, so sums group differently (differences of a few 1e-7 on weights of order 1)."""
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=2e-6, msg=f"{what}: {k}")
 
 
 ARGS = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]
@@ -104,7 +99,7 @@ def test_hetero_modes_train_the_colocated_data(tmp_path):
         assert speeds[0]["generate_s"] > 2 * speeds[1]["generate_s"], speeds
         assert speeds[0]["train_s"] > 2 * speeds[1]["train_s"], speeds
     for name in runs:
-        _same(weights["colocated"], weights[name], name)
+        assert_same_weights(weights["colocated"], weights[name], name)
     trace = json.loads((tmp_path / "colocated-speed" / "trace" / "rank0.json").read_text())["traceEvents"]
     fragments = {e["args"]["fragment"] for e in trace if e.get("name") == "generate" and e["args"]["step"] == 1}
     assert len(fragments) < 2, fragments  # of 4 fragments, the slow rank generated at most one
@@ -123,6 +118,6 @@ def test_sharded_modes_train_the_colocated_data(tmp_path):
         torchrun(3, [*ARGS, *budget, *placement, "--output-dir", str(out)])
         weights[name] = trained_weights(str(out), 2)
         assert read_metrics(str(out / "metrics.jsonl"))[-1]["train/num_allgathers"] > 0
-    _same(weights["colocated-fsdp3"], weights["gap-fsdp"], "gap-fsdp")
+    assert_same_weights(weights["colocated-fsdp3"], weights["gap-fsdp"], "gap-fsdp")
     refused = torchrun(2, [*ARGS, *budget, "--mode", "colocated", "--output-dir", str(tmp_path / "r")], check=False)
     assert refused.returncode != 0 and "--memory-budget-gb 0.0015: training state needs" in refused.stderr

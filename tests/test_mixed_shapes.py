@@ -11,6 +11,7 @@ import torch
 
 from prompts import shapes as buckets
 from runtime.launch import TINY, torchrun, trained_weights
+from weights import assert_same_weights
 from telemetry.metrics import image_grid, pad_to_largest, read_metrics
 from parallel.stepplan import (ShapeTable, assign_fragments, assign_lpt, choose_prompts, plan_step, replica_finish,
                            sample_cost)
@@ -282,8 +283,7 @@ def test_mixed_shapes_placement_invariance(tmp_path):
         weights[name] = trained_weights(str(tmp_path / name), 2)
         metrics[name] = [r for r in read_metrics(str(tmp_path / name)) if "reward/mean" in r]
     for name in runs:
-        for n in weights["colocated"]:
-            torch.testing.assert_close(weights[name][n], weights["colocated"][n], rtol=1e-5, atol=1e-7, msg=name)
+        assert_same_weights(weights[name], weights["colocated"], name)
         assert [r["reward/mean"] for r in metrics[name]] == \
                pytest.approx([r["reward/mean"] for r in metrics["colocated"]], rel=1e-6), name
         assert all(r["train/ratio"] == 1.0 and r["train/num_transitions"] == 16 for r in metrics[name]), name

@@ -6,13 +6,10 @@ import pytest
 import torch
 
 from runtime.launch import TINY, torchrun, trained_weights
+from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 
 
-def _assert_same_weights(a, b, what):
-    assert a.keys() == b.keys(), what
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=f"{what}: {name}")
 
 
 def _changed(before, after):
@@ -37,7 +34,7 @@ def test_placement_invariance(tmp_path, training):
         results[name] = (trained_weights(str(out), 2), read_metrics(str(out / "metrics.jsonl")))
     ref_w, ref_m = results["colocated-2"]
     for name, (w, m) in results.items():
-        _assert_same_weights(ref_w, w, name)
+        assert_same_weights(ref_w, w, name)
         assert [r["reward/mean"] for r in m] == pytest.approx([r["reward/mean"] for r in ref_m], rel=1e-6), name
         # On-policy, one inner epoch: every update sees ratio == 1 exactly.
         for row in m:
@@ -65,7 +62,7 @@ def test_fsdp_placements_match_replicate(tmp_path):
         torchrun(nproc, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement])
         weights[name] = trained_weights(str(out), 2)
     for name in runs:
-        _assert_same_weights(weights["replicate"], weights[name], name)
+        assert_same_weights(weights["replicate"], weights[name], name)
 
 
 def test_outputs_and_checkpoint_loading(tmp_path):
@@ -141,7 +138,7 @@ def test_running_std_matches_colocated(tmp_path):
     for name, extra in runs.items():
         torchrun(2, [*args, *extra, "--output-dir", str(tmp_path / name)])
     weights = {name: trained_weights(str(tmp_path / name), 3) for name in runs}
-    _assert_same_weights(weights["colocated"], weights["disagg"], "running std")
+    assert_same_weights(weights["colocated"], weights["disagg"], "running std")
     assert _changed(weights["group"], weights["disagg"]) > 0  # the running std changed the advantages
 
 
@@ -173,6 +170,6 @@ def test_scorer_ranks_match_colocated(tmp_path):
     args = [*TINY, "--lora-rank", "4", "--steps", "2", "--fragment-groups", "1"]
     torchrun(3, [*args, "--generators", "1", "--trainers", "1", "--scorers", "1", "--output-dir", str(tmp_path / "s")])
     torchrun(2, [*args, "--mode", "colocated", "--output-dir", str(tmp_path / "c")])
-    _assert_same_weights(trained_weights(str(tmp_path / "c"), 2), trained_weights(str(tmp_path / "s"), 2), "scorers")
+    assert_same_weights(trained_weights(str(tmp_path / "c"), 2), trained_weights(str(tmp_path / "s"), 2), "scorers")
     trace = json.loads((tmp_path / "s" / "trace" / "rank2.json").read_text())
     assert any(e.get("cat") == "score" for e in trace["traceEvents"])

@@ -4,9 +4,9 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from runtime.launch import TINY, torchrun, torchrun_module, trained_weights
+from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel.stepplan import plan_step
 from parallel.intake import TrainingSpec, make_intake
@@ -16,10 +16,6 @@ ARGS = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a i
 ARGS += ["--lora-rank", "4", "--fragment-groups", "1"]  # 4 fragments of one group each
 
 
-def _same(a, b, what):
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=f"{what}: {k}")
 
 
 def test_group_windows_are_the_slots_where_fragments_are_first_needed():
@@ -67,7 +63,7 @@ def _check_tag_run(run, reference, steps, generators, trainers):
     """A TAG run trained exactly the colocated data: the same weights after `steps` steps, the same
     transitions and rewards every step, trainers did generate, and every fragment of every step
     was generated exactly once (by a replica or by one trainer) and trained."""
-    _same(trained_weights(str(reference), steps), trained_weights(str(run), steps), run.name)
+    assert_same_weights(trained_weights(str(reference), steps), trained_weights(str(run), steps), run.name)
     rows = [r for r in read_metrics(str(run / "metrics.jsonl")) if "train/loss" in r]
     col = [r for r in read_metrics(str(reference / "metrics.jsonl")) if "train/loss" in r][:steps]
     assert len(rows) == steps

@@ -8,6 +8,7 @@ import torch
 from rl import algorithms
 from rl.timesteps import trained_timesteps
 from runtime.launch import TINY, torchrun, trained_weights
+from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel import tsp
 
@@ -210,10 +211,6 @@ def test_forwards_drop_by_the_packing_factor():
 
 
 # ----- through torchrun: placement invariance, forwards and all-gathers in metrics.jsonl ------------
-def _assert_same_weights(a, b, what):
-    assert a.keys() == b.keys(), what
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=f"{what}: {name}")
 
 
 def test_placement_invariance_with_tsp(tmp_path):
@@ -236,7 +233,7 @@ def test_placement_invariance_with_tsp(tmp_path):
         results[name] = (trained_weights(str(out), 2), read_metrics(str(out / "metrics.jsonl")))
     ref_w, ref_m = results["colocated-2"]
     for name, (w, m) in results.items():
-        _assert_same_weights(ref_w, w, name)
+        assert_same_weights(ref_w, w, name)
         for row, ref_row in zip(m, ref_m):
             assert row["train/num_transitions"] == ref_row["train/num_transitions"] == 8, name
             # Packed forwards differ from the generation batch only by reduction order.

@@ -1,0 +1,20 @@
+"""The placement comparison of trained weights, shared by the placement-invariance tests.
+
+Placements train the same data but may sum the same transitions' gradients in another order:
+the step plan shares fragments by measured speed, LPT dispatches by measured cost, TSP packs a
+fragment over a different number of trainers. Float32 reassociation then moves a weight by a few
+ulps of the largest terms summed into it, not of the weight itself, so an element-wise relative
+tolerance fails by chance on a weight near zero (a LoRA A entry of 1e-3 differing by 1.1e-7). The
+comparison is per tensor against its own scale: max|a - b| <= 1e-4 * max|b| (seen: 2.6e-8 on a
+LoRA B of scale 7.4e-4 whose every entry is update, 3.4e-5 of it). A placement that trains other
+data moves the update by its own size, orders of magnitude above that."""
+
+
+def assert_same_weights(a: dict, b: dict, what: str, rel: float = 1e-4) -> None:
+    assert a.keys() == b.keys(), what
+    for name in a:
+        x, y = a[name].double(), b[name].double()
+        assert x.shape == y.shape, f"{what}: {name} {tuple(x.shape)} != {tuple(y.shape)}"
+        scale = y.abs().max().item()
+        diff = (x - y).abs().max().item()
+        assert diff <= rel * scale + 1e-12, f"{what}: {name} differs by {diff:.3g} (scale {scale:.3g}, rel {rel:g})"
