@@ -136,7 +136,8 @@ def test_recipes_carry_the_published_settings():
 # ----- released configs on the meta device ---------------------------------------------------------
 # Transformer parameters of the released models (the paper's four; docs/MODELS.md).
 PARAMS = {"flux1_dev": 11.90e9, "wan2_1_t2v_14b": 14.29e9, "qwen_image": 20.43e9, "hunyuan_video": 12.82e9}
-BLOCKS = {"flux1_dev": 19 + 38, "wan2_1_t2v_14b": 40, "qwen_image": 60, "hunyuan_video": 20 + 40, "sd3_5_medium": 24}
+BLOCKS = {"flux1_dev": 19 + 38, "flux1_schnell": 19 + 38, "wan2_1_t2v_14b": 40, "wan2_1_t2v_1_3b": 30,
+          "qwen_image": 60, "hunyuan_video": 20 + 40, "sd3_5_medium": 24, "sd3_5_large": 38}
 
 
 @pytest.fixture(scope="module")
