@@ -125,8 +125,9 @@ class TopologyConfig:
     dispatch: str = _f("lpt", "how fragments are ordered and given to generator replicas: lpt (predicted cost from "
                               "each prompt's shape, longest first, to the replica that finishes it first) or "
                               "round-robin (step order)")
-    memory_budget_gb: float | None = _f(None, "GPU memory per rank, in GB: a plan whose weights, gradients and "
-                                              "optimizer state do not fit is refused (forces FSDP for large models)")
+    memory_budget_gb: float | None = _f(None, "GPU memory per rank, in GB: a plan whose predicted peak on some rank "
+                                              "(planner/memory.py: weights, gradients, optimizer state, activations, "
+                                              "buffers, the CUDA context) does not fit is refused")
     publish_compression: str = _f("none", "what weight publication sends: none, bf16, delta (the difference to the "
                                           "version the generators hold, in bf16) or delta-topk:F (its largest "
                                           "fraction F, with error feedback); generators rebuild bit-exactly what "

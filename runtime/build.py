@@ -35,7 +35,7 @@ from rewards import RewardSet, reward_model_paths
 from rl import algorithms, sampler
 from rollout import Generator, VersionSync, generator_step
 from runtime import guard as runguard
-from runtime import probe
+from runtime import memory, probe
 from runtime.evaluation import evaluate_on_trainers
 from runtime.steplog import StepLog
 from telemetry.tracing import Slowdown, Tracer
@@ -256,7 +256,7 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     if cfg.output.eval_every:
         buckets.check_shapes(adapter, eval_records(cfg.output.eval_prompts, cfg.output.eval_num_prompts), sampling,
                              cfg.output.eval_prompts)
-    probe.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts)  # same on every rank
+    memory.check_budget(cfg, facts, adapter)  # --memory-budget-gb: the same on every rank
     tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
                     sync=torch.cuda.synchronize if device.type == "cuda" else None)
     is_train = topo.is_trainer(rank)

@@ -28,8 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import json
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -46,13 +44,10 @@ from rewards import parse_reward_spec, reward_class
 from rl import sampler
 from rl.conditioning import Conditioning
 from runtime import build, evaluation, fakemem, probe
+from runtime.memory import REWARD_MODELS, reward_network
 from runtime.memtrack import FSDPTracker, Ref, Replay, Tracker, patched
 from trainer import Trainer
 
-REWARD_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rewards", "configs")
-REWARD_MODELS = {"pickscore": "clip_vit_h_14", "hpsv2": "clip_vit_h_14", "clip_score": "clip_vit_l_14",
-                 "laion_aesthetic": "clip_vit_l_14", "ocr": "trocr_large"}
-"""The network of each model reward (rule rewards load none)."""
 TRAIN_MICRO_BATCHES = 1
 """Packed micro-batches per measured training call (it accumulates into the gradients held before it)."""
 
@@ -132,21 +127,6 @@ def transition_batch(sent: Sent, sampling: sampler.SamplingConfig, sigmas: torch
 
 
 # ----- rewards ---------------------------------------------------------------------------------
-def reward_network(name: str) -> torch.nn.Module:
-    """The released network of reward model `name` (rewards/configs/), on the meta device."""
-    with open(os.path.join(REWARD_CONFIGS, f"{REWARD_MODELS[name]}.json")) as f:
-        spec = json.load(f)
-    spec.pop("about", None)
-    cls = getattr(transformers, spec.pop("_class_name"))
-    if cls is transformers.VisionEncoderDecoderModel:
-        config = cls.config_class.from_encoder_decoder_configs(transformers.AutoConfig.for_model(**spec["encoder"]),
-                                                               transformers.AutoConfig.for_model(**spec["decoder"]))
-    else:
-        config = cls.config_class(**spec)
-    with torch.device("meta"):
-        return cls(config).eval().requires_grad_(False)
-
-
 class FakeRewards:
     """A RewardSet's GPU work: each model reward's network, resident in the reward's dtype, scoring
     a batch of the reward's size (every frame of a video is an image); the scores are zeros."""
@@ -257,19 +237,7 @@ def measure_trainer(cfg, facts, release: str, rank: int, sent: Sent) -> tuple[Ra
     started, memory, headers = time.perf_counter(), RankMemory(rank, "trainer"), {}
     start_up(cfg, facts, release, rank, memory)
     with fake_rank(cfg, facts, release, rank) as (run, ctx):
-        trainer = Trainer(cfg, ctx.adapter, ctx.sampling, ProcessGroups.create(ctx.topo, 60).trainers,
-                          facts.train_sharding, ctx.slowdown)
-        fakemem.foreach_as_on_gpu(trainer.optimizer)
-        names = build._publish_names(ctx.adapter, facts.lora)
-        if compress.lossy(cfg.topology.publish_compression):
-            trainer.start_codec(cfg.topology.publish_compression, names, None)
-        sigmas = sampler.sigmas_for(ctx.adapter, ctx.sampling)
-        t = min(trainer.spec.timesteps(0, 0))
-        rows = facts.train_micro_batch if facts.tsp else cfg.rl.micro_batch
-        batch = transition_batch(sent, ctx.sampling, sigmas, t, rows)
-        _first_update(trainer)
-        for p in trainer.params:  # what the step's earlier micro-batches accumulated
-            p.grad = torch.zeros_like(p)
+        trainer, batch = _trainer(cfg, facts, ctx, sent)
         fsdp = facts.train_sharding == "fsdp"
         tracker = FSDPTracker(ctx.adapter.transformer, trainer.optimizer) if fsdp else Tracker()
         tracker.hold(run.mode, [trainer.optimizer], host=tensors_of(batch))
@@ -284,6 +252,23 @@ def measure_trainer(cfg, facts, release: str, rank: int, sent: Sent) -> tuple[Ra
         memory.unknown_reads = run.unknown_reads
     memory.seconds = time.perf_counter() - started
     return memory, headers
+
+
+def _trainer(cfg, facts, ctx, sent: Sent) -> tuple[Trainer, TransitionBatch]:
+    """The rank's Trainer as runtime/build.py makes it (its codec too), after one update (the
+    optimizer's state exists) and with the gradients of earlier micro-batches; and its input."""
+    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, ProcessGroups.create(ctx.topo, 60).trainers,
+                      facts.train_sharding, ctx.slowdown)
+    fakemem.foreach_as_on_gpu(trainer.optimizer)
+    if compress.lossy(cfg.topology.publish_compression):
+        trainer.start_codec(cfg.topology.publish_compression, build._publish_names(ctx.adapter, facts.lora), None)
+    sigmas = sampler.sigmas_for(ctx.adapter, ctx.sampling)
+    rows = facts.train_micro_batch if facts.tsp else cfg.rl.micro_batch
+    batch = transition_batch(sent, ctx.sampling, sigmas, min(trainer.spec.timesteps(0, 0)), rows)
+    _first_update(trainer)
+    for p in trainer.params:  # what the step's earlier micro-batches accumulated
+        p.grad = torch.zeros_like(p)
+    return trainer, batch
 
 
 def _first_update(trainer: Trainer) -> None:
@@ -370,5 +355,65 @@ def _install(receiver: publish.WeightReceiver, header: dict, tracker) -> None:
         receiver.install()
 
 
-__all__ = ["FakeRewards", "RankMemory", "Sent", "fake_rank", "measure_generator", "measure_trainer",
-           "reward_network", "sent_by_generators", "tensors_of", "transition_batch"]
+# ----- a run ------------------------------------------------------------------------------------
+def measure_run(cfg, facts, release: str) -> dict[str, RankMemory]:
+    """{role: its measured phases} for one rank of each role: the first trainer (it sends the
+    publication), the first generator (its last GAP stage, which decodes and scores, when there are
+    stages), the first scorer; a colocated run's first rank."""
+    topo = facts.topology
+    if not facts.disagg:
+        return {"colocated": measure_colocated(cfg, facts, release, 0)}
+    sent = sent_by_generators(cfg, facts, release)
+    out = {}
+    out["trainer"], headers = measure_trainer(cfg, facts, release, topo.trainer_ranks[0], sent)
+    g = topo.replica_ranks(0)[-1]
+    out["generator"] = measure_generator(cfg, facts, release, g, headers.get(g))
+    if topo.scorer_ranks:
+        out["scorer"] = measure_scorer(cfg, facts, release, topo.scorer_ranks[0])
+    return out
+
+
+def measure_scorer(cfg, facts, release: str, rank: int) -> RankMemory:
+    """A scorer rank: its reward models and one batch scored."""
+    started, memory = time.perf_counter(), RankMemory(rank, "scorer")
+    with fakemem.fake_world(facts.topology.world_size, rank), fakemem.FakeRun() as run:
+        rewards = FakeRewards(cfg.rl.reward, run.mode)
+        tracker = Tracker()
+        tracker.hold(run.mode)
+        d = cfg.sampling
+        with tracker:
+            run_phase(tracker, memory, "scoring", lambda: rewards.score_combined(
+                torch.empty((cfg.rl.micro_batch, 3, d.height or 512, d.width or 512)), []))
+    memory.seconds = time.perf_counter() - started
+    return memory
+
+
+def measure_colocated(cfg, facts, release: str, rank: int) -> RankMemory:
+    """A colocated rank: it trains (a micro-batch, the optimizer step, evaluation) and generates a
+    fragment beside its training state."""
+    started, memory = time.perf_counter(), RankMemory(rank, "colocated")
+    sent = sent_by_generators(cfg, facts, release)
+    start_up(cfg, facts, release, rank, memory)
+    with fake_rank(cfg, facts, release, rank) as (run, ctx):
+        trainer, batch = _trainer(cfg, facts, ctx, sent)
+        rewards = FakeRewards(cfg.rl.reward, run.mode)
+        generator = build._generator(ctx, LocalScorer(rewards))
+        plan = facts.step_plan(cfg, 0)
+        fragment = next(f for f in plan.fragments if f.replica == ctx.topo.replica_of(rank))
+        tracker = FSDPTracker(ctx.adapter.transformer, trainer.optimizer) if facts.train_sharding == "fsdp" \
+            else Tracker()
+        tracker.hold(run.mode, [trainer.optimizer], host=tensors_of(batch))
+        replaying(tracker, ctx.adapter, rewards)
+        with tracker:
+            run_phase(tracker, memory, "fragment", lambda: generator.generate(plan, [fragment], 0, None, lambda r: None))
+            run_phase(tracker, memory, "micro-batch", lambda: trainer.train(batch))
+            run_phase(tracker, memory, "optimizer step", lambda: _finish(trainer, run))
+            if cfg.output.eval_every:
+                run_phase(tracker, memory, "evaluation", lambda: _evaluate(cfg, ctx, run, tracker))
+        memory.unknown_reads = run.unknown_reads
+    memory.seconds = time.perf_counter() - started
+    return memory
+
+
+__all__ = ["FakeRewards", "RankMemory", "Sent", "fake_rank", "measure_colocated", "measure_generator", "measure_run",
+           "measure_scorer", "measure_trainer", "sent_by_generators", "tensors_of", "transition_batch"]

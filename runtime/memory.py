@@ -1,135 +1,199 @@
-"""A simple estimate of the GPU memory each role of a run needs, from the released model's parameter
-counts (models/released.py) and the run's config: a check that a recipe fits the GPUs it names,
-not a measurement.
+"""A run's GPU memory per role from the one memory model (planner/memory.py): the sizes it needs,
+read from the run's model (a loaded one, or a released config on the meta device) and its config,
+and the design of the code that runs it (`CODE`).
 
-What a rank holds, as the runtime allocates it:
-
-- every rank: the whole pipeline (runtime.run loads it everywhere): the transformer in its weight
-  dtype (--dtype: 4 bytes per parameter for auto / float32, else 2), the frozen text encoders in
-  2 bytes on CUDA (4 with float32), the VAE in 4, and the reward models in 4 (`REWARD_PARAMS`:
-  generators and scorers score, trainers evaluate);
-- a generator: the staging buffers of a publication (parallel/publish.py: as large as what is
-  published, the LoRA tensors or the whole transformer), one denoising forward's working set and
-  the stored trajectories of one fragment (K+1 float32 latents per sample);
-- a trainer: LoRA runs keep the adapters' weights, gradients, two AdamW moments, the summed
-  gradient buffer and the EMA in float32; full fine-tuning keeps weights, gradients and both
-  moments in the weight dtype, sharded over the trainers with FSDP, plus (FSDP) the whole transformer
-  once more while a version is gathered for publication (Trainer.full_weights), plus an unsharded frozen
-  reference copy when beta > 0; training activations for one forward of `micro_batch` samples
-  (twice with CFG): with --grad-checkpointing every block's float32 input plus one block's
-  recomputed activations, else every block's activations.
-
-A block's activations are taken as ACT_BYTES bytes per (token, hidden unit) and sample (34: the
-Megatron-LM estimate for a transformer layer with a 4x MLP under 16-bit autocast and a fused
-attention kernel, Korthikanti et al. 2022); tokens are the image tokens plus the padded text.
-Usable memory is USABLE of the GPU's (the CUDA context, the allocator's fragmentation and NCCL
-buffers take the rest). Not modelled: the VAE decode's working set (large for long videos at full
-size; diffusers' VAE tiling bounds it), reward-model activations, CPU offload.
+The runtime checks --memory-budget-gb with it before any rank waits on another, and
+scripts/check_recipe.py prints it beside the measurement (runtime/measure.py). Both count what
+the roles allocate as tensors; planner.memory.CONTEXT_BYTES stands for the CUDA context and the
+communicators' buffers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+import os
 
-from config.schema import RunConfig
-from config.validate import RunFacts
+import torch
+import transformers
+
+from config import preflight
+from config.cli import load_config_files
+from config.schema import DATA_DIR, RunConfig
+from config.validate import RunFacts, validate
+from models import model_dtypes
+from models.lora import lora_targets
 from models.released import count_parameters, meta_adapter
+from parallel import compress
+from planner import hardware
+from planner import memory as model
 from rewards import parse_reward_spec
+from rl import algorithms
 
 GiB = 1024 ** 3
-GPU_MEMORY = {"h100": 81559 * 2 ** 20, "h800": 81559 * 2 ** 20, "a100": 81920 * 2 ** 20, "h200": 143771 * 2 ** 20}
-"""Total memory of the 80 GB and 141 GB parts as nvidia-smi reports it (MiB)."""
-USABLE = 0.9
-ACT_BYTES = 34
-REWARD_PARAMS = {
-    "pickscore": 986e6,  # CLIP ViT-H/14
-    "hpsv2": 986e6,  # CLIP ViT-H/14
-    "clip_score": 428e6,  # CLIP ViT-L/14
-    "laion_aesthetic": 428e6,  # CLIP ViT-L/14 and a small MLP
-    "image_reward": 470e6,  # BLIP ViT-L/16, BERT-base, MLP
-    "ocr": 558e6,  # TrOCR large
-}
-"""Parameters of each model reward (approximate); rule rewards load none."""
+CODE = model.TODAY
+"""What runtime/build.py and the roles hold today (planner.memory.TODAY). The lean roles of issue #29
+make it planner.memory.LEAN; tests/test_memory.py holds the model under CODE within 10% of the
+measurements in docs/memory/*.json, which scripts/measure_recipes.py takes on the code."""
+
+REWARD_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rewards", "configs")
+REWARD_MODELS = {"pickscore": "clip_vit_h_14", "hpsv2": "clip_vit_h_14", "clip_score": "clip_vit_l_14",
+                 "laion_aesthetic": "clip_vit_l_14", "ocr": "trocr_large"}
+"""The network of each model reward (rule rewards load none)."""
 
 
-@dataclass(frozen=True)
-class Shape:
-    """What the estimate needs to know of a released model at the run's sampling size."""
+def reward_network(name: str) -> torch.nn.Module:
+    """The released network of reward model `name` (rewards/configs/), on the meta device."""
+    with open(os.path.join(REWARD_CONFIGS, f"{REWARD_MODELS[name]}.json")) as f:
+        spec = json.load(f)
+    spec.pop("about", None)
+    cls = getattr(transformers, spec.pop("_class_name"))
+    if cls is transformers.VisionEncoderDecoderModel:
+        config = cls.config_class.from_encoder_decoder_configs(transformers.AutoConfig.for_model(**spec["encoder"]),
+                                                               transformers.AutoConfig.for_model(**spec["decoder"]))
+    else:
+        config = cls.config_class(**spec)
+    with torch.device("meta"):
+        return cls(config).eval().requires_grad_(False)
 
-    params: dict[str, int]  # per component (models.released.parameter_counts)
-    tokens: int  # image tokens plus padded text tokens of one sample's forward
-    hidden: int
-    num_blocks: int
-    latent_elems: int  # elements of one sample's latent
+
+def reward_parameters(specs: list[str]) -> float:
+    names = {parse_reward_spec(s)[0] for s in specs}
+    return float(sum(count_parameters({n: reward_network(n)})[n] for n in names if n in REWARD_MODELS))
 
 
-def model_shape(name: str, cfg: RunConfig, adapter=None) -> Shape:
-    """The released model `name` (models/configs/) at the run's height, width and frames (`adapter`:
-    its meta_adapter, when already built)."""
-    adapter = adapter or meta_adapter(name)
-    s, d = cfg.sampling, adapter.defaults
-    latent = adapter.latent_shape(s.height or d.height, s.width or d.width, s.num_frames or d.num_frames)
-    text = adapter.max_sequence_length + (77 if adapter.family == "sd3" else 0)  # SD3: CLIP's 77, then T5
+def _units(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP units parallel/fsdp.shard_modules makes: every block and every top-level module."""
+    out = []
+    for child in transformer.children():
+        out.extend(child if isinstance(child, torch.nn.ModuleList) else [child])
+    return out
+
+
+def run_shape(cfg: RunConfig, facts: RunFacts, adapter) -> model.RunShape:
+    """The model's view of a run on `adapter` (LoRA applied or not: adapters are counted by name)."""
+    s, rl, o = cfg.sampling, cfg.rl, cfg.optim
+    d = adapter.defaults
+    height, width, frames = s.height or d.height, s.width or d.width, s.num_frames or d.num_frames
+    latent = adapter.latent_shape(height, width, frames)
+    counts = count_parameters(adapter.pipe.components)
+    named = dict(adapter.transformer.named_parameters())
+    lora = sum(p.numel() for n, p in named.items() if ".lora_" in n)
+    if facts.lora and not lora:  # a model without its adapters yet: peft's own count
+        lora = _lora_count(adapter, cfg)
     config = adapter.transformer.config
-    hidden = config.num_attention_heads * config.attention_head_dim
-    elems = 1
-    for n in latent:
-        elems *= n
-    return Shape(count_parameters(adapter.pipe.components), adapter.image_seq_len(latent) + text, hidden,
-                 len(adapter.blocks), elems)
+    dtypes = model_dtypes(cfg.model.dtype, torch.device("cuda"))
+    plan = facts.step_plan(cfg, 0)
+    text = adapter.max_sequence_length + (77 if adapter.family == "sd3" else 0)
+    return model.RunShape(
+        family=adapter.family, dit=counts["transformer"] - lora,
+        text=sum(v for k, v in counts.items() if k.startswith("text_encoder")), vae=counts.get("vae", 0),
+        rewards=reward_parameters(rl.reward), hidden=config.num_attention_heads * config.attention_head_dim,
+        blocks=len(adapter.blocks), largest_unit=max(sum(p.numel() for p in u.parameters()) for u in
+                                                     _units(adapter.transformer)),
+        tokens=adapter.image_seq_len(latent) + text, latent=math.prod(latent),
+        pixels=height * width * (frames or 1), steps=s.sample_steps or d.num_steps,
+        branches=2 if (s.cfg_scale or d.cfg_scale) > 1 else 1, gen_micro=rl.micro_batch,
+        train_micro=facts.train_micro_batch if facts.tsp else rl.micro_batch,
+        fragment=max(len(f.sample_ids) for f in plan.fragments), lora=float(lora),
+        weight_bytes=dtypes["transformer"].itemsize, text_bytes=dtypes["text_encoder"].itemsize,
+        checkpointing=o.grad_checkpointing, reference=algorithms.algorithm(rl.algorithm).loss(rl).needs_reference,
+        ema=o.ema_decay > 0, lossy_codec=compress.lossy(cfg.topology.publish_compression))
 
 
-def _lora_params(shape: Shape, rank: int, targets: str) -> float:
-    """Adapter parameters, an upper bound: rank x (in + out) per adapted projection of width `hidden`,
-    8 attention projections a block (q, k, v, out of both streams), 16 with the feed-forward layers."""
-    per_block = 8 if targets == "attn" else 16
-    return shape.num_blocks * per_block * rank * 2 * shape.hidden
+def _lora_count(adapter, cfg: RunConfig) -> int:
+    """Adapter parameters peft adds: rank x (in + out) for every targeted Linear."""
+    targets = lora_targets(adapter.transformer, cfg.optim.lora_targets)
+    return sum(cfg.optim.lora_rank * (m.in_features + m.out_features) for name, m in adapter.transformer.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
 
 
-def estimate(cfg: RunConfig, facts: RunFacts, shape: Shape) -> dict[str, float]:
-    """Peak bytes per role ("generator", "trainer") of a disaggregated run (see the module docstring)."""
+def predict(cfg: RunConfig, facts: RunFacts, adapter, design: model.Design = CODE,
+            capacity: float = float("inf")) -> dict[str, dict[str, model.MemoryUse]]:
+    """{role: {phase: MemoryUse}} of every role the run's topology has, under `design`."""
+    shape, topo = run_shape(cfg, facts, adapter), facts.topology
+    shard = facts.num_trainers if facts.train_sharding == "fsdp" else 1
+    evaluates = bool(cfg.output.eval_every)
     if not facts.disagg:
-        raise ValueError("the memory estimate models disaggregated runs only")
-    p, o, rl = shape.params, cfg.optim, cfg.rl
-    weight_bytes = 4 if cfg.model.dtype in ("auto", "float32") else 2
-    text_bytes = 4 if cfg.model.dtype == "float32" else 2
-    transformer = p["transformer"] * weight_bytes
-    rewards = sum(REWARD_PARAMS.get(parse_reward_spec(spec)[0], 0) for spec in rl.reward)
-    frozen = sum(v for k, v in p.items() if k.startswith("text_encoder")) * text_bytes + p["vae"] * 4 + rewards * 4
-    branches = 2 if (cfg.sampling.cfg_scale or 1.0) > 1 else 1
-    token_bytes = shape.tokens * shape.hidden * rl.micro_batch * branches  # a generation forward's (token, unit)s
-    train_batch = facts.train_micro_batch if facts.tsp else rl.micro_batch  # TSP: transitions per forward
-    train_bytes = shape.tokens * shape.hidden * train_batch * branches
-    lora = _lora_params(shape, o.lora_rank, o.lora_targets) if o.lora_rank > 0 else 0
-    published = lora * 4 if lora else transformer
-    group_samples = (cfg.topology.fragment_groups or rl.prompts_per_step) * rl.group_size
-    steps = cfg.sampling.sample_steps or 1
-    generator = (frozen + transformer + published + ACT_BYTES * token_bytes
-                 + group_samples * (steps + 1) * shape.latent_elems * 4)
-    if o.grad_checkpointing:
-        activations = shape.num_blocks * 4 * train_bytes + ACT_BYTES * train_bytes
-    else:
-        activations = shape.num_blocks * ACT_BYTES * train_bytes
-    if lora:
-        state = transformer + lora * (4 + 4 + 8 + 4 + (4 if o.ema_decay > 0 else 0))
-        trainer = frozen + state + activations
-    else:
-        shards = facts.num_trainers if facts.train_sharding == "fsdp" else 1
-        moments = 4 * weight_bytes + (weight_bytes if o.ema_decay > 0 else 0)
-        state = p["transformer"] * moments / shards + (transformer if rl.beta > 0 else 0)
-        gathered = 2 * transformer / shape.num_blocks if shards > 1 else 0  # a unit in use, the next prefetched
-        publication = transformer if shards > 1 else 0  # FSDP: the whole transformer gathered to publish
-        trainer = frozen + state + max(publication, activations + gathered)
-    return {"generator": generator, "trainer": trainer}
+        return {"colocated": model.colocated_phases(shape, design, capacity, shard=shard, evaluates=evaluates)}
+    out = {}
+    stages = topo.gap_stages
+    for stage in sorted({0, stages - 1}):
+        role = "generator" if stages == 1 else f"generator stage {stage}"
+        phases = model.generator_phases(shape, design, capacity, stages=stages, stage=stage,
+                                        scores=not topo.scorer_ranks)
+        out[role] = {**phases, "start-up probe": model.start_up_phase(shape, design, capacity, "generator")}
+    out["trainer"] = model.role_phases(shape, design, capacity, "trainer", shard=shard, evaluates=evaluates)
+    if topo.scorer_ranks:
+        out["scorer"] = {"scoring": model.scorer_phase(shape, design, capacity)}
+    return out
 
 
-def check_fits(cfg: RunConfig, facts: RunFacts, shape: Shape, gpu: str) -> dict[str, float]:
-    """The estimate per role; ValueError naming the role, its GiB and the GPU's when it does not fit."""
-    if gpu not in GPU_MEMORY:
-        raise ValueError(f"unknown GPU {gpu!r}; known: {sorted(GPU_MEMORY)}")
-    usable = USABLE * GPU_MEMORY[gpu]
-    need = estimate(cfg, facts, shape)
-    for role, nbytes in need.items():
-        if nbytes > usable:
-            raise ValueError(f"a {role} needs about {nbytes / GiB:.1f} GiB, above the {usable / GiB:.1f} GiB usable "
-                             f"on a {gpu}")
-    return need
+def check_budget(cfg: RunConfig, facts: RunFacts, adapter) -> None:
+    """--memory-budget-gb: refuse a run whose predicted peak on some rank exceeds the budget, naming the
+    role, its phase and its largest items. The same on every rank, before any rank waits on another."""
+    budget = cfg.topology.memory_budget_gb
+    if budget is None:
+        return
+    for role, phases in predict(cfg, facts, adapter, capacity=budget * 1e9).items():
+        top = model.peak(phases)
+        if top.total > budget * 1e9:
+            items = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in sorted(top.items.items(), key=lambda kv: -kv[1])[:4])
+            fix = ("shard the training state with more trainer ranks (--train-sharding fsdp) or use LoRA"
+                   if role in ("trainer", "colocated") else "use more --gap-stages")
+            raise ValueError(f"--memory-budget-gb {budget:g}: a {role} needs {top.total / 1e9:.3g} GB at its "
+                             f"{top.phase} ({items} GB, planner/memory.py); {fix}")
+
+
+# ----- recipes ----------------------------------------------------------------------------------
+def load_recipe(paths: list[str]):
+    """(config, recipe table, RunFacts) of a recipe and its extra config files, with stand-ins for
+    what the recipe needs from the user (weights, prompts): nothing is loaded."""
+    cfg, recipe = load_config_files(paths)
+    for key in ("model_config", "gpu", "gpus"):
+        if key not in recipe:
+            raise ValueError(f"{paths[0]!r} has no recipe.{key}: not a recipe")
+    cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights" for spec in cfg.rl.reward]
+    cfg.rl.prompts = cfg.output.eval_prompts = os.path.join(DATA_DIR, "shapes_train.txt")
+    cfg.resolve_defaults()
+    check_model = preflight.check_model
+    preflight.check_model = lambda c: None  # the released config stands for the weights folder
+    try:
+        facts = validate(cfg, recipe["gpus"])
+    finally:
+        preflight.check_model = check_model
+    return cfg, recipe, facts
+
+
+def recipe_report(cfg, recipe, facts, gpu: hardware.GPU, measured: dict | None) -> dict:
+    """Per role: the measured peak phase (runtime/measure.py's RankMemory; the predicted one without a
+    measurement), the model's figures under CODE and under the lean design, every phase's figures."""
+    adapter = meta_adapter(recipe["model_config"])
+    today = predict(cfg, facts, adapter, CODE, gpu.memory_bytes)
+    lean = predict(cfg, facts, adapter, model.LEAN, gpu.memory_bytes)
+    roles = []
+    for role, phases in today.items():
+        got = measured.get(role) if measured else None
+        phase = got.peak_phase if got is not None else model.peak(phases).phase
+        row = {"role": role, "phase": phase,
+               "measured_peak_gib": round(got.peak["total"] / GiB, 2) if got is not None else None,
+               "predicted_peak_gib": round(phases[phase].tensors / GiB, 2) if phase in phases else None,
+               "categories": {k: round(v / GiB, 2) for k, v in (got.peak if got is not None else
+                                                                phases[phase].categories()).items() if k != "total"},
+               "lean_predicted_peak_gib": round(model.peak(lean[role]).tensors / GiB, 2),
+               "lean_phase": model.peak(lean[role]).phase,
+               "phases": {p: {"measured_gib": round(got.phases[p]["total"] / GiB, 2) if got and p in got.phases
+                              else None, "predicted_gib": round(m.tensors / GiB, 2),
+                              "categories": {k: round(v / GiB, 2) for k, v in got.phases[p].items() if k != "total"}
+                              if got and p in got.phases else None} for p, m in phases.items()}}
+        if got is not None:
+            row.update(rank=got.rank, seconds=round(got.seconds, 1), unknown_reads=got.unknown_reads)
+        roles.append(row)
+    usable = model.USABLE_FRACTION * gpu.memory_bytes - model.CONTEXT_BYTES
+    return {"recipe": recipe.get("name"), "gpus": recipe["gpus"], "gpu": gpu.key, "gpu_memory_gib":
+            round(gpu.memory_bytes / GiB, 2), "usable_gib": round(usable / GiB, 2), "design": CODE.name,
+            "topology": f"{len(facts.topology.generator_ranks)} generators + {facts.topology.num_trainers} trainers "
+                        f"({facts.train_sharding})", "roles": roles}
+
+
+__all__ = ["CODE", "GiB", "REWARD_MODELS", "check_budget", "load_recipe", "predict", "recipe_report",
+           "reward_network", "reward_parameters", "run_shape"]

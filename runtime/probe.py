@@ -1,5 +1,5 @@
-"""What one rank can do, found at start-up: its speed (a short probe of the run's own model) and
-whether the run's plan fits its memory (--memory-budget-gb).
+"""What one rank can do, found at start-up: its speed (a short probe of the run's own model).
+(Whether the run fits its memory, --memory-budget-gb, is runtime/memory.py's check_budget.)
 
 The speeds are gathered on every rank and set the share of fragments of each generator replica
 (parallel.plan.replica_speeds), the GAP stage partition, and BTS's first estimate of how fast a
@@ -21,8 +21,6 @@ from models import autocast
 from prompts import shapes as buckets
 from telemetry.tracing import Slowdown
 
-ADAMW_BYTES = 8  # two float32 moments per trainable parameter
-GB = 1e9
 
 
 def _timed(fn, slowdown: Slowdown, device: torch.device, repeats: int = 3) -> float:
@@ -103,41 +101,6 @@ def probe_shapes(adapter, sampling, micro_batch: int, shapes, slowdown: Slowdown
             step_s = _timed(step, slowdown, device)
             out[shape] = encode_s + sampling.num_steps * step_s + _timed(decode, slowdown, device)
     return out
-
-
-def state_bytes(transformer: torch.nn.Module) -> dict[str, float]:
-    """Bytes of the transformer's weights, and of the gradients and AdamW state of its trainable
-    parameters (LoRA: the adapters only)."""
-    params = list(transformer.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    return {"weights": float(sum(p.numel() * p.element_size() for p in params)),
-            "gradients": float(sum(p.numel() * p.element_size() for p in trainable)),
-            "optimizer": float(sum(p.numel() * ADAMW_BYTES for p in trainable))}
-
-
-def check_memory_budget(budget_gb: float | None, transformer: torch.nn.Module, facts) -> None:
-    """Refuse a plan whose per-rank state exceeds the budget, naming the numbers. Trainers hold
-    weights + gradients + optimizer state, replicated or split over the trainer group by FSDP;
-    generators of a disaggregated run hold inference weights only (1/S of them in a GAP stage).
-    Called on every rank after the model loads and before any rank waits on another."""
-    if budget_gb is None:
-        return
-    b = state_bytes(transformer)
-    training = b["weights"] + b["gradients"] + b["optimizer"]
-    shards = facts.num_trainers if facts.train_sharding == "fsdp" else 1
-    per_trainer = training / shards
-    if per_trainer > budget_gb * GB:
-        what = (f"weights {b['weights'] / GB:.3g} + gradients {b['gradients'] / GB:.3g} + AdamW "
-                f"{b['optimizer'] / GB:.3g} GB")
-        fix = ("shard it with --train-sharding fsdp (disaggregated) or --colocated-sharding fsdp"
-               if shards == 1 else "use more trainer ranks or LoRA")
-        raise ValueError(f"--memory-budget-gb {budget_gb:g}: training state needs {per_trainer / GB:.3g} GB per "
-                         f"trainer rank ({what}, over {shards} rank(s)); {fix}")
-    if facts.disagg:
-        per_generator = b["weights"] / facts.topology.gap_stages
-        if per_generator > budget_gb * GB:
-            raise ValueError(f"--memory-budget-gb {budget_gb:g}: a generator holds {per_generator / GB:.3g} GB of "
-                             f"inference weights; use more --gap-stages")
 
 
 def gather_speeds(ctx, out_dir: str, shapes=None) -> list[dict | None]:

@@ -34,11 +34,14 @@ import time
 from typing import Any, NamedTuple
 
 from config.cli import parse_config
+from config.validate import validate
 from telemetry.metrics import read_metrics
 from models import load_model
 from telemetry.tracing import BUSY_CATEGORIES
 from planner.bench_report import add_predictions, bubble_check, scenario_report, write_report
+from planner.memory import peak
 from planner.profile import finetune_flags
+from runtime.memory import predict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -196,14 +199,27 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def memory_budget_gb(args: argparse.Namespace) -> float:
-    """A budget that forbids replicated full fine-tuning of the bench's model but fits its inference
-    weights and its FSDP2 shards over 2 or more ranks: 2.5 x the float32 weights (training holds 4x:
-    weights, gradients and two AdamW moments)."""
-    cfg = parse_config(["--preset", args.preset] if args.preset != "auto" else [])
-    cfg.resolve_defaults()
-    adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=0)
-    return 2.5 * sum(p.numel() * p.element_size() for p in adapter.transformer.parameters()) / 1e9
+def memory_budget_gb(args: argparse.Namespace, workload: list[str]) -> float:
+    """A budget that the memory model (planner/memory.py through runtime/memory.py) admits for the
+    sharded scenario's plans (colocated FSDP2 over 3 ranks; 1 generator + 2 FSDP2 trainers) and
+    refuses for replicated full fine-tuning: midway between the largest of those peaks and the
+    replicated trainer's."""
+    base = [*workload, *SCENARIOS["sharded"].flags]
+    base[base.index("auto")] = "1e9"
+
+    def peaks(name: str) -> list[float]:
+        cfg = parse_config([*base, *MODES[name].flags])
+        cfg.resolve_defaults()
+        facts = validate(cfg, MODES[name].nproc)
+        adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=0)
+        return [peak(phases).total for phases in predict(cfg, facts, adapter).values()]
+
+    admitted = max(max(peaks("colocated-fsdp3")), max(peaks("gap-fsdp")))
+    refused = max(peaks("colocated-replicate"))
+    if not admitted < refused:
+        raise ValueError(f"the bench's model needs {admitted / 1e9:.3g} GB sharded and {refused / 1e9:.3g} GB "
+                         f"replicated: no budget separates them")
+    return (admitted + refused) / 2 / 1e9
 
 
 def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
@@ -222,7 +238,7 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
         sc = SCENARIOS[sc_name]
         flags = list(sc.flags)
         if "auto" in flags:
-            budget = budget or memory_budget_gb(args)
+            budget = budget or memory_budget_gb(args, workload)
             flags[flags.index("auto")] = f"{budget:.6g}"
         print(f"scenario {sc_name}: {sc.description}; {shlex.join(flags)}", flush=True)
         results = []
@@ -253,8 +269,8 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
     if any(r["exceeds_cores"] for r in rows):
         notes_lines.append(f"* more ranks than the {os.cpu_count()} CPU cores: ranks time-share cores (contention)")
     if budget is not None:
-        notes_lines.append(f"sharded: --memory-budget-gb {budget:.6g} (2.5x the float32 weights) forbids replicated "
-                           f"full fine-tuning")
+        notes_lines.append(f"sharded: --memory-budget-gb {budget:.6g} (the memory model's peaks: between the sharded "
+                           f"plans' and a replicated trainer's) forbids replicated full fine-tuning")
     if args.profile != "none":
         notes_lines.append(add_predictions(rows, args.profile or calibrate(args, bench_dir, rows)))
     scenario_report(rows, notes_lines, bench_dir, args.json or os.path.join(bench_dir, "scenarios.json"))

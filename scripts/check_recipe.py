@@ -1,50 +1,70 @@
-"""Check a recipe without weights or GPUs: its config validates on the GPU count it names, and the
-memory estimate of each role (runtime/memory.py) fits the GPU kind it names.
+"""Check a recipe without weights or GPUs: its config validates on the GPU count it names, and each
+role's GPU memory, measured on the roles' own code at the released model's size (runtime/measure.py:
+FakeTensorMode with torch's memory trackers), fits the GPU it names.
 
-    python -m scripts.check_recipe recipes/flow_grpo/flux_dev.toml
+    python -m scripts.check_recipe recipes/dance_grpo/flux_dev.toml --gpu h100 --json OUT.json
     python -m scripts.check_recipe recipes/dance_grpo/hunyuan_video.toml --config recipes/topology/32gpus.toml
+    python -m scripts.check_recipe recipes/flow_grpo/qwen_image.toml --predict-only
 
-Exit 0 when it fits; 2 (with the reason) when not.
+Prints every role's peak phase, measured and as the memory model predicts it (planner/memory.py under
+the code's design, and under the lean roles' design), by category, beside the GPU's memory. Exits 0
+when every role fits; 1 naming the role, its phase and its largest categories when one does not;
+2 on a user error. OUT (--json) holds per role {"role", "phase", "measured_peak_gib",
+"predicted_peak_gib", "categories": {...}} and every phase's figures.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
-
+import time
 
 from config import cli
-from config.schema import DATA_DIR
-from config.validate import validate
-from config.cli import load_config_files
-from runtime.memory import GPU_MEMORY, USABLE, GiB, check_fits, model_shape
+from planner import hardware
+from runtime import measure
+from runtime.memory import load_recipe, recipe_report
+
+
+def print_report(out: dict) -> list[str]:
+    """The table; returns a line per role that does not fit."""
+    print(f"{out['recipe']}: {out['gpus']} x {out['gpu']} ({out['gpu_memory_gib']:.1f} GiB, {out['usable_gib']:.1f} GiB "
+          f"for tensors), {out['topology']}")
+    print(f"  {'role':10s} {'peak phase':16s} {'measured':>9s} {'model':>7s} {'lean':>7s}  GiB by category (measured)")
+    misfits = []
+    for r in out["roles"]:
+        value = r["measured_peak_gib"] if r["measured_peak_gib"] is not None else r["predicted_peak_gib"]
+        cats = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["categories"].items(), key=lambda kv: -kv[1]) if v >= 0.05)
+        shown = "-" if r["measured_peak_gib"] is None else f"{r['measured_peak_gib']:.1f}"
+        print(f"  {r['role']:10s} {r['phase']:16s} {shown:>9s} {r['predicted_peak_gib']:>7.1f} "
+              f"{r['lean_predicted_peak_gib']:>7.1f}  {cats}")
+        if value > out["usable_gib"]:
+            top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["categories"].items(), key=lambda kv: -kv[1])[:3])
+            misfits.append(f"a {r['role']} needs {value:.1f} GiB at its {r['phase']}, above the {out['usable_gib']:.1f} "
+                           f"GiB a {out['gpu']} has for tensors ({top} GiB)")
+    return misfits
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("recipe", help="a recipe (.toml)")
     p.add_argument("--config", action="append", default=[], help="more config files after the recipe (a topology)")
-    p.add_argument("--gpu", default=None, help=f"check on this GPU kind instead of the recipe's: {sorted(GPU_MEMORY)}")
+    p.add_argument("--gpu", default=None, help=f"check on this GPU instead of the recipe's: {sorted(hardware.GPUS)}")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the figures of every role and phase here")
+    p.add_argument("--predict-only", action="store_true", help="the memory model only (seconds), no measurement")
     args = p.parse_args(argv)
-    cfg, recipe = load_config_files([args.recipe, *args.config])
-    for key in ("model_config", "gpu", "gpus"):
-        if key not in recipe:
-            raise ValueError(f"{args.recipe!r} has no recipe.{key}: not a recipe")
-    # Stand-ins for what the recipe needs from the user: nothing is loaded.
-    cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights" for spec in cfg.rl.reward]
-    cfg.rl.prompts = cfg.output.eval_prompts = os.path.join(DATA_DIR, "shapes_train.txt")
-    cfg.resolve_defaults()
-    facts = validate(cfg, recipe["gpus"])
-    gpu = args.gpu or recipe["gpu"]
-    shape = model_shape(recipe["model_config"], cfg)
-    topo = facts.topology
-    print(f"{recipe.get('name', args.recipe)}: {recipe['gpus']} x {gpu} ({USABLE * GPU_MEMORY[gpu] / GiB:.1f} GiB "
-          f"usable each), {len(topo.generator_ranks)} generators + {topo.num_trainers} trainers "
-          f"({facts.train_sharding}), {'LoRA rank ' + str(cfg.optim.lora_rank) if facts.lora else 'full fine-tuning'}")
-    print(f"  transformer {shape.params['transformer'] / 1e9:.2f}B parameters, {shape.tokens} tokens per sample")
-    need = check_fits(cfg, facts, shape, gpu)
-    for role, nbytes in need.items():
-        print(f"  {role}: about {nbytes / GiB:.1f} GiB")
-    return 0
+    cfg, recipe, facts = load_recipe([args.recipe, *args.config])
+    gpu = hardware.gpu(args.gpu or recipe["gpu"])
+    started = time.perf_counter()
+    measured = None if args.predict_only else measure.measure_run(cfg, facts, recipe["model_config"])
+    out = recipe_report(cfg, recipe, facts, gpu, measured)
+    out["seconds"] = round(time.perf_counter() - started, 1)
+    misfits = print_report(out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    for line in misfits:
+        print(f"does not fit: {line}")
+    return 1 if misfits else 0
 
 
 if __name__ == "__main__":

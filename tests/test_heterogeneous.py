@@ -3,12 +3,15 @@ the memory budget) and, through torchrun, that the bench's `hetero` and `sharded
 train the weights of their colocated baselines."""
 import json
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from runtime.probe import check_memory_budget, state_bytes
+from config.cli import parse_config
+from config.validate import validate
+from models import load_model
+from planner.memory import peak
+from runtime.memory import check_budget, predict
 from runtime.launch import TINY, torchrun, trained_weights
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
@@ -51,29 +54,31 @@ def test_slowdown_stretches_the_wrapped_work():
         Slowdown(0.5)
 
 
-def _facts(sharding, trainers=1, disagg=True, stages=1):
-    return SimpleNamespace(train_sharding=sharding, num_trainers=trainers, disagg=disagg,
-                           topology=SimpleNamespace(gap_stages=stages))
+def _budgeted(*flags: str):
+    """A tiny full fine-tuning run's config, facts and model (the memory model's input)."""
+    cfg = parse_config(["--preset", "tiny", "--lora-rank", "0", "--prompts-per-step", "2", *flags])
+    cfg.resolve_defaults()
+    facts = validate(cfg, 3)
+    return cfg, facts, load_model(cfg.model.model, preset="tiny", seed=0)
 
 
-def test_memory_budget_refuses_replicated_training_state_that_does_not_fit():
-    model = torch.nn.Linear(1000, 1000)  # 1.001M float32 parameters: 4.004 MB of weights
-    b = state_bytes(model)
-    assert b == {"weights": 4.004e6, "gradients": 4.004e6, "optimizer": 8.008e6}
-    budget = 10e6 / 1e9  # 10 MB: the 16 MB of replicated training state does not fit
-    with pytest.raises(ValueError, match=r"--memory-budget-gb 0.01: training state needs 0.016 GB per trainer rank "
-                                         r"\(weights 0.004 \+ gradients 0.004 \+ AdamW 0.00801 GB, over 1 rank\(s\)\); "
-                                         r"shard it"):
-        check_memory_budget(budget, model, _facts("replicate"))
-    check_memory_budget(budget, model, _facts("fsdp", trainers=2))  # 8 MB per trainer: fits
-    with pytest.raises(ValueError, match="a generator holds 0.004 GB"):
-        check_memory_budget(3e6 / 1e9, model, _facts("fsdp", trainers=8))
-    check_memory_budget(3e6 / 1e9, model, _facts("fsdp", trainers=8, stages=2))  # half the weights per stage
-    model.requires_grad_(False)  # LoRA-like: nothing trainable but what is added
-    assert state_bytes(model)["optimizer"] == 0
-    check_memory_budget(budget, model, _facts("replicate"))
-
-
+def test_memory_budget_refuses_a_plan_whose_predicted_peak_does_not_fit():
+    """--memory-budget-gb compares every role's peak in the one memory model (planner/memory.py) with
+    the budget: replicated full fine-tuning over 2 trainers is refused where FSDP2 over them fits."""
+    replicated = _budgeted("--generators", "1", "--trainers", "2")
+    sharded = _budgeted("--generators", "1", "--trainers", "2", "--train-sharding", "fsdp")
+    peaks = {name: {role: peak(phases).total for role, phases in predict(*run).items()}
+             for name, run in (("replicated", replicated), ("sharded", sharded))}
+    assert peaks["sharded"]["trainer"] < peaks["replicated"]["trainer"]
+    assert peaks["sharded"]["generator"] == pytest.approx(peaks["replicated"]["generator"])
+    budget = (max(peaks["sharded"].values()) + peaks["replicated"]["trainer"]) / 2 / 1e9
+    replicated[0].topology.memory_budget_gb = sharded[0].topology.memory_budget_gb = budget
+    check_budget(*sharded)
+    with pytest.raises(ValueError, match=rf"--memory-budget-gb {budget:g}: a trainer needs [0-9.]+ GB at its "
+                                         r"[a-z -]+ \(.*weights fp32.*\); shard the training state"):
+        check_budget(*replicated)
+    replicated[0].topology.memory_budget_gb = None
+    check_budget(*replicated)  # no budget, no check
 
 
 ARGS = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]

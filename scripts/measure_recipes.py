@@ -1,0 +1,64 @@
+"""Measure every recipe on every topology (recipes/topology/) at the released models' sizes and write
+docs/memory/RECIPE-NGPUS.json (scripts/check_recipe.py's --json), which tests/test_memory.py holds
+the memory model to. Slow: about an hour on two busy CPU cores.
+
+    python -m scripts.measure_recipes [--only dance_grpo/flux_dev] [--out docs/memory] [--gpu h100]
+
+The generator ranks of a recipe do not depend on the topology (a fragment is the recipe's groups, a
+publication the whole model), so they are measured once per recipe and reported with each topology.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import time
+
+from config import cli
+from planner import hardware
+from runtime import measure
+from runtime.memory import load_recipe, recipe_report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*_grpo", "*.toml")))
+TOPOLOGIES = [os.path.join(ROOT, "recipes", "topology", f"{n}gpus.toml") for n in (8, 16, 32)]
+
+
+def out_name(recipe: str, topology: str) -> str:
+    """docs/memory/ file name: dance_grpo-flux_dev-8gpus.json."""
+    rel = os.path.relpath(recipe, os.path.join(ROOT, "recipes"))[:-len(".toml")].replace(os.sep, "-")
+    return f"{rel}-{os.path.basename(topology)[:-len('.toml')]}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--only", action="append", default=[], help="recipes whose path contains this (repeatable)")
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "memory"))
+    p.add_argument("--gpu", default="h100", help="the GPU the report compares with")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    gpu = hardware.gpu(args.gpu)
+    for recipe in [r for r in RECIPES if not args.only or any(o in r for o in args.only)]:
+        generator = None
+        for topology in TOPOLOGIES:
+            started = time.perf_counter()
+            cfg, table, facts = load_recipe([recipe, topology])
+            sent = measure.sent_by_generators(cfg, facts, table["model_config"])
+            trainer, headers = measure.measure_trainer(cfg, facts, table["model_config"],
+                                                       facts.topology.trainer_ranks[0], sent)
+            if generator is None:
+                g = facts.topology.generator_ranks[0]
+                generator = measure.measure_generator(cfg, facts, table["model_config"], g, headers.get(g))
+            out = recipe_report(cfg, table, facts, gpu, {"generator": generator, "trainer": trainer})
+            out["seconds"] = round(time.perf_counter() - started, 1)
+            with open(os.path.join(args.out, out_name(recipe, topology)), "w") as f:
+                json.dump(out, f, indent=1)
+            print(f"{out_name(recipe, topology)}: " + ", ".join(
+                f"{r['role']} {r['measured_peak_gib']} GiB ({r['phase']}; model {r['predicted_peak_gib']})"
+                for r in out["roles"]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
