@@ -59,12 +59,14 @@ class Design:
     """a lossy codec keeps the generators' copy and its residual in float32, unsharded"""
     probe_backward: bool
     """every rank runs an unsharded forward + backward at start-up (the speed probe)"""
+    tiled_decode: bool
+    """the VAE decodes a video tile by tile (models/: its working set is a tile's)"""
 
 
 TODAY = Design("today", None, cast_copy=True, whole_staging=True, whole_gather=True, held_reduce_scatter=True,
-               trainer_aux=True, aux_dtype_bytes=4, whole_codec=True, probe_backward=True)
+               trainer_aux=True, aux_dtype_bytes=4, whole_codec=True, probe_backward=True, tiled_decode=False)
 LEAN = Design("lean", 2, cast_copy=False, whole_staging=False, whole_gather=False, held_reduce_scatter=False,
-              trainer_aux=False, aux_dtype_bytes=2, whole_codec=False, probe_backward=False)
+              trainer_aux=False, aux_dtype_bytes=2, whole_codec=False, probe_backward=False, tiled_decode=True)
 DESIGNS = {d.name: d for d in (TODAY, LEAN)}
 PLANNED = LEAN
 """The design the planner prices DigenRL's roles with."""
@@ -131,7 +133,9 @@ class Activations:
     train_full: float
     """forward + backward without checkpointing, per block"""
     decode: float
-    """the VAE decode of one sample, per decoded pixel"""
+    """the VAE decode of one sample under bf16 autocast, per decoded pixel (float32: twice)"""
+    tiled: float = 1.0
+    """a tiled decode's working set as a fraction of the whole decode's"""
 
 
 ACTIVATIONS = {
@@ -184,8 +188,8 @@ class MemoryUse:
         top = sorted(self.items.items(), key=lambda kv: -kv[1])[:4]
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in top)
         where = f" at its {self.phase}" if self.phase else ""
-        return (f"{self.role}{where}: {self.total / 1e9:.1f} GB > {USABLE_FRACTION * self.capacity / 1e9:.1f} GB usable "
-                f"({parts} GB)")
+        usable = USABLE_FRACTION * self.capacity / 1e9
+        return f"{self.role}{where}: {self.total / 1e9:.1f} GB > {usable:.1f} GB usable ({parts} GB)"
 
 
 # ----- phases of each role --------------------------------------------------------------------------
@@ -196,6 +200,11 @@ def _act(s: RunShape) -> Activations:
 def _row_bytes(s: RunShape, rows: float) -> float:
     """rows x tokens x hidden: the unit the measured working sets are counted in."""
     return rows * s.tokens * s.hidden
+
+
+def _decode(s: RunShape, d: Design, a: Activations) -> float:
+    """The VAE decode of a chunk under bf16 autocast."""
+    return a.decode * s.gen_micro * s.pixels * (a.tiled if d.tiled_decode else 1.0)
 
 
 def published_bytes(s: RunShape) -> float:
@@ -233,7 +242,7 @@ def generator_phases(s: RunShape, d: Design, capacity: float, *, stages: int = 1
     fragment = base("fragment")
     fragment.add("trajectories", 4 * s.latent * (s.steps + 1) * (s.fragment + s.gen_micro), "activations")
     denoise = _cast_copy(s, d, wb) / stages + a.generate * _row_bytes(s, s.gen_micro * s.branches) / stages
-    decode = a.decode * s.gen_micro * s.pixels if last else 0.0
+    decode = _decode(s, d, a) if last else 0.0
     fragment.add("denoising" if denoise >= decode else "VAE decode", max(denoise, decode), "activations")
     install = base("publication").add("install", min(published_bytes(s), BUCKET_BYTES), "activations")
     return {"fragment": fragment, "publication": install}
@@ -287,7 +296,7 @@ def trainer_phases(s: RunShape, d: Design, capacity: float, *, shard: int, evalu
             ev.add("gathered unit", s.largest_unit * s.weight_bytes, "communication")
         fp32 = 2 if s.weight_bytes == 4 else 1  # evaluation samples without autocast
         ev.add("sampling", max(fp32 * a.generate * _row_bytes(s, s.gen_micro * s.branches),
-                               a.decode * s.gen_micro * s.pixels), "activations")
+                               2 * _decode(s, d, a)), "activations")
         phases["evaluation"] = ev
     return phases
 
@@ -302,8 +311,7 @@ def start_up_phase(s: RunShape, d: Design, capacity: float, role: str) -> Memory
         m.add("text encoders", s.text * s.text_bytes, "parameters")
         m.add("VAE", s.vae * d.aux_dtype_bytes, "parameters")
     a = _act(s)
-    if d.probe_backward:
-        m.add("gradients", (s.dit * wb if not s.lora else 4 * s.lora), "gradients")
+    if d.probe_backward:  # the peak ends the forward: every block's saved activations, autocast's casts
         m.add("activations", _cast_copy(s, d, wb) + a.train_full * _row_bytes(s, s.gen_micro), "activations")
     else:
         m.add("activations", a.generate * _row_bytes(s, s.gen_micro), "activations")
@@ -468,5 +476,6 @@ def max_micro_batch(fits, start: int, limit: int = 64) -> int:
 
 __all__ = ["ACTIVATIONS", "Activations", "CATEGORIES", "CONTEXT_BYTES", "DESIGNS", "Design", "LEAN", "MemoryUse",
            "PLANNED", "RunShape", "TODAY", "USABLE_FRACTION", "activations_infer", "activations_train",
-           "colocated_memory", "colocated_phases", "generator_memory", "generator_phases", "max_micro_batch", "peak", "published_bytes",
-           "role_phases", "scorer_phase", "shape_of", "start_up_phase", "trainer_memory", "trainer_phases", "training_state"]
+           "colocated_memory", "colocated_phases", "generator_memory", "generator_phases", "max_micro_batch", "peak",
+           "published_bytes", "role_phases", "scorer_phase", "shape_of", "start_up_phase", "trainer_memory",
+           "trainer_phases", "training_state"]

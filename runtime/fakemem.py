@@ -22,6 +22,9 @@ scoped to a `FakeRun` and undone after it:
   counted.
 - The optimizer picks foreach, as it does for CUDA tensors (a CPU default is the per-tensor loop,
   whose temporaries are smaller).
+- peft's move of a new adapter to its base layer's dtype is left out, and Module.to leaves a module
+  already on its device and dtype alone (torch would swap every fake parameter with itself, which a
+  FakeTensor refuses; the adapters end float32 either way).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 import models
+from peft.tuners.tuners_utils import BaseTunerLayer
 from runtime.memtrack import patched, uncounted_propagation
 
 GiB = 1024 ** 3
@@ -185,12 +189,31 @@ class FakeRun(contextlib.ExitStack):
             for name, replacement in as_on_gpu.items():
                 if module is not None and getattr(module, name, None) is originals[name]:
                     self.enter_context(patched(module, name, replacement))
+        # peft moves a new adapter to its base layer's device and dtype with Module.to, which must swap a
+        # fake parameter and cannot (FakeTensorMode keeps weak references to it); models.lora makes
+        # the adapters float32 on any base right after, so they stay as made (float32, on the device).
+        self.enter_context(patched(BaseTunerLayer, "_move_adapter_to_device_of_base_layer",
+                                   lambda layer, *a, **k: None))
+        self.enter_context(patched(torch.nn.Module, "to", _to_unless_in_place(torch.nn.Module.to)))
         self.enter_context(self.mode)
         return self
 
     @property
     def unknown_reads(self) -> int:
         return self.mode.unknown_reads
+
+
+def _to_unless_in_place(to):
+    """Module.to that leaves a module whose tensors already have the device and dtype asked for as it
+    is (Module._apply would swap every fake parameter with itself, which FakeTensors refuse)."""
+    def module_to(module, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*module.parameters(), *module.buffers()]
+        if all((device is None or t.device.type == torch.device(device).type)
+               and (dtype is None or not t.is_floating_point() or t.dtype == dtype) for t in tensors):
+            return module
+        return to(module, *args, **kwargs)
+    return module_to
 
 
 def fake_module(module: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> torch.nn.Module:

@@ -63,6 +63,12 @@ class RankMemory:
     unknown_reads: int = 0
     """values read from tensors without data during the run (each read 1)"""
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    rises: dict[str, float] = field(default_factory=dict)
+    """each repeated call's working set: its measured rise above where it ended (bytes), by name"""
+
+    def add_rises(self, replay: Replay) -> None:
+        for name, b in replay.rises.items():
+            self.rises[name] = max(self.rises.get(name, 0.0), b)
 
     def add(self, phase: str, categories: dict[str, float]) -> None:
         if categories["total"] >= self.phases.get(phase, {}).get("total", -1.0):
@@ -145,8 +151,9 @@ class FakeRewards:
         b = min(reward_class(name).batch_size or images, images)
         if isinstance(model, transformers.CLIPModel):
             size, text = model.config.vision_config.image_size, model.config.text_config.max_position_embeddings
-            model(input_ids=torch.ones((b, text), dtype=torch.long), attention_mask=torch.ones((b, text), dtype=torch.long),
-                  pixel_values=torch.empty((b, 3, size, size), dtype=dtype))
+            ids = torch.ones((b, text), dtype=torch.long)
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.empty((b, 3, size, size),
+                                                                                                 dtype=dtype))
         else:  # an encoder-decoder OCR model: the image encoded, then its text decoded (32 tokens)
             size = model.config.encoder.image_size
             model(pixel_values=torch.empty((b, 3, size, size), dtype=dtype),
@@ -191,9 +198,9 @@ def replaying(tracker, adapter, rewards: "FakeRewards | None" = None) -> Replay:
     reward networks run once each (fakemem.Replay)."""
     replay = Replay(tracker)
     for name in ("velocity", "decode", "encode_prompts"):
-        setattr(adapter, name, replay.wrap(getattr(adapter, name)))
+        setattr(adapter, name, replay.wrap(getattr(adapter, name), name=name))
     if rewards is not None:
-        rewards._score = replay.wrap(rewards._score)
+        rewards._score = replay.wrap(rewards._score, name="reward")
     return replay
 
 
@@ -241,15 +248,17 @@ def measure_trainer(cfg, facts, release: str, rank: int, sent: Sent) -> tuple[Ra
         fsdp = facts.train_sharding == "fsdp"
         tracker = FSDPTracker(ctx.adapter.transformer, trainer.optimizer) if fsdp else Tracker()
         tracker.hold(run.mode, [trainer.optimizer], host=tensors_of(batch))
-        replaying(tracker, ctx.adapter)
+        replay = replaying(tracker, ctx.adapter)
         with tracker:
             run_phase(tracker, memory, "micro-batch", lambda: trainer.train(batch))
             run_phase(tracker, memory, "optimizer step", lambda: _finish(trainer, run))
             if facts.disagg:
-                run_phase(tracker, memory, "publication", lambda: headers.update(_publish(cfg, facts, ctx, trainer, tracker)))
+                run_phase(tracker, memory, "publication",
+                          lambda: headers.update(_publish(cfg, facts, ctx, trainer, tracker)))
             if cfg.output.eval_every:
                 run_phase(tracker, memory, "evaluation", lambda: _evaluate(cfg, ctx, run, tracker))
         memory.unknown_reads = run.unknown_reads
+        memory.add_rises(replay)
     memory.seconds = time.perf_counter() - started
     return memory, headers
 
@@ -320,10 +329,13 @@ def _evaluate(cfg, ctx, run, tracker) -> None:
 
 
 # ----- generator -------------------------------------------------------------------------------
-def measure_generator(cfg, facts, release: str, rank: int, header: dict | None) -> RankMemory:
-    """A generator rank's phases: receive and install a publication (with `header`), then a fragment."""
+def measure_generator(cfg, facts, release: str, rank: int, header: dict | None,
+                      probe_too: bool = True) -> RankMemory:
+    """A generator rank's phases: receive and install a publication (with `header`), then a fragment
+    (and, unless not `probe_too`, the start-up probe)."""
     started, memory = time.perf_counter(), RankMemory(rank, "generator")
-    start_up(cfg, facts, release, rank, memory)
+    if probe_too:
+        start_up(cfg, facts, release, rank, memory)
     with fake_rank(cfg, facts, release, rank) as (run, ctx):
         rewards = FakeRewards(cfg.rl.reward, run.mode)
         generator = build._generator(ctx, LocalScorer(rewards))
@@ -334,7 +346,7 @@ def measure_generator(cfg, facts, release: str, rank: int, header: dict | None) 
                        key=lambda f: len(f.sample_ids))
         tracker = Tracker()
         tracker.hold(run.mode)
-        replaying(tracker, ctx.adapter, rewards)
+        replay = replaying(tracker, ctx.adapter, rewards)
         with tracker:
             if header is not None:
                 run_phase(tracker, memory, "publication", lambda: _install(receiver, header, tracker))
@@ -342,6 +354,7 @@ def measure_generator(cfg, facts, release: str, rank: int, header: dict | None) 
             run_phase(tracker, memory, "fragment", lambda: generator.generate(plan, [fragment], 0, None,
                                                                               results.append))
         memory.unknown_reads = run.unknown_reads
+        memory.add_rises(replay)
     memory.seconds = time.perf_counter() - started
     return memory
 
@@ -405,7 +418,8 @@ def measure_colocated(cfg, facts, release: str, rank: int) -> RankMemory:
         tracker.hold(run.mode, [trainer.optimizer], host=tensors_of(batch))
         replaying(tracker, ctx.adapter, rewards)
         with tracker:
-            run_phase(tracker, memory, "fragment", lambda: generator.generate(plan, [fragment], 0, None, lambda r: None))
+            run_phase(tracker, memory, "fragment",
+                      lambda: generator.generate(plan, [fragment], 0, None, lambda r: None))
             run_phase(tracker, memory, "micro-batch", lambda: trainer.train(batch))
             run_phase(tracker, memory, "optimizer step", lambda: _finish(trainer, run))
             if cfg.output.eval_every:

@@ -186,7 +186,8 @@ def recipe_report(cfg, recipe, facts, gpu: hardware.GPU, measured: dict | None) 
                               "categories": {k: round(v / GiB, 2) for k, v in got.phases[p].items() if k != "total"}
                               if got and p in got.phases else None} for p, m in phases.items()}}
         if got is not None:
-            row.update(rank=got.rank, seconds=round(got.seconds, 1), unknown_reads=got.unknown_reads)
+            row.update(rank=got.rank, seconds=round(got.seconds, 1), unknown_reads=got.unknown_reads,
+                       working_sets_gib={k: round(v / GiB, 3) for k, v in got.rises.items()})
         roles.append(row)
     usable = model.USABLE_FRACTION * gpu.memory_bytes - model.CONTEXT_BYTES
     return {"recipe": recipe.get("name"), "gpus": recipe["gpus"], "gpu": gpu.key, "gpu_memory_gib":

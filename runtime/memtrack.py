@@ -309,9 +309,12 @@ class Replay:
         self.tracker = tracker
         self.seen: dict = {}
         self.runs = self.replays = 0
+        self.rises: dict[str, float] = {}
+        """the largest measured rise of each wrapped call above where it ended, by name (bytes)"""
 
-    def wrap(self, fn, graph_free: bool = False):
+    def wrap(self, fn, graph_free: bool = False, name: str | None = None):
         """`fn` replayed when called without gradients (or always: `graph_free`, it builds no graph)."""
+        name = name or getattr(fn, "__name__", "call")
         def call(*args, **kwargs):
             if torch.is_grad_enabled() and not graph_free:
                 return fn(*args, **kwargs)
@@ -328,6 +331,7 @@ class Replay:
             outputs = {id(t.untyped_storage()) for t in _leaves(out)}
             left = [r for r in measured["made"] if r() is not None and id(r()) not in outputs]
             self.seen[key] = (measured["above"], _template(out), left)
+            self.rises[name] = max(self.rises.get(name, 0.0), float(measured["above"].get("Total", 0)))
             return out
         return call
 

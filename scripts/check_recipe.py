@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 from config import cli
@@ -27,8 +26,8 @@ from runtime.memory import load_recipe, recipe_report
 
 def print_report(out: dict) -> list[str]:
     """The table; returns a line per role that does not fit."""
-    print(f"{out['recipe']}: {out['gpus']} x {out['gpu']} ({out['gpu_memory_gib']:.1f} GiB, {out['usable_gib']:.1f} GiB "
-          f"for tensors), {out['topology']}")
+    print(f"{out['recipe']}: {out['gpus']} x {out['gpu']} ({out['gpu_memory_gib']:.1f} GiB, "
+          f"{out['usable_gib']:.1f} GiB for tensors), {out['topology']}")
     print(f"  {'role':10s} {'peak phase':16s} {'measured':>9s} {'model':>7s} {'lean':>7s}  GiB by category (measured)")
     misfits = []
     for r in out["roles"]:
@@ -39,8 +38,8 @@ def print_report(out: dict) -> list[str]:
               f"{r['lean_predicted_peak_gib']:>7.1f}  {cats}")
         if value > out["usable_gib"]:
             top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["categories"].items(), key=lambda kv: -kv[1])[:3])
-            misfits.append(f"a {r['role']} needs {value:.1f} GiB at its {r['phase']}, above the {out['usable_gib']:.1f} "
-                           f"GiB a {out['gpu']} has for tensors ({top} GiB)")
+            misfits.append(f"a {r['role']} needs {value:.1f} GiB at its {r['phase']}, above the "
+                           f"{out['usable_gib']:.1f} GiB a {out['gpu']} has for tensors ({top} GiB)")
     return misfits
 
 

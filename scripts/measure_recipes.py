@@ -39,25 +39,38 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     gpu = hardware.gpu(args.gpu)
+    failed = []
     for recipe in [r for r in RECIPES if not args.only or any(o in r for o in args.only)]:
-        generator = None
-        for topology in TOPOLOGIES:
-            started = time.perf_counter()
-            cfg, table, facts = load_recipe([recipe, topology])
-            sent = measure.sent_by_generators(cfg, facts, table["model_config"])
-            trainer, headers = measure.measure_trainer(cfg, facts, table["model_config"],
-                                                       facts.topology.trainer_ranks[0], sent)
-            if generator is None:
-                g = facts.topology.generator_ranks[0]
-                generator = measure.measure_generator(cfg, facts, table["model_config"], g, headers.get(g))
-            out = recipe_report(cfg, table, facts, gpu, {"generator": generator, "trainer": trainer})
-            out["seconds"] = round(time.perf_counter() - started, 1)
-            with open(os.path.join(args.out, out_name(recipe, topology)), "w") as f:
-                json.dump(out, f, indent=1)
-            print(f"{out_name(recipe, topology)}: " + ", ".join(
-                f"{r['role']} {r['measured_peak_gib']} GiB ({r['phase']}; model {r['predicted_peak_gib']})"
-                for r in out["roles"]), flush=True)
-    return 0
+        try:
+            measure_recipe(recipe, gpu, args.out)
+        except Exception as e:  # one recipe's failure leaves the others measured
+            failed.append(recipe)
+            print(f"{recipe}: {type(e).__name__}: {e}", flush=True)
+    return 1 if failed else 0
+
+
+def measure_recipe(recipe: str, gpu: hardware.GPU, out_dir: str) -> None:
+    """Every topology of one recipe. Replicated trainers (LoRA) hold the same whatever their count,
+    so they too are measured once."""
+    generator = trainer = None
+    for topology in TOPOLOGIES:
+        started = time.perf_counter()
+        cfg, table, facts = load_recipe([recipe, topology])
+        release = table["model_config"]
+        sent = measure.sent_by_generators(cfg, facts, release)
+        headers = {}
+        if trainer is None or facts.train_sharding == "fsdp":
+            trainer, headers = measure.measure_trainer(cfg, facts, release, facts.topology.trainer_ranks[0], sent)
+        if generator is None:
+            g = facts.topology.generator_ranks[0]
+            generator = measure.measure_generator(cfg, facts, release, g, headers.get(g))
+        out = recipe_report(cfg, table, facts, gpu, {"generator": generator, "trainer": trainer})
+        out["seconds"] = round(time.perf_counter() - started, 1)
+        with open(os.path.join(out_dir, out_name(recipe, topology)), "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"{out_name(recipe, topology)}: " + ", ".join(
+            f"{r['role']} {r['measured_peak_gib']} GiB ({r['phase']}; model {r['predicted_peak_gib']})"
+            for r in out["roles"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ import json
 import time
 
 import pytest
-import torch
 
 from config.cli import parse_config
 from config.validate import validate

@@ -1,7 +1,7 @@
 """Recipes and config files (--config): TOML and config.json loading, flags over files, clear errors;
 the published settings each recipe carries; the released configs of the paper's models on the meta
-device (parameter counts, blocks, the embed / blocks / head split at full scale); and a memory
-estimate of every recipe and topology on the GPUs the recipe names."""
+device (parameter counts, blocks, the embed / blocks / head split at full scale). Whether each recipe
+fits its GPUs: tests/test_memory.py."""
 import glob
 import json
 import os
@@ -10,13 +10,10 @@ import pytest
 import torch
 
 from config.schema import FULL_LR, LORA_LR, RunConfig
-from config.validate import validate
 from config.cli import build_parser, load_config_files, parse_config
-from runtime.memory import GiB, check_fits, estimate, model_shape
 from models.released import meta_adapter, parameter_counts, released_names
 from rl.conditioning import Conditioning
 
-from config import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*_grpo", "*.toml")))
@@ -209,50 +206,6 @@ def test_split_runs_the_released_transformers_on_meta(adapters):
         idle = [n for n, m in tr.named_modules() if n and id(m) not in ran | skipped
                 and any(True for _ in m.parameters(False))]
         assert not idle, (name, idle)
-
-
-@pytest.fixture
-def no_model_folder(monkeypatch):
-    """The recipes name a weights folder this machine does not have (/w/model): the preflight's
-    folder and size checks are left out here; tests/test_bad_inputs.py covers them."""
-    monkeypatch.setattr(preflight, "check_model", lambda cfg: None)
-
-
-def test_every_recipe_fits_the_gpus_it_names(adapters, no_model_folder):
-    shapes = {}
-    for path in RECIPES:
-        for topology in TOPOLOGIES:
-            cfg, recipe = _loaded(path, topology)
-            facts = validate(cfg, recipe["gpus"])
-            assert facts.topology.world_size == recipe["gpus"] and facts.disagg
-            name = recipe["model_config"]
-            shape = shapes.setdefault(path, model_shape(name, cfg, adapters[name]))
-            need = check_fits(cfg, facts, shape, recipe["gpu"])
-            assert 10 * GiB < min(need.values()), (path, need)  # a real model's weights, not a tiny one's
-
-
-def test_memory_estimate_can_refuse_a_recipe(adapters, no_model_folder):
-    """DanceGRPO's full fine-tuning of FLUX keeps float32 weights twice on a generator: not on 80 GB."""
-    cfg, _ = _loaded(os.path.join(ROOT, "recipes", "dance_grpo", "flux_dev.toml"), TOPOLOGIES[2])
-    facts = validate(cfg, 32)
-    shape = model_shape("flux1_dev", cfg, adapters["flux1_dev"])
-    with pytest.raises(ValueError, match=r"a generator needs about 10\d\.\d GiB, above the 71\.7 GiB usable on a h100"):
-        check_fits(cfg, facts, shape, "h100")
-    lora = estimate(cfg, facts, shape)
-    cfg.optim.lora_rank, cfg.model.dtype = 32, "bfloat16"
-    assert estimate(cfg, facts, shape)["generator"] < lora["generator"] / 2
-
-
-def test_check_recipe_script_reports_a_misfit():
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "scripts.check_recipe",
-                          os.path.join(ROOT, "recipes", "dance_grpo", "flux_dev.toml"), "--gpu", "h100"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "4 generators + 4 trainers (fsdp), full fine-tuning" in out.stdout and "11.90B parameters" in out.stdout
-    assert "error: a generator needs about 102.3 GiB, above the 71.7 GiB usable on a h100" in out.stderr
 
 
 def test_precision_per_component():

@@ -1,0 +1,215 @@
+"""GPU memory: the one memory model (planner/memory.py) against the measurements of the roles' own
+code at the released sizes (docs/memory/*.json, written by scripts/measure_recipes.py), a measurement
+at released size run again, the trackers' mechanics on small modules (runtime/fakemem.py,
+runtime/memtrack.py), the recipes' GPUs and the recipe check script."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from models.released import meta_adapter
+from planner import hardware
+from planner import memory as model
+from runtime import fakemem, measure
+from runtime.memory import CODE, GiB, load_recipe, predict
+from runtime.memtrack import FSDPTracker, Replay, Tracker
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*_grpo", "*.toml")))
+TOPOLOGIES = [os.path.join(ROOT, "recipes", "topology", f"{n}gpus.toml") for n in (8, 16, 32)]
+RECORDS = sorted(glob.glob(os.path.join(ROOT, "docs", "memory", "*.json")))
+TOLERANCE = 0.10
+
+
+def _record_paths(record_file: str) -> tuple[str, str]:
+    """(recipe, topology) of docs/memory/dance_grpo-flux_dev-8gpus.json."""
+    name = os.path.basename(record_file)[:-len(".json")]
+    system, rest = name.split("-", 1)
+    recipe, topology = rest.rsplit("-", 1)
+    return (os.path.join(ROOT, "recipes", system, f"{recipe}.toml"),
+            os.path.join(ROOT, "recipes", "topology", f"{topology}.toml"))
+
+
+@pytest.fixture(scope="module")
+def adapters():
+    cache = {}
+
+    def get(release: str):
+        if release not in cache:
+            cache[release] = meta_adapter(release)
+        return cache[release]
+    return get
+
+
+# ----- the model against the measurements --------------------------------------------------------
+def test_every_recipe_is_measured_on_every_topology():
+    assert sorted(_record_paths(r) for r in RECORDS) == sorted((r, t) for r in RECIPES for t in TOPOLOGIES)
+
+
+def test_the_model_holds_every_measured_peak_within_10_percent(adapters):
+    """Every role of every recipe and topology: its measured peak, and every phase above half of it,
+    against the model under the design the measured code had."""
+    for record_file in RECORDS:
+        with open(record_file) as f:
+            record = json.load(f)
+        cfg, recipe, facts = load_recipe(list(_record_paths(record_file)))
+        predicted = predict(cfg, facts, adapters(recipe["model_config"]), model.DESIGNS[record["design"]])
+        for row in record["roles"]:
+            phases = predicted[row["role"]]
+            top = row["measured_peak_gib"]
+            assert model.peak(phases).tensors / GiB == pytest.approx(top, rel=TOLERANCE), (record_file, row["role"])
+            for phase, got in row["phases"].items():
+                if got["measured_gib"] is not None and got["measured_gib"] > top / 2:
+                    assert phases[phase].tensors / GiB == pytest.approx(got["measured_gib"], rel=TOLERANCE), \
+                        (record_file, row["role"], phase)
+
+
+def test_the_measurements_were_taken_on_this_code():
+    """The records say which design the code had; it is the one the runtime checks budgets with."""
+    assert {json.load(open(r))["design"] for r in RECORDS} == {CODE.name}
+
+
+def test_a_generator_measured_again_at_the_released_size():
+    """DanceGRPO FLUX.1-dev's generator fragment (720 px, 16 steps, groups of 12, HPSv2) measured on
+    the code now: what docs/memory holds (less the staging buffers a publication leaves, which need
+    the trainer's header), above the 22 GiB of bf16 weights, and the model's within 10%."""
+    paths = [os.path.join(ROOT, "recipes", "dance_grpo", "flux_dev.toml"), TOPOLOGIES[0]]
+    cfg, recipe, facts = load_recipe(paths)
+    got = measure.measure_generator(cfg, facts, recipe["model_config"], facts.topology.generator_ranks[0], None,
+                                    probe_too=False)
+    fragment = got.phases["fragment"]
+    with open(os.path.join(ROOT, "docs", "memory", "dance_grpo-flux_dev-8gpus.json")) as f:
+        committed = next(r for r in json.load(f)["roles"] if r["role"] == "generator")["phases"]["fragment"]
+    for category in ("parameters", "activations", "gradients", "optimizer"):
+        assert fragment[category] / GiB == pytest.approx(committed["categories"][category], abs=0.02), category
+    assert fragment["communication"] == 0 and fragment["total"] > 22.2 * GiB
+    assert got.rises["velocity"] > 0 and got.rises["decode"] > 0  # the working sets of a step and a decode
+
+
+# ----- the recipes' GPUs ----------------------------------------------------------------------------
+def test_recipes_name_80_gb_gpus_that_every_role_fits_in_the_lean_design(adapters):
+    """Every recipe names an 80 GB GPU, and on it every role of every topology fits under the lean
+    roles' design (the code's own measurement holds the code to the model above)."""
+    for path in RECIPES:
+        for topology in TOPOLOGIES:
+            cfg, recipe, facts = load_recipe([path, topology])
+            gpu = hardware.gpu(recipe["gpu"])
+            assert gpu.memory_bytes == 80e9, path
+            for role, phases in predict(cfg, facts, adapters(recipe["model_config"]), model.LEAN,
+                                        gpu.memory_bytes).items():
+                top = model.peak(phases)
+                assert top.fits, (path, topology, top.why())
+
+
+def test_the_model_names_what_does_not_fit(adapters):
+    """Today's code on DanceGRPO FLUX.1-dev: a generator holds float32 weights, their bf16 casts and
+    a whole staging copy; the model says so, by item."""
+    cfg, recipe, facts = load_recipe([os.path.join(ROOT, "recipes", "dance_grpo", "flux_dev.toml"), TOPOLOGIES[0]])
+    gen = predict(cfg, facts, adapters("flux1_dev"), model.TODAY, 80e9)["generator"]["fragment"]
+    assert not gen.fits and "publication staging" in gen.why() and "DiT weights" in gen.why()
+    lean = predict(cfg, facts, adapters("flux1_dev"), model.LEAN, 80e9)["generator"]
+    assert model.peak(lean).items["DiT weights"] == 2 * 11.9e9 * pytest.approx(1, rel=0.01)
+
+
+# ----- the trackers ---------------------------------------------------------------------------------
+def _linear(run, n=256):
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(n, n, bias=False), torch.nn.Linear(n, n, bias=False))
+    return fakemem.fake_module(m, run.mode)
+
+
+def test_trackers_book_parameters_gradients_optimizer_and_activations_exactly():
+    n, rows = 256, 64
+    w = n * n * 4  # one float32 weight matrix
+    with fakemem.FakeRun() as run:
+        m = _linear(run)
+        opt = torch.optim.AdamW(m.parameters())
+        fakemem.foreach_as_on_gpu(opt)
+        x = torch.empty(rows, n)
+        tracker = Tracker()
+        tracker.hold(run.mode, host=[x])
+        with tracker:
+            held = tracker.current()
+            with tracker.window() as forward:
+                loss = m(x).sum()
+            with tracker.window() as step:
+                loss.backward()
+                opt.step()
+            after = tracker.current()
+    assert held["parameters"] == 2 * w and held["total"] == 2 * w  # the host input is not on the GPU
+    assert forward["activations"] >= 2 * rows * n * 4  # the hidden layer (kept for the backward) and the output
+    assert step["gradients"] == 2 * w and 4 * w <= after["optimizer"] <= 4 * w + 64  # two moments and a step count
+    assert run.unknown_reads == 0
+
+
+def test_fsdp_tracker_books_a_quarter_of_the_weights_on_four_ranks():
+    n = 256
+    with fakemem.fake_world(4, 1):
+        mesh = DeviceMesh("cpu", list(range(4)))  # outside the fake run, as torchtitan builds it
+        with fakemem.FakeRun() as run:
+            m = _linear(run, n)
+            for unit in m:
+                fully_shard(unit, mesh=mesh)
+            tracker = FSDPTracker(m)
+            tracker.hold(run.mode)
+            with tracker:
+                with tracker.window() as peak:
+                    m(torch.empty(8, n)).sum().backward()
+                held = tracker.current()
+    assert held["parameters"] == 2 * n * n * 4 / 4 and held["gradients"] == 2 * n * n * 4 / 4
+    assert peak["parameters"] >= held["parameters"] + n * n * 4  # a unit gathered while it runs
+
+
+def test_fake_run_computes_like_cuda_and_keeps_small_values():
+    with fakemem.FakeRun() as run:
+        x = torch.empty(4, 8)
+        with fakemem.gpu_autocast(torch.device("cpu"), "auto"):
+            y = torch.nn.functional.linear(x, torch.empty(8, 8))
+            z = torch.nn.functional.layer_norm(y, (8,))
+        sigma = torch.tensor([0.5, 0.25]) * torch.ones(2)
+        assert (y.dtype, z.dtype) == (torch.bfloat16, torch.float32)  # CUDA autocast's policy, not the CPU's
+        assert not bool((sigma == 0).all()) and sigma.tolist() == [0.5, 0.25]  # small values are real
+        assert run.unknown_reads == 0 and float(y.sum()) == 1.0 and run.unknown_reads == 1
+
+
+def test_replayed_calls_book_the_first_calls_working_set():
+    with fakemem.FakeRun() as run:
+        m = _linear(run)
+        tracker = Tracker()
+        tracker.hold(run.mode)
+        replay = Replay(tracker)
+        call = replay.wrap(m, name="forward")
+        with tracker, torch.no_grad():
+            with tracker.window() as first:
+                a = call(torch.empty(64, 256))
+            with tracker.window() as again:
+                b = call(torch.empty(64, 256))
+    assert (replay.runs, replay.replays) == (1, 1) and a.shape == b.shape
+    assert again["total"] - again["activations"] == first["total"] - first["activations"]
+    assert again["activations"] >= first["activations"] and replay.rises["forward"] > 0
+
+
+# ----- the script -----------------------------------------------------------------------------------
+def test_check_recipe_reports_each_role_and_exits_1_when_one_does_not_fit(tmp_path):
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, "-m", "scripts.check_recipe",
+                           os.path.join(ROOT, "recipes", "dance_grpo", "flux_dev.toml"), "--gpu", "h100",
+                           "--predict-only", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    report = json.loads(out.read_text())
+    assert report["gpu"] == "h100" and report["design"] == CODE.name
+    roles = {r["role"]: r for r in report["roles"]}
+    assert set(roles) == {"generator", "trainer"}
+    for r in roles.values():
+        assert {"role", "phase", "measured_peak_gib", "predicted_peak_gib", "categories"} <= set(r)
+        assert set(r["categories"]) == set(model.CATEGORIES)
+    misfits = [r for r in roles.values() if r["predicted_peak_gib"] > report["usable_gib"]]
+    assert done.returncode == (1 if misfits else 0), done.stderr[-2000:]
+    for r in misfits:
+        assert f"does not fit: a {r['role']} needs {r['predicted_peak_gib']:.1f} GiB at its {r['phase']}" in done.stdout
