@@ -124,28 +124,38 @@ class RunShape:
 
 @dataclass(frozen=True)
 class Activations:
-    """Measured working sets of one family: bytes per (row, token, hidden unit), and per pixel."""
+    """Measured working sets of one family in one precision: bytes per (row, token, hidden unit) of a
+    forward or a micro-batch, bytes per decoded pixel of a decode."""
 
     generate: float
-    """one no-grad forward, above what it leaves behind"""
+    """a denoising forward under the run's autocast, above what it leaves behind"""
+    evaluate: float
+    """an evaluation forward (runtime/evaluation.py samples without autocast)"""
     train_ckpt: float
-    """a checkpointed forward + backward: per block kept input, plus one block recomputed"""
+    """a micro-batch's forward + backward with per-block checkpointing"""
     train_full: float
-    """forward + backward without checkpointing, per block"""
+    """the same without checkpointing (the start-up probe), at the end of its forward"""
     decode: float
-    """the VAE decode of one sample under bf16 autocast, per decoded pixel (float32: twice)"""
+    """the VAE decode of one sample under bf16 autocast, per decoded pixel"""
+    decode_fp32: float
+    """the same in float32 (evaluation)"""
     tiled: float = 1.0
     """a tiled decode's working set as a fraction of the whole decode's"""
 
 
 ACTIVATIONS = {
-    "flux": Activations(generate=31.0, train_ckpt=2.0 + 57 * 0.0, train_full=90.0, decode=3000.0),
-    "hunyuan_video": Activations(generate=31.0, train_ckpt=2.0, train_full=90.0, decode=1500.0),
-    "qwen_image": Activations(generate=31.0, train_ckpt=2.0, train_full=90.0, decode=3000.0),
-    "wan": Activations(generate=31.0, train_ckpt=2.0, train_full=90.0, decode=1500.0),
-    "sd3": Activations(generate=31.0, train_ckpt=2.0, train_full=90.0, decode=3000.0),
+    ("flux", 4): Activations(generate=29.7, evaluate=218.4, train_ckpt=139.1, train_full=3632.0, decode=2546.0,
+                             decode_fp32=3061.0),
+    ("flux", 2): Activations(generate=36.1, evaluate=34.1, train_ckpt=177.5, train_full=2096.5, decode=2546.0,
+                             decode_fp32=3061.0),
+    ("hunyuan_video", 4): Activations(generate=56.9, evaluate=116.4, train_ckpt=245.0, train_full=4093.4,
+                                      decode=1250.0, decode_fp32=1502.0, tiled=0.293),
 }
-"""Fitted to docs/memory/*.json (scripts/check_recipe.py --json; docs/memory/README.md)."""
+"""Working sets of a family with float32 (4) or bf16 (2) DiT weights, measured at its recipe
+(docs/memory/*.json: "working_sets_gib" and the phases' activations). HunyuanVideo's decode under
+autocast is its float32 decode scaled as FLUX's VAE scales (0.83); its tiled decode is 4.99 of
+17.03 GiB in float32 at 480 x 480 x 53 (MemTracker on its VAE, tiled and not). A family measured
+in one precision stands in for the other."""
 
 
 # ----- the items of a phase -------------------------------------------------------------------------
@@ -194,7 +204,10 @@ class MemoryUse:
 
 # ----- phases of each role --------------------------------------------------------------------------
 def _act(s: RunShape) -> Activations:
-    return ACTIVATIONS.get(s.family, ACTIVATIONS["flux"])
+    for key in ((s.family, s.weight_bytes), (s.family, 6 - s.weight_bytes), ("flux", s.weight_bytes)):
+        if key in ACTIVATIONS:
+            return ACTIVATIONS[key]
+    raise AssertionError("flux is measured in both precisions")
 
 
 def _row_bytes(s: RunShape, rows: float) -> float:
@@ -241,7 +254,8 @@ def generator_phases(s: RunShape, d: Design, capacity: float, *, stages: int = 1
     a = _act(s)
     fragment = base("fragment")
     fragment.add("trajectories", 4 * s.latent * (s.steps + 1) * (s.fragment + s.gen_micro), "activations")
-    denoise = _cast_copy(s, d, wb) / stages + a.generate * _row_bytes(s, s.gen_micro * s.branches) / stages
+    # CFG runs the unconditional branch as a forward of its own (rl/sampler.guided_velocity)
+    denoise = _cast_copy(s, d, wb) / stages + a.generate * _row_bytes(s, s.gen_micro) / stages
     decode = _decode(s, d, a) if last else 0.0
     fragment.add("denoising" if denoise >= decode else "VAE decode", max(denoise, decode), "activations")
     install = base("publication").add("install", min(published_bytes(s), BUCKET_BYTES), "activations")
@@ -294,9 +308,8 @@ def trainer_phases(s: RunShape, d: Design, capacity: float, *, shard: int, evalu
                                                                               "parameters")
         if sharded:
             ev.add("gathered unit", s.largest_unit * s.weight_bytes, "communication")
-        fp32 = 2 if s.weight_bytes == 4 else 1  # evaluation samples without autocast
-        ev.add("sampling", max(fp32 * a.generate * _row_bytes(s, s.gen_micro * s.branches),
-                               2 * _decode(s, d, a)), "activations")
+        decode = a.decode_fp32 * s.gen_micro * s.pixels * (a.tiled if d.tiled_decode else 1.0)
+        ev.add("sampling", max(a.evaluate * _row_bytes(s, s.gen_micro), decode), "activations")  # no autocast
         phases["evaluation"] = ev
     return phases
 

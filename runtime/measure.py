@@ -66,6 +66,15 @@ class RankMemory:
     rises: dict[str, float] = field(default_factory=dict)
     """each repeated call's working set: its measured rise above where it ended (bytes), by name"""
 
+    @classmethod
+    def from_report(cls, row: dict) -> "RankMemory":
+        """A role's measurement back from a report (runtime/memory.recipe_report), bytes from GiB."""
+        gib = 1024 ** 3
+        phases = {p: {**{k: v * gib for k, v in got["categories"].items()}, "total": got["measured_gib"] * gib}
+                  for p, got in row["phases"].items() if got["measured_gib"] is not None}
+        return cls(row["rank"], row["role"], phases, row["seconds"], row["unknown_reads"],
+                   rises={k: v * gib for k, v in row.get("working_sets_gib", {}).items()})
+
     def add_rises(self, replay: Replay) -> None:
         for name, b in replay.rises.items():
             self.rises[name] = max(self.rises.get(name, 0.0), b)
@@ -197,10 +206,11 @@ def replaying(tracker, adapter, rewards: "FakeRewards | None" = None) -> Replay:
     """Repeated no-grad calls of the adapter (denoising steps, decodes, text encodings) and of the
     reward networks run once each (fakemem.Replay)."""
     replay = Replay(tracker)
-    for name in ("velocity", "decode", "encode_prompts"):
-        setattr(adapter, name, replay.wrap(getattr(adapter, name), name=name))
+    adapter.velocity = replay.wrap(adapter.velocity, name="velocity")
+    for name in ("decode", "encode_prompts"):  # no graph: the adapters run them under no_grad
+        setattr(adapter, name, replay.wrap(getattr(adapter, name), graph_free=True, name=name))
     if rewards is not None:
-        rewards._score = replay.wrap(rewards._score, name="reward")
+        rewards._score = replay.wrap(rewards._score, graph_free=True, name="reward")
     return replay
 
 
@@ -323,7 +333,7 @@ def _evaluate(cfg, ctx, run, tracker) -> None:
     records = eval_records(cfg.output.eval_prompts, cfg.output.eval_num_prompts, cfg.output.eval_samples_per_prompt)
     with tracker.booking(Ref.PARAM):
         rewards = FakeRewards(cfg.rl.reward, run.mode)
-    rewards._score = Replay(tracker).wrap(rewards._score)
+    rewards._score = Replay(tracker).wrap(rewards._score, graph_free=True)
     evaluation.evaluate(ctx.adapter, ctx.sampling, records[:cfg.rl.micro_batch], rewards,
                         batch_size=cfg.rl.micro_batch, negative_prompt=cfg.sampling.negative_prompt)
 
@@ -374,6 +384,9 @@ def measure_run(cfg, facts, release: str) -> dict[str, RankMemory]:
     publication), the first generator (its last GAP stage, which decodes and scores, when there are
     stages), the first scorer; a colocated run's first rank."""
     topo = facts.topology
+    if topo.gap_stages > 1:
+        raise ValueError(f"--gap-stages {topo.gap_stages}: the measurement runs whole-model generators; "
+                         f"python -m scripts.check_recipe --predict-only gives the memory model's stages")
     if not facts.disagg:
         return {"colocated": measure_colocated(cfg, facts, release, 0)}
     sent = sent_by_generators(cfg, facts, release)

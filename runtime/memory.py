@@ -9,6 +9,7 @@ communicators' buffers.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -56,9 +57,14 @@ def reward_network(name: str) -> torch.nn.Module:
         return cls(config).eval().requires_grad_(False)
 
 
+@functools.lru_cache(maxsize=None)
+def _reward_count(name: str) -> int:
+    return count_parameters({name: reward_network(name)})[name]
+
+
 def reward_parameters(specs: list[str]) -> float:
-    names = {parse_reward_spec(s)[0] for s in specs}
-    return float(sum(count_parameters({n: reward_network(n)})[n] for n in names if n in REWARD_MODELS))
+    """Parameters of the run's model rewards (their released networks)."""
+    return float(sum(_reward_count(n) for n in {parse_reward_spec(s)[0] for s in specs} if n in REWARD_MODELS))
 
 
 def _units(transformer: torch.nn.Module) -> list[torch.nn.Module]:

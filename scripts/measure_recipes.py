@@ -3,6 +3,7 @@ docs/memory/RECIPE-NGPUS.json (scripts/check_recipe.py's --json), which tests/te
 the memory model to. Slow: about an hour on two busy CPU cores.
 
     python -m scripts.measure_recipes [--only dance_grpo/flux_dev] [--out docs/memory] [--gpu h100]
+    python -m scripts.measure_recipes --table     # the README's table from the records in --out
 
 The generator ranks of a recipe do not depend on the topology (a fragment is the recipe's groups, a
 publication the whole model), so they are measured once per recipe and reported with each topology.
@@ -36,7 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", action="append", default=[], help="recipes whose path contains this (repeatable)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "memory"))
     p.add_argument("--gpu", default="h100", help="the GPU the report compares with")
+    p.add_argument("--table", action="store_true", help="print the records in --out as a markdown table, measure nothing")
+    p.add_argument("--refresh", action="store_true",
+                   help="rewrite the records' model figures from planner/memory.py as it is now, measure nothing")
     args = p.parse_args(argv)
+    if args.table:
+        print(table(args.out))
+        return 0
+    if args.refresh:
+        refresh(args.out)
+        return 0
     os.makedirs(args.out, exist_ok=True)
     gpu = hardware.gpu(args.gpu)
     failed = []
@@ -47,6 +57,42 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(recipe)
             print(f"{recipe}: {type(e).__name__}: {e}", flush=True)
     return 1 if failed else 0
+
+
+def refresh(out_dir: str) -> None:
+    for path in sorted(glob.glob(os.path.join(out_dir, "*.json"))):
+        with open(path) as f:
+            record = json.load(f)
+        system, rest = os.path.basename(path)[:-len(".json")].split("-", 1)
+        recipe, topology = rest.rsplit("-", 1)
+        cfg, table_, facts = load_recipe([os.path.join(ROOT, "recipes", system, f"{recipe}.toml"),
+                                          os.path.join(ROOT, "recipes", "topology", f"{topology}.toml")])
+        measured = {r["role"]: measure.RankMemory.from_report(r) for r in record["roles"]}
+        out = recipe_report(cfg, table_, facts, hardware.gpu(record["gpu"]), measured)
+        out["seconds"] = record["seconds"]
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def table(out_dir: str) -> str:
+    """Markdown: per recipe and topology, each role's measured peak, its peak once running (the start-up
+    probe left out: its phase and two largest categories), the model's for both, and the lean design's
+    prediction, in GiB."""
+    lines = ["| recipe | GPUs | role | measured peak (model) | running: measured (phase: largest) | model | lean roles |",
+             "|---|---|---|---|---|---|---|"]
+    for path in sorted(glob.glob(os.path.join(out_dir, "*.json")), key=lambda p: (p.rsplit("-", 1)[0],
+                                                                                 int(p.rsplit("-", 1)[1][:-9]))):
+        with open(path) as f:
+            record = json.load(f)
+        for r in record["roles"]:
+            running = {p: v for p, v in r["phases"].items() if p != "start-up probe" and v["measured_gib"]}
+            phase = max(running, key=lambda p: running[p]["measured_gib"])
+            top = sorted(running[phase]["categories"].items(), key=lambda kv: -kv[1])[:2]
+            what = ", ".join(f"{k} {v:.1f}" for k, v in top)
+            lines.append(f"| {record['recipe']} | {record['gpus']} | {r['role']} | {r['measured_peak_gib']:.1f} "
+                         f"({r['predicted_peak_gib']:.1f}) | **{running[phase]['measured_gib']:.1f}** ({phase}: {what}) "
+                         f"| {running[phase]['predicted_gib']:.1f} | {r['lean_predicted_peak_gib']:.1f} |")
+    return "\n".join(lines)
 
 
 def measure_recipe(recipe: str, gpu: hardware.GPU, out_dir: str) -> None:
