@@ -150,6 +150,12 @@ ACTIVATIONS = {
                              decode_fp32=3061.0),
     ("hunyuan_video", 4): Activations(generate=56.9, evaluate=116.4, train_ckpt=245.0, train_full=4093.4,
                                       decode=1250.0, decode_fp32=1502.0, tiled=0.293),
+    ("qwen_image", 2): Activations(generate=37.5, evaluate=39.1, train_ckpt=146.8, train_full=2324.5, decode=6916.0,
+                                   decode_fp32=6912.0),
+    ("sd3", 2): Activations(generate=25.4, evaluate=26.1, train_ckpt=83.1, train_full=1358.7, decode=2548.0,
+                            decode_fp32=3061.0),
+    ("wan", 2): Activations(generate=20.0, evaluate=23.5, train_ckpt=105.1, train_full=1952.2, decode=534.3,
+                            decode_fp32=590.7),
 }
 """Working sets of a family with float32 (4) or bf16 (2) DiT weights, measured at its recipe
 (docs/memory/*.json: "working_sets_gib" and the phases' activations). HunyuanVideo's decode under
