@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", action="append", default=[], help="recipes whose path contains this (repeatable)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "memory"))
     p.add_argument("--gpu", default="h100", help="the GPU the report compares with")
-    p.add_argument("--table", action="store_true", help="print the records in --out as a markdown table, measure nothing")
+    p.add_argument("--table", action="store_true", help="print the records in --out as a markdown table only")
     p.add_argument("--refresh", action="store_true",
                    help="rewrite the records' model figures from planner/memory.py as it is now, measure nothing")
     args = p.parse_args(argv)
@@ -78,7 +78,8 @@ def table(out_dir: str) -> str:
     """Markdown: per recipe and topology, each role's measured peak, its peak once running (the start-up
     probe left out: its phase and two largest categories), the model's for both, and the lean design's
     prediction, in GiB."""
-    lines = ["| recipe | GPUs | role | measured peak (model) | running: measured (phase: largest) | model | lean roles |",
+    lines = ["| recipe | GPUs | role | measured peak (model) | running: measured (phase: largest) | model "
+             "| lean roles |",
              "|---|---|---|---|---|---|---|"]
     for path in sorted(glob.glob(os.path.join(out_dir, "*.json")), key=lambda p: (p.rsplit("-", 1)[0],
                                                                                  int(p.rsplit("-", 1)[1][:-9]))):
@@ -89,8 +90,9 @@ def table(out_dir: str) -> str:
             phase = max(running, key=lambda p: running[p]["measured_gib"])
             top = sorted(running[phase]["categories"].items(), key=lambda kv: -kv[1])[:2]
             what = ", ".join(f"{k} {v:.1f}" for k, v in top)
+            measured = running[phase]["measured_gib"]
             lines.append(f"| {record['recipe']} | {record['gpus']} | {r['role']} | {r['measured_peak_gib']:.1f} "
-                         f"({r['predicted_peak_gib']:.1f}) | **{running[phase]['measured_gib']:.1f}** ({phase}: {what}) "
+                         f"({r['predicted_peak_gib']:.1f}) | **{measured:.1f}** ({phase}: {what}) "
                          f"| {running[phase]['predicted_gib']:.1f} | {r['lean_predicted_peak_gib']:.1f} |")
     return "\n".join(lines)
 
