@@ -344,15 +344,14 @@ def colocated_phases(s: RunShape, d: Design, capacity: float, *, shard: int,
     phases = trainer_phases(s, d, capacity, shard=shard, evaluates=evaluates, publishes=False)
     gen = generator_phases(s, d, capacity)["fragment"]
     frag = MemoryUse("colocated", capacity, phase="fragment")
-    for name, b in phases["optimizer step"].items.items():
-        if name not in ("gradients", "optimizer temporaries"):
-            frag.add(name, b, phases["optimizer step"].kinds[name])
-    for name in ("reward models", "trajectories", "denoising", "VAE decode"):
+    for name, b in phases["micro-batch"].items.items():
+        if name not in ("activations", "reduce-scatter"):
+            frag.add(name, b, phases["micro-batch"].kinds[name])
+    for name in ("trajectories", "denoising", "VAE decode"):
         frag.add(name, gen.items.get(name, 0.0), gen.kinds.get(name, "activations"))
-    if shard > 1 and not s.lora:
-        frag.add("gathered unit", s.largest_unit * s.weight_bytes, "parameters")
-    for m in phases.values():
-        m.role = "colocated"
+    for m in [*phases.values(), frag]:
+        m.role = "colocated"  # every rank scores its own fragments: the reward models stay
+        m.add("scoring reward models", s.rewards * d.aux_dtype_bytes, "parameters")
     return {**phases, "fragment": frag, "start-up probe": start_up_phase(s, d, capacity, "trainer")}
 
 

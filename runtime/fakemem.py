@@ -79,8 +79,9 @@ class MeasureMode(FakeTensorMode):
                 self.unknown_reads += 1
                 return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
         out = super().dispatch(func, types, args, kwargs)
-        if func.overloadpacket in _KNOWN_VALUES and isinstance(out, FakeTensor) and out.constant is None \
-                and out.numel() <= CONSTANT_NUMEL and out.device.type == "cpu":
+        known = getattr(func, "overloadpacket", None) in _KNOWN_VALUES
+        if known and isinstance(out, FakeTensor) and out.constant is None and out.numel() <= CONSTANT_NUMEL \
+                and out.device.type == "cpu":
             with fake_tensor.unset_fake_temporarily():
                 real_args, real_kwargs = tree_map_only(
                     FakeTensor, lambda t: torch.empty(t.shape, dtype=t.dtype), (args, kwargs or {}))
