@@ -28,7 +28,7 @@ def print_report(out: dict) -> list[str]:
     """The table; returns a line per role that does not fit."""
     print(f"{out['recipe']}: {out['gpus']} x {out['gpu']} ({out['gpu_memory_gib']:.1f} GiB, "
           f"{out['usable_gib']:.1f} GiB for tensors), {out['topology']}")
-    print(f"  {'role':10s} {'peak phase':16s} {'measured':>9s} {'model':>7s} {'lean':>7s}  GiB by category (measured)")
+    print(f"  {'role':10s} {'peak phase':16s} {'measured':>9s} {'model':>7s} {'lean':>7s}  GiB by category")
     misfits = []
     for r in out["roles"]:
         value = r["measured_peak_gib"] if r["measured_peak_gib"] is not None else r["predicted_peak_gib"]
@@ -36,6 +36,10 @@ def print_report(out: dict) -> list[str]:
         shown = "-" if r["measured_peak_gib"] is None else f"{r['measured_peak_gib']:.1f}"
         print(f"  {r['role']:10s} {r['phase']:16s} {shown:>9s} {r['predicted_peak_gib']:>7.1f} "
               f"{r['lean_predicted_peak_gib']:>7.1f}  {cats}")
+        for phase, got in r["phases"].items():
+            if phase != r["phase"]:
+                seen = "-" if got["measured_gib"] is None else f"{got['measured_gib']:.1f}"
+                print(f"  {'':10s}   {phase:14s} {seen:>9s} {got['predicted_gib']:>7.1f}")
         if value > out["usable_gib"]:
             top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["categories"].items(), key=lambda kv: -kv[1])[:3])
             misfits.append(f"a {r['role']} needs {value:.1f} GiB at its {r['phase']}, above the "
