@@ -36,7 +36,7 @@ from planner.profile import DeviceProfile, with_profile
 from planner.specs import MODELS
 from planner.systems import SYSTEMS, predict_system
 from parallel.stepplan import DISPATCHES
-from planner.workload import REWARDS, Workload, parse_shape_mix
+from planner.workload import ALGORITHMS, REWARDS, Workload, for_algorithm, parse_shape_mix
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,11 +70,13 @@ def parse_gpus(specs: list[str], prices: list[str], profile: DeviceProfile | Non
 
 def workload_from_args(a) -> Workload:
     k = a.sampling_steps or MODELS[a.model].default_steps
-    trained = a.trained_timesteps or max(1, int(k * 0.99))
-    return Workload(a.model, a.height, a.width, a.frames, k, trained, a.prompts_per_step, a.group_size, a.cfg_scale,
-                    a.finetune, a.lora_rank, a.gradient_checkpointing, a.kl, a.text_tokens, tuple(a.reward or
-                    ["pickscore"]), Kernels(a.compile, a.attention), a.rollout_micro_batch, a.train_micro_batch,
-                    a.optimizer_steps, parse_shape_mix(a.shape_mix) if a.shape_mix else (), a.publish_compression)
+    wl = Workload(a.model, a.height, a.width, a.frames, k, max(1, int(k * 0.99)), a.prompts_per_step, a.group_size,
+                  a.cfg_scale, a.finetune, a.lora_rank, a.gradient_checkpointing, a.kl, a.text_tokens,
+                  tuple(a.reward or ["pickscore"]), Kernels(a.compile, a.attention), a.rollout_micro_batch,
+                  a.train_micro_batch, a.optimizer_steps, parse_shape_mix(a.shape_mix) if a.shape_mix else (),
+                  a.publish_compression)
+    wl = for_algorithm(wl, a.algorithm, window=a.window)
+    return wl.with_(trained_timesteps=a.trained_timesteps) if a.trained_timesteps else wl
 
 
 def _gb(p) -> str:
@@ -200,7 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--width", type=int, default=512)
     w.add_argument("--frames", type=int, default=1)
     w.add_argument("--sampling-steps", type=int, default=None, help="K (default: the model's)")
-    w.add_argument("--trained-timesteps", type=int, default=None, help="default floor(0.99 K) (Flow-GRPO)")
+    w.add_argument("--algorithm", choices=ALGORITHMS, default="flow_grpo",
+                   help="what each trained (sample, t) pair costs and how many a sample has (planner/workload.py "
+                        "for_algorithm): nft adds the old policy's forward and sends clean samples only")
+    w.add_argument("--window", type=int, default=2, help="flow_grpo_fast / mixgrpo: the SDE window's steps")
+    w.add_argument("--trained-timesteps", type=int, default=None,
+                   help="override the algorithm's count (default: floor(0.99 K) for flow_grpo and nft)")
     w.add_argument("--prompts-per-step", type=int, default=24)
     w.add_argument("--group-size", type=int, default=24)
     w.add_argument("--cfg-scale", type=float, default=1.0, help="> 1: classifier-free guidance (two branches)")

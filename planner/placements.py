@@ -87,7 +87,8 @@ def colocated(wl: Workload, pools: list[Pool], variant: str, dispatch: str = "lp
     else:
         gen = ph.denoise_s(wl, slow, per_gpu, m_roll, **roll_kw)
         score = ph.decode_s(wl, slow, per_gpu) + ph.reward_s(wl, slow, per_gpu)
-        traj, train = ph.trajectory_bytes(wl, per_gpu), ph.train_s(wl, slow, trans, m, sharding=train_shard)
+        traj = ph.trajectory_bytes(wl, per_gpu)
+        train = ph.train_s(wl, slow, trans, m, sharding=train_shard, with_reference=True)
     steps = [("text encode", "score", ph.text_s(wl, slow, ceil_div(wl.prompts_per_step, n * speed))),
              ("rollout", "generate", gen), ("VAE decode + reward", "score", score)]
     steps.append(("TSP exchange of transitions", "comm", traj * (n - 1) / n / hw_busbw(slow, n)))
@@ -153,7 +154,7 @@ def train_fragment_s(wl: Workload, g: GPU, trainers: int, samples: int, micro: i
     for mb in packing.micro_batches:
         size = len(mb.transitions)
         if size not in by_size:
-            by_size[size] = ph.train_micro_batch_s(wl, g, size, sharding=shard)
+            by_size[size] = ph.train_micro_batch_s(wl, g, size, sharding=shard, with_reference=True)
         per[mb.trainer] += by_size[size]
     return max(per)
 

@@ -28,7 +28,8 @@ from planner.hardware import gpu
 from planner.placements import Pool, best_colocated, enumerate_plans, recommend
 from planner.systems import Prediction
 from planner.systems import predict_system
-from planner.workload import Workload
+from planner import phases as ph
+from planner.workload import Workload, for_algorithm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,6 +45,23 @@ WORKLOADS = {
     "hunyuan_video": Workload("hunyuan_video", 480, 480, 53, 16, 9, 16, 8, 1.0, "full", 32, True,
                               rewards=("videoalign",)),
 }
+# The algorithms' workloads (planner/workload.py for_algorithm): what changes the regime is how many
+# (sample, t) pairs each sample trains and what each costs, against the rollout's K steps.
+ALGORITHM_WORKLOADS = {
+    # DanceGRPO's FLUX row above, trained as Flow-GRPO-Fast: the same 16-step rollout, a 2-step window.
+    "flux flow_grpo_fast": for_algorithm(WORKLOADS["flux"], "flow_grpo_fast", window=2),
+    # MixGRPO's published FLUX run (scripts/finetune/finetune_flux_grpo_MixGRPO.sh): 720^2, 25 steps, a
+    # window of 4, 32 prompts x 12, full fine-tuning, HPS-v2.1 + PickScore (+ ImageReward, left out).
+    "flux mixgrpo": for_algorithm(Workload("flux", 720, 720, 1, 25, 4, 32, 12, 1.0, "full", 32, True,
+                                           rewards=("hpsv2", "pickscore")), "mixgrpo", window=4),
+    # DiffusionNFT on the FLUX row above: its 10-step ODE rollout, 9 of 10 sigmas trained, the old
+    # policy's forward and the KL reference's (lambda 1e-4) per pair; NFT publishes no FLUX config.
+    "flux nft": for_algorithm(WORKLOADS["flux"].with_(sampling_steps=10, kl=True), "nft"),
+    # VeRL-Omni's published DiffusionNFT run (examples/diffusionnft_trainer/qwen_image/
+    # run_qwen_image_ocr_lora.sh): 512^2, 10 steps without CFG, all 10 trained, 24 x 16, LoRA 64, KL 1e-4.
+    "qwen_image nft": for_algorithm(Workload("qwen_image", 512, 512, 1, 10, 10, 24, 16, 1.0, "lora", 64, True,
+                                             kl=True, rewards=("ocr_vlm",)), "nft", fraction=1.0),
+}
 TESTBEDS = ("h100", "h800", "mixed")
 PEERS = ("verl-omni", "dance-grpo", "genrl", "flow-grpo")
 BEGIN, END = "<!-- paper-table:begin -->", "<!-- paper-table:end -->"
@@ -57,6 +75,38 @@ def pools_of(testbed: str, n: int) -> list[Pool]:
     if testbed == "mixed":
         return [Pool(gpu("h20"), n // 2), Pool(gpu("h100"), n // 2)]
     return [Pool(gpu(testbed), n)]
+
+
+def train_rollout_ratio(wl: Workload, g) -> float:
+    """GPU-seconds of training over those of rollout for one step on one GPU (micro-batches of the
+    workload's sizes): below 1 the step is rollout-bound."""
+    return (ph.train_s(wl, g, wl.transitions, wl.train_micro_batch, with_reference=True)
+            / ph.denoise_s(wl, g, wl.samples, wl.rollout_micro_batch))
+
+
+def algorithm_cell(name: str, testbed: str, n: int, top_k: int) -> dict:
+    """One algorithm workload on one testbed: our recommended plan, the best colocated and the best
+    disaggregated plan (no peer column: the peers' models run GRPO as they publish it)."""
+    wl = ALGORITHM_WORKLOADS[name]
+    preds, _ = enumerate_plans(wl, pools_of(testbed, n), top_k=top_k)
+    ours, col = recommend(preds), best_colocated(preds)
+    best_disagg = next((p for p in preds if p.system == "digenrl" and not p.knobs.get("stale")), None)
+    return {"workload": name, "testbed": testbed, "gpus": n, "description": wl.describe(),
+            "train_rollout": train_rollout_ratio(wl, gpu("h100")), "plan": ours.label, "step_s": ours.step_s,
+            "bubble": ours.bubble, "colocated": {"label": col.label, "step_s": col.step_s},
+            "best_disagg": None if best_disagg is None else {"label": best_disagg.label,
+                                                             "step_s": best_disagg.step_s}}
+
+
+def algorithm_markdown(cells: list[dict]) -> str:
+    lines = ["| workload | train : rollout work | testbed | GPUs | recommended plan | step s | vs best colocated "
+             "| best disagg vs colocated (plan) |", "|" + "---|" * 8]
+    for c in cells:
+        d, col = c["best_disagg"], c["colocated"]
+        dvc = f"{col['step_s'] / d['step_s']:.2f}x ({d['label']})" if d else "-"
+        lines.append(f"| {c['workload']} | {c['train_rollout']:.2f} | {c['testbed']} | {c['gpus']} | {c['plan']} | "
+                     f"{c['step_s']:.0f} | {col['step_s'] / c['step_s']:.2f}x ({col['label']}) | {dvc} |")
+    return "\n".join(lines)
 
 
 def cell(model: str, testbed: str, n: int, top_k: int) -> dict:
@@ -170,6 +220,14 @@ def main(argv=None) -> int:
                       f"colocated {c['colocated']['step_s']:8.1f}  VeRL-Omni {c['peers']['verl-omni']['step_s']:8.1f}  "
                       f"DanceGRPO {c['peers']['dance-grpo']['step_s']:8.1f}  GenRL {c['peers']['genrl']['step_s']:8.1f}",
                       flush=True)
+    algo_cells = []
+    for name in ([] if a.quick else ALGORITHM_WORKLOADS):
+        for testbed in TESTBEDS:
+            for n in sizes:
+                c = algorithm_cell(name, testbed, n, a.tag_candidates)
+                algo_cells.append(c)
+                print(f"{name:20s} {testbed:6s} {n:3d}: {c['plan']:36s} {c['step_s']:8.1f} s  colocated "
+                      f"{c['colocated']['step_s']:8.1f}  train:rollout {c['train_rollout']:.2f}", flush=True)
     rows = [dict(r, total_gpus=n) for n in sizes for r in cross_site(n, a.tag_candidates)]
     for r in rows:
         print(f"cross-site {r['total_gpus']:3d}: {r['placement']:22s} {r['publication']:16s} {r['plan']:36s} "
@@ -178,12 +236,19 @@ def main(argv=None) -> int:
     table = (markdown(cells) + "\n\nCross-site: FLUX 720^2 full fine-tuning, generators on H20 in one site, trainers "
              f"on H100 in another, {LINK_GBPS:g} Gb/s between (the planner's GPU prices). {STREAMRL}.\n\n"
              + cross_site_markdown(rows))
+    if algo_cells:
+        table += ("\n\nBy algorithm (planner/workload.py `for_algorithm`): train : rollout is training's GPU-seconds "
+                  "over rollout's on one H100 at the workload's micro-batches (below 1: rollout-bound).\n\n"
+                  + algorithm_markdown(algo_cells))
     with open(os.path.join(a.out, "paper-table.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(a.out, "paper-table.json"), "w") as f:
         json.dump([{k: v for k, v in c.items() if k != "_preds"} for c in cells], f, indent=1)
     with open(os.path.join(a.out, "cross-site.json"), "w") as f:
         json.dump(rows, f, indent=1)
+    if algo_cells:
+        with open(os.path.join(a.out, "algorithms.json"), "w") as f:
+            json.dump(algo_cells, f, indent=1)
     ref = next(c for c in cells if c["model"] == "flux" and c["testbed"] == "h100" and c["gpus"] == 16)
     for path in timelines(ref, a.out):
         print(f"wrote {path}")

@@ -315,3 +315,46 @@ def test_cfg_scale_one_runs_the_conditional_branch_only(algorithm):
                          traj.sigmas[1:2], [0], cond, neg, traj.log_probs[:, 0], torch.ones(1), [0], 0)
         trainer._forward(tr)
         assert len(calls) == branches * (2 if algorithm == "nft" else 1)
+
+
+# ----- recipes ------------------------------------------------------------------------------------------
+NEW_RECIPES = {  # algorithm, K, CFG scale (None: the family's guidance embedding), solver, LoRA rank, lr, KL
+    "diffusion_nft/sd35_medium.toml": ("nft", 10, 1.0, "dpm2", 32, 3e-4, 1e-4),
+    "diffusion_nft/flux_dev.toml": ("nft", 10, None, "dpm2", 32, 3e-4, 1e-4),
+    "diffusion_nft/qwen_image.toml": ("nft", 10, 1.0, "euler", 64, 3e-4, 1e-4),
+    "mixgrpo/flux_dev.toml": ("mixgrpo", 25, None, "euler", 0, 1e-5, 0.0),
+    "mixgrpo/flux_dev_flash.toml": ("mixgrpo", 25, None, "dpm2", 0, 1e-5, 0.0),
+}
+
+
+def test_new_recipes_carry_the_published_settings_and_fit(monkeypatch):
+    """Each recipe: its published settings, valid on the GPUs it names (no model folder here: the
+    preflight's folder checks are left out), CFG-free, and within the memory of its GPUs."""
+    from config import preflight
+    from config.cli import load_config_files
+    from config.validate import validate
+    from models.released import meta_adapter
+    from runtime.memory import GiB, check_fits, model_shape
+
+    monkeypatch.setattr(preflight, "check_model", lambda cfg: None)
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+    prompts = os.path.join(os.path.dirname(root), "data", "shapes_train.txt")
+    adapters = {}
+    for rel, (algorithm, k, cfg_scale, solver, rank, lr, kl) in NEW_RECIPES.items():
+        cfg, recipe = load_config_files([os.path.join(root, rel)])
+        s, rl = cfg.sampling, cfg.rl
+        assert (rl.algorithm, s.sample_steps, s.cfg_scale, s.ode_solver, cfg.optim.lora_rank, cfg.optim.lr,
+                rl.beta) == (algorithm, k, cfg_scale, solver, rank, lr, kl), rel
+        assert recipe["source"] and "CFG" in recipe["notes"], rel  # each says which published runs were CFG-free
+        if algorithm == "mixgrpo":
+            assert (s.window_size, s.window_stride, s.same_group_noise) == (4, 1, True)
+            assert s.window_interval == (20 if "flash" in rel else 25)
+        cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights/reward" for spec in rl.reward]
+        cfg.rl.prompts = cfg.output.eval_prompts = prompts
+        cfg.model.model_path = "/w/model"
+        cfg.resolve_defaults()
+        facts = validate(cfg, recipe["gpus"])
+        name = recipe["model_config"]
+        adapter = adapters.setdefault(name, meta_adapter(name))
+        need = check_fits(cfg, facts, model_shape(name, cfg, adapter), recipe["gpu"])
+        assert 10 * GiB < min(need.values()), (rel, need)
