@@ -11,6 +11,10 @@ Without TSP a chunk of samples goes whole to one trainer, which runs one forward
 timestep. With --tsp every trainer receives a `TransitionBatch`: its share of each fragment's
 transitions, packed by `parallel.tsp` into micro-batches that mix samples and timesteps. Which of
 the two a run uses is its intake's choice (parallel/intake.py).
+
+DiffusionNFT (--algorithm nft) trains the same way on clean records: a transition is a (sample,
+sigma) pair whose clean latent the trainer noises itself, against the old policy this trainer keeps
+(rl/old_policy.py), which is also what it publishes for the generators to sample with.
 """
 from __future__ import annotations
 
@@ -402,9 +406,10 @@ class Trainer:
 
     def make_version(self, names: list[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """The version this update makes, as (wire tensors, the weights receivers rebuild from
-        them); every trainer rank calls it (a collective under FSDP). With a lossy codec the
-        trainer adopts the rebuilt weights, so it trains the policy the generators sample with;
-        what the wire left out waits in the codec's residual."""
+        them): the sampling policy's weights (DiffusionNFT: the old policy's). Every trainer rank
+        calls it (a collective under FSDP). With a lossy codec the trainer adopts the rebuilt
+        weights, so it trains against the policy the generators sample with; what the wire left out
+        waits in the codec's residual."""
         weights = self.sampling_weights(names)
         if self.codec is None:
             return weights, weights
@@ -414,9 +419,6 @@ class Trainer:
             for n, t in held.items():
                 copy_full(targets[n], t)
         return wire, held
-
-
-
 
 
 def fsdp_pad_target(plan, facts, intake) -> int:

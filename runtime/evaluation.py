@@ -28,7 +28,8 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
     `progress`; a sample does not depend on its batch, so the batch size changes no score. The
     images are a tensor [n, 3, H, W] (videos [n, 3, F, H, W]) when they share one shape, else a list
     in record order (metrics.image_grid pads them to the largest)."""
-    ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None)
+    # Euler whatever the rollout's solver or window, so every algorithm is evaluated alike (NFT too)
+    ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None, window_schedule=None, ode_solver="euler")
     default = buckets.default_shape(sampling)
     keep = len(records) if keep_images is None else min(keep_images, len(records))
     by_shape: dict = {}
