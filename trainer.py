@@ -34,10 +34,9 @@ from rl import sampler
 from config.schema import RunConfig
 from models import DiTAdapter, autocast
 from models.lora import trainable_names
-from rl import old_policy
+from rl import nft, old_policy
 from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
-from rl.seeding import forward_noise
 from parallel import compress
 from parallel.fsdp import copy_full, count_allgathers, full_tensor, shard_modules
 from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
@@ -232,10 +231,8 @@ class Trainer:
         the reference's velocities without gradient (before the trained forward: the old policy's
         exchange writes the parameters in place), then the trained policy's."""
         x0 = tr.x_t.float()
-        eps = torch.stack([forward_noise(self.cfg.seed, tr.step, i, t, tuple(x0.shape[1:]))
-                           for i, t in zip(tr.sample_ids, tr.timesteps)]).to(x0.device)
-        sigma = tr.sigma.float().reshape(-1, *([1] * (x0.dim() - 1)))
-        noised = dataclasses.replace(tr, x_t=(1 - sigma) * x0 + sigma * eps)
+        noised = dataclasses.replace(tr, x_t=nft.noised(x0, tr.sigma, tr.sample_ids, tr.timesteps, self.cfg.seed,
+                                                        tr.step))
         with torch.no_grad(), self.old.swapped(), autocast(self.device, self.cfg.model.dtype):
             v_old = sampler.guided_velocity(self.adapter, noised.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
         v_ref = self._reference_velocity(noised) if self.loss.needs_reference else None

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rl.seeding import forward_noise
+
 WEIGHT_MIN = 1e-5
 """the floor of the adaptive weights w+- (NFT train_nft_sd3.py:944)"""
 
@@ -29,6 +31,15 @@ WEIGHT_MIN = 1e-5
 def optimality(adv: Tensor, adv_clip: float) -> Tensor:
     """r = 1/2 + 1/2 clip(A / c, -1, 1): NFT's (clamp(A, -c, c) / c) / 2 + 1/2, clamped to [0, 1]."""
     return (adv.double().clamp(-adv_clip, adv_clip) / adv_clip / 2 + 0.5).clamp(0.0, 1.0)
+
+
+def noised(x0: Tensor, sigma: Tensor, sample_ids: list[int], timesteps: list[int], seed: int, step: int) -> Tensor:
+    """x_t = (1 - sigma) x0 + sigma eps of each transition, eps keyed by (seed, step, sample, t)
+    (rl.seeding.forward_noise), so every trainer and placement noises a clean sample alike."""
+    eps = torch.stack([forward_noise(seed, step, i, t, tuple(x0.shape[1:]))
+                       for i, t in zip(sample_ids, timesteps)]).to(x0.device)
+    s = _bcast(sigma.float(), x0)
+    return (1 - s) * x0.float() + s * eps
 
 
 def _mean(t: Tensor) -> Tensor:

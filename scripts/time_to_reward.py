@@ -15,7 +15,13 @@ competes with training for the cores and a disaggregated generator cannot run ah
 Writes OUT/time_to_reward.md (a row per run: seconds to each --thresholds value, at the first
 checkpoint that reaches it, and the final reward; a row per algorithm and placement: the mean over
 the seeds that reached it), OUT/time_to_reward.json (every curve) and OUT/time_to_reward.png (reward
-against wall-clock, every run). --skip-existing reuses finished run folders and evaluations.
+against wall-clock, every run). --skip-existing reuses finished run folders.
+
+Issue #31 item 6 (a gain of 0.10 on the unfaded first-stage model within 10 minutes) is the same
+measurement over the FIRST_STAGE settings:
+
+    python -m scripts.time_to_reward --settings first-stage --extra="--model-path runs/first-stage" \
+        --placements disagg+tag --steps 60 --budget-s 600 --out runs/first-stage-rl
 """
 from __future__ import annotations
 
@@ -58,6 +64,20 @@ ALGORITHMS = {
     "nft": ["--algorithm", "nft", "--ode-solver", "dpm2", "--nft-beta", "1.0", "--beta", "1e-4",
             "--old-policy-decay", "linear_to_0_5"],
 }
+# Issue #31 item 6, on the unfaded first-stage model (--extra "--model-path DIR"): the published
+# settings first, then one change each (docs/shapes-rl-notes.md: what did not rise before, and why).
+FIRST_STAGE = {
+    "nft": ALGORITHMS["nft"],
+    "nft-lr1e-3": [*ALGORITHMS["nft"], "--lr", "1e-3"],
+    "nft-beta0.1": [*ALGORITHMS["nft"], "--nft-beta", "0.1"],  # NFT's OCR and multi-reward strength
+    "nft-copy": [*ALGORITHMS["nft"], "--old-policy-decay", "copy"],  # sample with the newest weights
+    "nft-running-std": [*ALGORITHMS["nft"], "--std-mode", "running"],  # NFT's batch-global std, streamed
+    "nft-16-prompts": [*ALGORITHMS["nft"], "--prompts-per-step", "16"],  # 128 samples per update
+    "mixgrpo": ALGORITHMS["mixgrpo"],
+    "flow_grpo_fast-lr1e-3": [*ALGORITHMS["flow_grpo_fast"], "--lr", "1e-3"],  # the README's best on the faded model
+    "flow_grpo": ALGORITHMS["flow_grpo"],
+}
+SETTINGS = {"published": ALGORITHMS, "first-stage": FIRST_STAGE}
 PLACEMENTS = {
     # Every rank generates, then trains (the colocated systems' placement).
     "colocated": ["--mode", "colocated"],
@@ -87,8 +107,8 @@ def plan_runs(algorithms, placements, seeds, out: str) -> list[Run]:
     return [Run(a, p, s, os.path.join(out, f"{a}-{p}-seed{s}")) for a in algorithms for p in placements for s in seeds]
 
 
-def run_args(run: Run, steps: int, save_every: int, extra: list[str]) -> list[str]:
-    return [*ALGORITHMS[run.algorithm], *PLACEMENTS[run.placement], "--seed", str(run.seed), "--steps", str(steps),
+def run_args(run: Run, steps: int, save_every: int, extra: list[str], settings: dict = ALGORITHMS) -> list[str]:
+    return [*settings[run.algorithm], *PLACEMENTS[run.placement], "--seed", str(run.seed), "--steps", str(steps),
             "--save-every", str(save_every), "--keep-checkpoints", "0", "--eval-every", "0",
             "--output-dir", run.out, "--overwrite", *extra]
 
@@ -168,22 +188,32 @@ def time_to(curve: list[tuple[int, float, float]], threshold: float) -> float | 
     return next((wall for _, wall, reward in curve if reward >= threshold), None)
 
 
+def best_within(curve: list[tuple[int, float, float]], budget_s: float) -> float:
+    """The best eval/reward of the checkpoints that exist within `budget_s` seconds."""
+    return max(reward for _, wall, reward in curve if wall <= budget_s)
+
+
 def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
 
 
-def table(runs: list[Run], thresholds) -> str:
+def table(runs: list[Run], thresholds, budget_s: float | None = None) -> str:
     """A row per run, then a row per algorithm and placement: the mean over the seeds that reached
-    each threshold (k/n when only k of n did)."""
+    each threshold (k/n when only k of n did). With a budget, also each run's best reward within it
+    and its gain over version 0."""
     head = ["algorithm", "placement", "seed", *[f"s to {t:g}" for t in thresholds], "base", "final eval/reward",
             "s for all steps", "s per step"]
+    if budget_s is not None:
+        head += [f"best within {budget_s:g} s", "gain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         steps = r.curve[-1][0]
+        extra = "" if budget_s is None else (f" {best_within(r.curve, budget_s):.3f} | "
+                                             f"{best_within(r.curve, budget_s) - r.curve[0][2]:+.3f} |")
         lines.append(f"| {r.algorithm} | {r.placement} | {r.seed} | "
                      + " | ".join(_s(time_to(r.curve, t)) for t in thresholds)
                      + f" | {r.curve[0][2]:.3f} | {r.curve[-1][2]:.3f} | {r.curve[-1][1]:.0f} | "
-                       f"{r.curve[-1][1] / steps:.2f} |")
+                       f"{r.curve[-1][1] / steps:.2f} |" + extra)
     lines += ["", "| algorithm | placement | runs | " + " | ".join(f"mean s to {t:g}" for t in thresholds)
               + " | mean final eval/reward | mean s per step |", "|" + "---|" * (5 + len(thresholds))]
     groups: dict[tuple[str, str], list[Run]] = {}
@@ -224,7 +254,12 @@ def plot(runs: list[Run], thresholds, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--out", default="runs/time_to_reward")
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"comma-separated, of {list(ALGORITHMS)}")
+    p.add_argument("--settings", choices=list(SETTINGS), default="published",
+                   help="published: each algorithm's published settings (ALGORITHMS); first-stage: issue #31 item "
+                        "6's candidates for the unfaded model (FIRST_STAGE, with --extra=--model-path DIR)")
+    p.add_argument("--algorithms", default=None, help="comma-separated names of the settings (default: all)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="also report each run's best eval/reward within this many seconds and its gain")
     p.add_argument("--placements", default=",".join(PLACEMENTS), help=f"comma-separated, of {list(PLACEMENTS)}")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--steps", type=int, default=50)
@@ -234,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-existing", action="store_true", help="keep run folders that reached --steps")
     p.add_argument("--timeout-s", type=int, default=4 * 3600, help="per run")
     a = p.parse_args(argv)
-    algorithms, placements = a.algorithms.split(","), a.placements.split(",")
-    for name, known in ((algorithms, ALGORITHMS), (placements, PLACEMENTS)):
+    settings = SETTINGS[a.settings]
+    algorithms = a.algorithms.split(",") if a.algorithms else list(settings)
+    placements = a.placements.split(",")
+    for name, known in ((algorithms, settings), (placements, PLACEMENTS)):
         bad = [x for x in name if x not in known]
         if bad:
             raise ValueError(f"unknown {bad}; choose from {list(known)}")
@@ -246,17 +283,17 @@ def main(argv: list[str] | None = None) -> int:
         if a.skip_existing and finished(run, a.steps):
             continue
         print(f"training {run.name}", flush=True)
-        torchrun(2, run_args(run, a.steps, a.save_every, shlex.split(a.extra)), timeout=a.timeout_s)
+        torchrun(2, run_args(run, a.steps, a.save_every, shlex.split(a.extra), settings), timeout=a.timeout_s)
     evaluator = Evaluator()
     for run in runs:
         print(f"evaluating {run.name}", flush=True)
         measure_curve(run, evaluator, a.save_every, a.steps)
-    text = table(runs, thresholds)
+    text = table(runs, thresholds, a.budget_s)
     with open(os.path.join(a.out, "time_to_reward.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(a.out, "time_to_reward.json"), "w") as f:
         json.dump([{"algorithm": r.algorithm, "placement": r.placement, "seed": r.seed,
-                    "args": run_args(r, a.steps, a.save_every, shlex.split(a.extra)),
+                    "args": run_args(r, a.steps, a.save_every, shlex.split(a.extra), settings),
                     "curve": [{"step": s, "wall_s": w, "eval_reward": x} for s, w, x in r.curve],
                     "time_to": {f"{t:g}": time_to(r.curve, t) for t in thresholds}} for r in runs], f, indent=1)
     plot(runs, thresholds, os.path.join(a.out, "time_to_reward.png"))

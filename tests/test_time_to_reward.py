@@ -57,3 +57,13 @@ def test_time_to_reward_runs_end_to_end_on_the_tiny_preset(tmp_path):
     assert (out / "time_to_reward.png").stat().st_size > 0
     with pytest.raises(ValueError, match="unknown"):
         ttr.main(["--out", str(out), "--algorithms", "grpo"])
+
+
+def test_budget_columns_and_the_first_stage_settings():
+    run = _run("nft-lr1e-3", "disagg+tag", 0, [0.43, 0.47, 0.55, 0.50], step_s=40.0)
+    assert ttr.best_within(run.curve, 600) == 0.55 and ttr.best_within(run.curve, 399) == 0.47
+    row = ttr.table([run], [0.532], budget_s=600).splitlines()[2]
+    assert row.endswith("| 0.550 | +0.120 |")
+    first = ttr.SETTINGS["first-stage"]
+    assert first["nft"] == ttr.ALGORITHMS["nft"] and all(f[:2] == ["--algorithm", "nft"] for k, f in first.items()
+                                                          if k.startswith("nft"))
