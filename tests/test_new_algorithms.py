@@ -358,3 +358,28 @@ def test_new_recipes_carry_the_published_settings_and_fit(monkeypatch):
         adapter = adapters.setdefault(name, meta_adapter(name))
         need = check_fits(cfg, facts, model_shape(name, cfg, adapter), recipe["gpu"])
         assert 10 * GiB < min(need.values()), (rel, need)
+
+
+# ----- bad inputs: each a ValueError naming the value, before anything loads -------------------------
+@pytest.mark.parametrize("argv,message", [
+    (["--algorithm", "mixgrpo", "--sde-window", "0:2"], "--algorithm mixgrpo slides its own window"),
+    (["--algorithm", "mixgrpo", "--sample-steps", "5", "--window-interval", "2", "--steps", "10"],
+     "the MixGRPO window is empty at step 6"),
+    (["--algorithm", "mixgrpo", "--sample-steps", "2"], "at least 3 sampling steps"),
+    (["--window-size", "0"], "--window-size must be >= 1, got 0"),
+    (["--window-stride", "-1"], "--window-stride must be >= 0"),
+    (["--window-schedule", "decay"], "unknown --window-schedule 'decay'"),
+    (["--ode-solver", "heun"], "unknown --ode-solver 'heun'"),
+    (["--nft-beta", "0"], "--nft-beta must be a finite number > 0, got 0.0"),
+    (["--old-policy-decay", "ema"], "unknown --old-policy-decay 'ema'"),
+    (["--old-policy-interval", "0"], "--old-policy-interval must be >= 1, got 0"),
+])
+def test_new_flags_name_their_bad_values(argv, message):
+    from config.cli import parse_config
+    from config.validate import validate
+
+    cfg = parse_config(["--preset", "tiny", *argv])
+    cfg.resolve_defaults()
+    with pytest.raises(ValueError) as e:
+        validate(cfg, 2)
+    assert message in str(e.value)
