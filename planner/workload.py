@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 
 from parallel.compress import parse as parse_codec
 from planner.hardware import Kernels
-from planner.specs import AuxModel, ModelSpec, Resolution, attention_share, forward_flops, image_tokens, model_spec
+from planner.released import model_spec
+from planner.specs import AuxModel, ModelSpec, Resolution, attention_share, forward_flops, image_tokens
 
 REWARDS: dict[str, AuxModel] = {r.name: r for r in (
     # CLIP-H/14 scorers: ~1B parameters, 257 image + 77 text tokens.

@@ -11,8 +11,8 @@ from planner import phases as ph
 from planner import placements as plans, published
 from planner.memory import colocated_memory, trainer_memory, training_state
 from planner.profile import DeviceProfile, with_profile
-from planner.specs import (MODELS, Resolution, attention_share, forward_flops, image_tokens, lora_params,
-                           model_spec)
+from planner.released import MODELS, model_spec
+from planner.specs import Resolution, attention_share, forward_flops, image_tokens, lora_params
 from planner.systems import dance_grpo, predict_system, verl_omni
 from planner.workload import Workload
 from planner import cli as plan_cli
@@ -55,9 +55,9 @@ def test_two_params_tokens_overestimates_the_mmdits():
         ratios[model] = (2 * spec.params * (n_img + n_txt) + attention) / split
     assert all(1.1 < r < 3.0 for r in ratios.values()), ratios
     assert ratios["flux"] > 1.5 and ratios["qwen_image"] > 2.2
-    assert MODELS["flux"].params == pytest.approx(11.90e9, rel=0.01)
-    assert MODELS["wan"].p_img == pytest.approx(11.95e9, rel=0.01) and MODELS["wan"].p_txt == pytest.approx(2.14e9,
-                                                                                                             rel=0.01)
+    assert model_spec("flux").params == pytest.approx(11.90e9, rel=0.01)
+    assert model_spec("wan").p_img == pytest.approx(11.95e9, rel=0.01)
+    assert model_spec("wan").p_txt == pytest.approx(2.14e9, rel=0.01)
 
 
 # ----- efficiency ----------------------------------------------------------------------------

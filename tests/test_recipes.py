@@ -14,6 +14,7 @@ from config.validate import validate
 from config.cli import build_parser, load_config_files, parse_config
 from runtime.memory import GiB, check_fits, estimate, model_shape
 from models.released import meta_adapter, parameter_counts, released_names
+from planner.released import MODELS as PLANNER_MODELS
 from rl.conditioning import Conditioning
 
 from config import preflight
@@ -145,12 +146,29 @@ def adapters():
     return {name: meta_adapter(name) for name in released_names()}
 
 
-def test_released_parameter_counts():
+@pytest.fixture(scope="module")
+def counts():
+    return {name: parameter_counts(name) for name in released_names()}
+
+
+def test_released_parameter_counts(counts):
     assert sorted(released_names()) == sorted(BLOCKS)
     for name, expected in PARAMS.items():
-        counts = parameter_counts(name)
-        assert counts["transformer"] == pytest.approx(expected, rel=0.01), name
-    assert parameter_counts("flux1_dev")["text_encoder_2"] == pytest.approx(4.76e9, rel=0.01)  # T5-XXL encoder
+        assert counts[name]["transformer"] == pytest.approx(expected, rel=0.01), name
+    assert counts["flux1_dev"]["text_encoder_2"] == pytest.approx(4.76e9, rel=0.01)  # T5-XXL encoder
+
+
+def test_the_planners_specs_count_the_released_models_parameters(counts):
+    """planner/released.py derives each spec from the same JSON with formulas, without torch: its
+    transformer and text-encoder counts equal the meta-device modules' exactly, its VAEs (a table)
+    within 0.01%, and every released config has a spec."""
+    assert sorted(PLANNER_MODELS) == sorted(released_names())
+    for name, spec in PLANNER_MODELS.items():
+        assert spec.params == counts[name]["transformer"], name
+        encoders = [counts[name][k] for k in ("text_encoder", "text_encoder_2", "text_encoder_3") if k in counts[name]]
+        assert [e.params for e in spec.text_encoders] == encoders, name
+        assert spec.vae.params == pytest.approx(counts[name]["vae"], rel=1e-4), name
+        assert spec.num_blocks == BLOCKS[name], name
 
 
 def _meta_conditioning(adapter) -> Conditioning:
