@@ -77,7 +77,8 @@ def workload_from_args(a) -> Workload:
     return Workload(model, a.height, a.width, a.frames, k, trained, a.prompts_per_step, a.group_size, a.cfg_scale,
                     a.finetune, a.lora_rank, a.gradient_checkpointing, a.kl, a.text_tokens, tuple(a.reward or
                     ["pickscore"]), Kernels(a.compile, a.attention), a.rollout_micro_batch, a.train_micro_batch,
-                    a.optimizer_steps, parse_shape_mix(a.shape_mix) if a.shape_mix else (), a.publish_compression)
+                    a.optimizer_steps, parse_shape_mix(a.shape_mix) if a.shape_mix else (), a.publish_compression,
+                    reward_gpus=a.reward_gpus)
 
 
 def _gb(p) -> str:
@@ -104,6 +105,8 @@ def run_plan(a) -> int:
     wl = workload_from_args(a)
     if a.peers and wl.shapes:
         raise ValueError("--peers models one shape per run: leave out --shape-mix")
+    if a.peers and wl.reward_gpus:
+        raise ValueError("--peers models each peer's own reward placement: leave out --reward-gpus")
     if a.link_gbps is not None and (a.link_gbps <= 0 or len(pools) != 2):
         raise ValueError("--link-gbps: a positive bandwidth between two --gpus pools (one site each)")
     link = a.link_gbps * 1e9 / 8 if a.link_gbps else None
@@ -217,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kl", action="store_true", help="a KL term (a reference forward per transition)")
     w.add_argument("--text-tokens", type=int, default=None)
     w.add_argument("--reward", action="append", choices=sorted(REWARDS), help="reward model(s), repeatable")
+    w.add_argument("--reward-gpus", type=int, default=0,
+                   help="GPUs of a reward service (--reward http://HOST:PORT/NAME in the run): the reward models "
+                        "run there, overlapped with denoising, and the plans pay for them (of the first pool's type)")
     w.add_argument("--compile", action="store_true", help="torch.compile'd kernels")
     w.add_argument("--attention", choices=("sdpa", "fa2", "fa3"), default="sdpa")
     w.add_argument("--rollout-micro-batch", type=int, default=8)

@@ -66,6 +66,10 @@ class Workload:
     planner's default), none (the trained tensors in their dtype, `param_bytes`), delta, delta-topk:F"""
     param_bytes: int = 4
     """bytes per element of the trained tensors (fp32 under the runtime's --dtype auto)"""
+    reward_gpus: int = 0
+    """GPUs of a reward service (the runtime's --reward http://HOST:PORT/NAME): the reward models
+    run there, not on the plan's ranks, while the generators denoise their next fragment; the plan
+    pays for these GPUs too (planner.placements.with_reward_service)"""
 
     def __post_init__(self):
         model_spec(self.model)
@@ -90,6 +94,8 @@ class Workload:
         if len({b[:3] for b in self.shapes}) != len(self.shapes):
             raise ValueError(f"a shape appears twice in the mix {self.shapes}")
         parse_codec(self.publish_compression)
+        if self.reward_gpus < 0:
+            raise ValueError(f"reward_gpus must be >= 0, got {self.reward_gpus}")
 
     # -- derived quantities -------------------------------------------------------------------
     @property
@@ -182,7 +188,8 @@ class Workload:
                 f"({self.trained_timesteps} trained), {self.prompts_per_step}x{self.group_size} samples, "
                 f"{'CFG ' + format(self.cfg_scale, 'g') if self.branches == 2 else 'no CFG'}, "
                 f"{'LoRA r' + str(self.lora_rank) if self.finetune == 'lora' else 'full FT'}"
-                f"{', checkpointing' if self.gradient_checkpointing else ''}{', KL' if self.kl else ''}")
+                f"{', checkpointing' if self.gradient_checkpointing else ''}{', KL' if self.kl else ''}"
+                f"{f', rewards served on {self.reward_gpus} GPU(s)' if self.reward_gpus else ''}")
 
     def with_(self, **kw) -> "Workload":
         return replace(self, **kw)

@@ -327,3 +327,19 @@ def test_the_peer_column_takes_the_stronger_verl_omni_mode():
     mixed = verl_omni_best(wl, h100, 16, rollout_gpu=h20)
     assert mixed.step_s <= verl_omni(wl, h20, 16).step_s
     assert {g.key for g, _ in mixed.pools} == ({"h100", "h20"} if mixed.system == "verl-omni-separate" else {"h20"})
+
+
+def test_a_reward_service_takes_the_reward_off_the_ranks_and_is_paid_for():
+    """--reward-gpus R (a run scoring through --reward http://...): no rank holds or runs the reward
+    model, every plan's pools gain R GPUs, and a step is at least the service's scoring of the
+    whole batch plus the last fragment's."""
+    wl = Workload("qwen_image", 512, 512, 1, 10, 2, 32, 16, 4.0, "lora", 64, True, rewards=("ocr_vlm",))
+    pool = [plans.Pool(gpu("h800"), 4)]
+    local, _ = plans.enumerate_plans(wl, pool)
+    served_wl = wl.with_(reward_gpus=1)
+    served, _ = plans.enumerate_plans(served_wl, pool)
+    assert ph.reward_s(served_wl, gpu("h800"), 64) == 0 and ph.reward_bytes(served_wl) == 0
+    assert ph.reward_s(served_wl, gpu("h800"), 64, served=True) == ph.reward_s(wl, gpu("h800"), 64) > 0
+    service = ph.reward_s(served_wl, gpu("h800"), wl.samples, served=True)
+    assert all(p.num_gpus == 5 and p.step_s >= service for p in served)
+    assert served[0].step_s < local[0].step_s  # a judge of 8B parameters is worth a GPU of its own here
