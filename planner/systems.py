@@ -196,7 +196,9 @@ timing_s/update_weights: 32B 6.2 s, 72B 12.0-13.0 s with "changed_ratio 2.1-2.6%
 8.6-10.9 GB", i.e. 6.8% of the bf16 bytes on the wire): a fixed 1.07 s, the snapshot diff at
 14.8 GB/s of bf16 weights, the payload at SYNC_BYTES_S. Two rows, two constants: no held-out LLM
 row of the same setting exists (the 7B offload-on row, 3.9-4.9 s against 2.2 s predicted, pays host
-copies this leaves out), and no diffusion figure exists: PR #613's recipe is "NOT YET GPU-VERIFIED"."""
+copies this leaves out). Held out, another engine: verl PR #7324 (TorchTitan, A800, Qwen3-8B) synced
+in 3.00 s (8 + 8 GPUs) and 3.34 s (16 + 16) against 2.34 s predicted. No diffusion figure exists:
+PR #613's recipe is "NOT YET GPU-VERIFIED"."""
 
 
 def delta_sync_s(num_bytes: float) -> float:
