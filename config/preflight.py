@@ -65,6 +65,8 @@ def check_numbers(cfg) -> None:
                          f"{rl.prompts_per_step}")
     if cfg.output.debug_link_bandwidth is not None and not cfg.output.debug_link_bandwidth > 0:
         raise ValueError(f"--debug-link-bandwidth must be > 0 MB/s, got {cfg.output.debug_link_bandwidth}")
+    _need(_finite(rl.reward_timeout_s) and rl.reward_timeout_s > 0, "--reward-timeout-s", rl.reward_timeout_s,
+          "a finite number of seconds > 0")
     if t.memory_budget_gb is not None and not t.memory_budget_gb > 0:
         raise ValueError(f"--memory-budget-gb must be > 0, got {t.memory_budget_gb}")
     if not 0 < rl.timestep_fraction <= 1:

@@ -69,8 +69,12 @@ class SamplingArgs:
 class RLConfig:
     prompts: str | None = _f(None, "prompt file (.txt one per line, or .jsonl with a 'prompt' field); "
                                    "default: data/shapes_train.txt")
-    reward: list = _f([], "reward NAME[:WEIGHT], repeatable (default: shapes:1.0)", action="append",
-                  metavar="NAME[:WEIGHT]")
+    reward: list = _f([], "reward NAME[:WEIGHT], or http://HOST:PORT/NAME[:WEIGHT] for a reward scored by a "
+                          "reward service (python -m scripts.reward_server), repeatable (default: shapes:1.0)",
+                  action="append", metavar="NAME[:WEIGHT]")
+    reward_timeout_s: float = _f(60.0, "a reward service must return a fragment's scores within this many seconds "
+                                       "of its sending, retries included (a restart within it loses no sample); "
+                                       "then the run stops, naming the URL and its answer")
     reward_model: list = _f([], "NAME=DIR: local weights folder of a model-based reward, repeatable",
                         action="append", metavar="NAME=DIR")
     steps: int = _f(50, "training steps (one optimizer update each)")

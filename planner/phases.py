@@ -92,9 +92,13 @@ def decode_s(wl: Workload, g: GPU, samples: int) -> float:
     return aux_s(g, samples * vae_decode_flops(wl.spec, wl.resolution))
 
 
-def reward_s(wl: Workload, g: GPU, samples: int, tensor_parallel: int = 1) -> float:
+def reward_s(wl: Workload, g: GPU, samples: int, tensor_parallel: int = 1, served: bool = False) -> float:
     """Every reward model on `samples` samples: a prefill of its tokens, and for generative judges
-    their decode steps (memory-bound: the weights stream once per generated token, batched)."""
+    their decode steps (memory-bound: the weights stream once per generated token, batched). With
+    rewards served on GPUs of their own (`wl.reward_gpus`) a rank spends nothing on them; `served`
+    prices the service's own GPU."""
+    if wl.reward_gpus and not served:
+        return 0.0
     total = 0.0
     for name in wl.rewards:
         r = reward_model(name)
@@ -107,7 +111,8 @@ def reward_s(wl: Workload, g: GPU, samples: int, tensor_parallel: int = 1) -> fl
 
 
 def reward_bytes(wl: Workload) -> float:
-    return sum(2 * reward_model(n).params for n in wl.rewards)
+    """bf16 reward models a rank holds (none when a reward service holds them)."""
+    return 0.0 if wl.reward_gpus else sum(2 * reward_model(n).params for n in wl.rewards)
 
 
 def text_s(wl: Workload, g: GPU, prompts: int) -> float:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 
 from parallel.compress import parse as parse_codec
 from planner.hardware import Kernels
-from planner.specs import AuxModel, ModelSpec, Resolution, attention_share, forward_flops, image_tokens, model_spec
+from planner.released import model_spec
+from planner.specs import AuxModel, ModelSpec, Resolution, attention_share, forward_flops, image_tokens
 
 REWARDS: dict[str, AuxModel] = {r.name: r for r in (
     # CLIP-H/14 scorers: ~1B parameters, 257 image + 77 text tokens.
@@ -69,6 +70,10 @@ class Workload:
     """DiffusionNFT: one forward of the frozen old policy per trained transition (no gradient)"""
     clean_samples: bool = False
     """DiffusionNFT: a fragment carries each sample's clean latent only, no path and no log-probs"""
+    reward_gpus: int = 0
+    """GPUs of a reward service (the runtime's --reward http://HOST:PORT/NAME): the reward models
+    run there, not on the plan's ranks, while the generators denoise their next fragment; the plan
+    pays for these GPUs too (planner.placements.with_reward_service)"""
 
     def __post_init__(self):
         model_spec(self.model)
@@ -93,6 +98,8 @@ class Workload:
         if len({b[:3] for b in self.shapes}) != len(self.shapes):
             raise ValueError(f"a shape appears twice in the mix {self.shapes}")
         parse_codec(self.publish_compression)
+        if self.reward_gpus < 0:
+            raise ValueError(f"reward_gpus must be >= 0, got {self.reward_gpus}")
 
     # -- derived quantities -------------------------------------------------------------------
     @property
@@ -188,7 +195,8 @@ class Workload:
                 f"{'CFG ' + format(self.cfg_scale, 'g') if self.branches == 2 else 'no CFG'}, "
                 f"{'LoRA r' + str(self.lora_rank) if self.finetune == 'lora' else 'full FT'}"
                 f"{', checkpointing' if self.gradient_checkpointing else ''}{', KL' if self.kl else ''}"
-                f"{', old-policy forward, clean samples' if self.old_policy else ''}")
+                f"{', old-policy forward, clean samples' if self.old_policy else ''}"
+                f"{f', rewards served on {self.reward_gpus} GPU(s)' if self.reward_gpus else ''}")
 
     def with_(self, **kw) -> "Workload":
         return replace(self, **kw)

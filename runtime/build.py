@@ -331,7 +331,8 @@ def _generator(ctx: RankContext, scorer, trainer: Trainer | None) -> Generator:
 
 
 def _reward_set(cfg: RunConfig, device) -> RewardSet:
-    return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model))
+    return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model),
+                     timeout_s=cfg.rl.reward_timeout_s)
 
 
 def _member_groups(topo: Topology, rank: int, groups: ProcessGroups) -> list:

@@ -12,8 +12,12 @@ Below it, the cross-site table: FLUX full fine-tuning with the generators on H20
 the trainers on H100 in another, joined by a 25 Gb/s link, publishing uncompressed (fp32) or with
 delta-topk:0.01, against the best colocated plan of the same GPUs in one site.
 
-Peers on the mixed testbed run in lockstep, so they are modelled on N GPUs of the slower type;
-VeRL-Omni is its mechanism model without the per-step overhead fitted on its published runs (so
+Peers on the mixed testbed run in lockstep, so they are modelled on N GPUs of the slower type,
+except VeRL-Omni, whose column is the stronger of its two on-policy modes (planner.systems.
+verl_omni_best): its colocated hybrid engine, or separate-async at its best split of actor and
+standalone rollout GPUs (on the mixed testbed: actors on the H100 half, rollout on the H20 half),
+with delta weight sync for full fine-tuning; "(sep)" marks the cells where separate-async is the
+stronger. It is its mechanism model without the per-step overhead fitted on its published runs (so
 its column understates VeRL-Omni's measured step times; see docs/calibration.md).
 """
 from __future__ import annotations
@@ -27,7 +31,7 @@ from planner import timeline as plot_timeline
 from planner.hardware import gpu
 from planner.placements import Pool, best_colocated, enumerate_plans, recommend
 from planner.systems import Prediction
-from planner.systems import predict_system
+from planner.systems import predict_system, verl_omni_best
 from planner import phases as ph
 from planner.workload import Workload, for_algorithm
 
@@ -116,20 +120,23 @@ def cell(model: str, testbed: str, n: int, top_k: int) -> dict:
     col = best_colocated(preds)
     best_disagg = next((p for p in preds if p.system == "digenrl" and not p.knobs.get("stale")), None)
     slow = gpu("h20") if testbed == "mixed" else gpu(testbed)
-    peers = {s: predict_system(s, wl, slow, n) for s in PEERS}
+    peers = {s: predict_system(s, wl, slow, n) for s in PEERS if s != "verl-omni"}
+    peers["verl-omni"] = verl_omni_best(wl, gpu("h100"), n, rollout_gpu=slow) if testbed == "mixed" else \
+        verl_omni_best(wl, slow, n)
     return {"model": model, "testbed": testbed, "gpus": n, "workload": wl.describe(), "plan": ours.label,
             "plan_gpus": ours.gpu_label(), "step_s": ours.step_s, "bubble": ours.bubble, "mfu": ours.mfu,
             "samples_per_dollar": ours.samples_per_dollar,
             "best_disagg": None if best_disagg is None else {"label": best_disagg.label, "step_s": best_disagg.step_s,
                                                            "bubble": best_disagg.bubble, "mfu": best_disagg.mfu},
             "colocated": {"label": col.label, "step_s": col.step_s, "bubble": col.bubble, "mfu": col.mfu},
-            "peers": {s: {"step_s": p.step_s, "bubble": p.bubble, "mfu": p.mfu, "fits": p.feasible}
+            "peers": {s: {"step_s": p.step_s, "bubble": p.bubble, "mfu": p.mfu, "fits": p.feasible, "label": p.label}
                       for s, p in peers.items()},
             "_preds": (ours, col, best_disagg, peers)}
 
 
 def ratio(peer: dict, ours: float) -> str:
-    return f"{peer['step_s'] / ours:.2f}x" + ("" if peer.get("fits", True) else "*")
+    return (f"{peer['step_s'] / ours:.2f}x" + ("" if peer.get("fits", True) else "*")
+            + (" (sep)" if "separate-async" in peer.get("label", "") else ""))
 
 
 def markdown(cells: list[dict]) -> str:

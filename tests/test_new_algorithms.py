@@ -4,6 +4,7 @@ and diffusers, and the trainer's forward-process path against its own per-timest
 placement-invariance runs through torchrun are in tests/test_new_algorithms_runs.py."""
 import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -272,7 +273,8 @@ def test_nft_update_moves_the_old_policy_and_generation_uses_it():
     for o, b, p in zip(trainer.old.tensors, before, trainer.params):
         torch.testing.assert_close(o, 0.5 * b + 0.5 * p.detach(), rtol=0, atol=1e-7)
     theta, old = [p.detach().clone() for p in trainer.params], [o.clone() for o in trainer.old.tensors]
-    gen = Generator(trainer.adapter, trainer.sampling, lambda *a: None, [], seed=0, policy=trainer.sampling_policy)
+    gen = Generator(trainer.adapter, trainer.sampling, SimpleNamespace(submit=None), [], seed=0,
+                    policy=trainer.sampling_policy)  # a scorer stand-in: nothing is scored here
     cond = trainer.adapter.encode_prompts(["a red circle"])
     live = sampler.denoise(trainer.adapter, cond, None, [0], 1, trainer.sampling).latents
     with gen.policy():
