@@ -1,19 +1,18 @@
-"""Run safety in process: atomic checkpoints and their verification, run folders that never mix
-runs, safe loading (and a grep for unsafe loads and asserts), the non-finite step guard, and the
-size factors the up-front checks read without loading a model."""
+"""Run safety in process: atomic checkpoints and their verification (run folders, locks and resumes:
+tests/test_run_folders.py), safe loading (and a grep for unsafe loads and asserts), the non-finite
+step guard, the size factors the up-front checks read without loading a model, and the guard's
+timeouts and signals."""
 import ast
 import json
 import os
 import pickle
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from checkpointing import files as checkpoint_files
-from checkpointing import folder as runfolder
 from runtime.launch import ROOT
 from rl.nonfinite import RunAbort, SkipTracker
 
@@ -71,71 +70,6 @@ def test_prune_keeps_the_newest_and_the_pinned(tmp_path):
     assert sorted(os.path.basename(p) for p in removed) == ["step-1", "step-3", "step-4"]
     assert sorted(os.listdir(tmp_path)) == ["step-2", "step-5", "step-6"]
     assert checkpoint_files.prune(str(tmp_path), keep=0) == []
-
-
-# ----- run folders --------------------------------------------------------------------------------
-def _cfg(out, resume=None, overwrite=False, steps=5, lora_rank=4):
-    config = {"model": {"model": "flux", "model_path": None, "preset": "tiny"},
-              "optim": {"lora_rank": lora_rank, "lora_alpha": None, "lora_targets": "attn"},
-              "rl": {"algorithm": "flow_grpo", "steps": steps}, "sampling": {"sde_type": "sde"}}
-    return SimpleNamespace(output=SimpleNamespace(output_dir=str(out), resume=resume and str(resume),
-                                                  overwrite=overwrite),
-                           rl=SimpleNamespace(steps=steps), to_dict=lambda: config)
-
-
-def _run_folder(folder, steps_done, saved):
-    folder.mkdir()
-    rows = [{"step": s, "time": 0, "reward/mean": s} for s in range(steps_done)]
-    rows += [{"step": s, "time": 0, "eval/reward": s} for s in range(0, steps_done + 1, 2)]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tor')
-    (folder / "samples").mkdir()
-    for s in range(steps_done):
-        (folder / "samples" / f"step-{s:06d}.png").write_bytes(b"png")
-    for s in saved:
-        checkpoint_files.write_atomic(str(folder / "checkpoints" / f"step-{s}"),
-                                      lambda tmp: Path(tmp, "w").write_text("w"),
-                                      {"step": s, "config": _cfg(folder).to_dict()})
-    (folder / "slurm-123.out").write_text("a launcher's log")
-
-
-def test_a_folder_that_holds_a_run_is_refused_unless_resumed_in_place_or_overwritten(tmp_path):
-    run = tmp_path / "run"
-    _run_folder(run, 4, [2, 4])
-    with pytest.raises(ValueError, match="already holds a run .*continue its run with --resume"):
-        runfolder.check(_cfg(run))
-    assert runfolder.check(_cfg(run, overwrite=True)) is None
-    point = runfolder.check(_cfg(run, resume=run, steps=6))
-    assert point.step == 4 and point.same_folder
-    with pytest.raises(ValueError, match="--lora-rank 4 \\(this run: 8\\)"):
-        runfolder.check(_cfg(run, resume=run, lora_rank=8))
-    with pytest.raises(ValueError, match="--steps 4 is not above the step of the checkpoint"):
-        runfolder.check(_cfg(run, resume=run, steps=4))
-    only_logs = tmp_path / "logs"
-    only_logs.mkdir()
-    (only_logs / "slurm-1.out").write_text("x")
-    assert runfolder.check(_cfg(only_logs)) is None  # a launcher's log is not a run
-    runfolder.prepare(_cfg(run, overwrite=True), None, say=lambda line: None)
-    assert sorted(os.listdir(run)) == ["config.json", "slurm-123.out"]
-
-
-def test_resuming_in_place_cuts_the_run_back_to_the_checkpoint(tmp_path):
-    run = tmp_path / "run"
-    _run_folder(run, 5, [2, 4])
-    with open(run / "checkpoints" / "step-4" / "w", "w") as f:
-        f.write("torn")  # the newest checkpoint no longer verifies
-    point = runfolder.check(_cfg(run, resume=run, steps=6))
-    assert point.step == 2 and point.skipped[0][0].endswith("step-4")
-    lines = []
-    runfolder.prepare(_cfg(run, resume=run, steps=6), point, say=lines.append)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], "eval/reward" in r) for r in rows] == [(0, False), (1, False), (0, True), (2, True)]
-    assert sorted(os.listdir(run / "checkpoints")) == ["step-2"]
-    assert sorted(os.listdir(run / "samples")) == ["step-000000.png", "step-000001.png"]
-    (aside,) = (run / "discarded").iterdir()
-    assert len((aside / "metrics.jsonl").read_text().splitlines()) == 5  # steps 2-4, eval 4, the torn line
-    assert (aside / "checkpoints" / "step-4").is_dir()
-    assert any("skipped" in line and "step-4" in line for line in lines)
-    assert [r["step"] for r in runfolder.rows_to_replay(str(run), 2)] == [2]
 
 
 # ----- safe loading, real checks --------------------------------------------------------------------
