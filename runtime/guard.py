@@ -46,6 +46,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
+from tqdm import tqdm
 
 from config.preflight import RAISE_ENV
 from rl.nonfinite import RunAbort
@@ -79,7 +80,9 @@ def run_exit_hooks() -> None:
 
 
 def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """A line on stderr, on a line of its own even while the logging rank's progress bar is drawn."""
+    tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def write_error_file(line: str) -> None:

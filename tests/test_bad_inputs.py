@@ -10,8 +10,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from checkpointing import files as checkpoint_files
 from checkpointing.folder import RUN_ENTRIES
 from checkpointing.lock import LOCK, _start_ticks
 from runtime.launch import ROOT, TINY
+from forked import run_cases
 
 BOUND_S = 20.0  # every rank exits within this (it reads flags and files, or loads a tiny model)
 SHIPPED = os.path.join(ROOT, "assets", "shapes-flux")
@@ -222,12 +221,7 @@ def results(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bad")
     cases = _cases(tmp_path)
     others = {p: _digest(p) for p in (tmp_path / "held", tmp_path / "held_b", tmp_path / "live")}
-    table = [{"name": n, "argv": argv, "env": env, "world": WORLDS.get(n, 2)} for n, argv, env, _ in cases]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.bad_input_driver", "--limit", "90"],
-                          input=json.dumps(table), capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = {r["name"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    got = run_cases([{"name": n, "argv": argv, "env": env, "world": WORLDS.get(n, 2)} for n, argv, env, _ in cases])
     changed = [str(p) for p, digest in others.items() if _digest(p) != digest]
     left = {n: sorted(os.listdir(tmp_path / f"after{i}")) for i, n in enumerate(AFTER_LOAD, 1)
             if (tmp_path / f"after{i}").is_dir()}

@@ -224,3 +224,81 @@ def test_timeouts_follow_the_slowest_step():
         assert store.timeouts == [60.0, 200.0, 600.0]
     finally:
         p2p.configure(timeout_s=600)
+
+
+class _Store:
+    """The StepStore calls the guard makes, in a dict (one connection for all)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def clone(self):
+        return self
+
+    def set_timeout(self, seconds):
+        pass
+
+    def put(self, key, obj):
+        self.data[key] = json.loads(json.dumps(obj))
+
+    def get_if_set(self, key):
+        return self.data.get(key)
+
+    def ready(self, key):
+        return key in self.data
+
+    def add(self, key, amount=1):
+        self.data[key] = self.data.get(key, 0) + amount
+        return self.data[key]
+
+
+def _guard(rank=0, store=None):
+    from parallel.topology import Topology
+    from runtime.guard import RunGuard
+
+    return RunGuard(Topology.build(2), rank, store or _Store(), heartbeat_timeout_s=30, stop_grace_s=25,
+                    dist_timeout_s=600, groups=[], start_step=0)
+
+
+def test_a_failing_rank_reports_its_own_error_first_and_peers_print_it():
+    """Its own exception: published at once (no silence diagnosed); a peer whose connection then
+    breaks prints that report, not a silent rank; silence needs several beats and a margin."""
+    from parallel.p2p import PeerError
+    from runtime.guard import EXIT_ABORT, EXIT_ERROR
+
+    store = _Store()
+    trainer = _guard(1, store)
+    trainer.step = 3
+    code, line, traceback = trainer.explain(RuntimeError("value cannot be converted to type float without overflow"))
+    fault = "trainer rank 1 failed at step 3: RuntimeError: value cannot be converted to type float without overflow"
+    assert (code, line, traceback) == (EXIT_ERROR, f"error: {fault}", True)
+    assert store.data["guard/fault"] == {"line": fault, "code": EXIT_ERROR}
+    generator = _guard(0, store)
+    generator.step = 3
+    code, line, traceback = generator.explain(PeerError(1, "receive from trainer rank 1 failed: Connection closed"))
+    assert code == EXIT_ABORT and line.startswith(f"error: {fault}; generator rank 0 (replica 0) stopped at step 3")
+    assert not traceback and "stopped answering" not in line
+    assert generator.silence_window_s >= 3 * generator.interval
+
+
+def test_a_second_signal_within_2_s_is_the_same_request_and_later_exits_at_once(monkeypatch):
+    """SLURM and Ctrl-C signal every rank and torchrun forwards its copy: one request arrives twice."""
+    import signal
+    from types import SimpleNamespace
+
+    from runtime import guard as runguard
+
+    clock, died = [100.0], []
+    monkeypatch.setattr(runguard, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    guard = _guard()
+    monkeypatch.setattr(guard, "_die", lambda code, line: died.append((code, line)))
+    guard._on_signals(bytes([signal.SIGTERM]))
+    clock[0] += 0.3
+    guard._on_signals(bytes([signal.SIGTERM]))
+    clock[0] += 1.6
+    guard._on_signals(bytes([signal.SIGINT]))
+    assert guard.signal_name == "SIGTERM" and died == []
+    clock[0] += 0.2
+    guard._on_signals(bytes([signal.SIGINT]))
+    assert died == [(130, "error: generator rank 0 (replica 0): a second SIGINT, 2.1 s after the first: exiting now "
+                          "(code 130), without a checkpoint")]
