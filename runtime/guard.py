@@ -260,8 +260,7 @@ class RunGuard:
         """(exit code, the one line to print, whether a traceback helps) for an exception of the
         main thread; peers learn of it through guard/fault."""
         self._done.set()  # this rank reports and exits itself: the thread must not race it to the exit
-        if not self._exiting.acquire(timeout=30):
-            pass  # the heartbeat thread is ending the process with its own line
+        self._exiting.acquire(timeout=30)  # held by the heartbeat thread only while it ends the process itself
         if isinstance(exc, ValueError) and not isinstance(exc, p2p.PeerError):
             self.report(f"{self.me} stopped on a user error: {exc}", EXIT_USER)
             return EXIT_USER, f"error: {exc}", False
@@ -272,7 +271,8 @@ class RunGuard:
             line = f"{self.me} failed at step {self.step}: {first_line(exc)}"
             stands = self.report(line, EXIT_ERROR)
             if stands != line:  # a peer failed first: this error follows from it
-                return EXIT_ABORT, f"error: {stands}; {self.me} stopped at step {self.step} ({first_line(exc)})", False
+                return self._code_of_fault(), f"error: {stands}; {self.me} stopped at step {self.step} " \
+                                              f"({first_line(exc)})", False
             return EXIT_ERROR, f"error: {line}", True
         if self.agent_gone(wait_s=0.5):  # before the store: touching a dead store prints C++ traces
             return EXIT_ABORT, f"error: {self.agent_line()}", False
@@ -281,10 +281,19 @@ class RunGuard:
             cause = str(exc)
         if cause is not None:
             cause = self.report(cause)
-            return EXIT_ABORT, f"error: {cause}; {self.me} stopped at step {self.step} ({first_line(exc)})", False
+            return self._code_of_fault(), f"error: {cause}; {self.me} stopped at step {self.step} ({first_line(exc)})", \
+                False
         line = f"{self.me} failed at step {self.step}: {first_line(exc)}"
         self.report(line, EXIT_ERROR)
         return EXIT_ERROR, f"error: {line}", True
+
+    def _code_of_fault(self) -> int:
+        """This rank's exit code for the fault that stands: 2 when it was a user error, else 3."""
+        try:
+            fault = _read_fault(self.main)
+        except Exception:  # noqa: BLE001 - the store may be gone
+            fault = None
+        return EXIT_USER if fault is not None and fault[1] == EXIT_USER else EXIT_ABORT
 
     def agent_gone(self, wait_s: float = 0.0) -> bool:
         """torchrun's agent (this worker's parent) has died: the worker was handed to another parent.

@@ -22,7 +22,8 @@ from forked import run_cases
 
 BOUND_S = 20.0  # every rank exits within this (it reads flags and files, or loads a tiny model)
 SHIPPED = os.path.join(ROOT, "assets", "shapes-flux")
-AFTER_LOAD = ("memory budget 0.001", "weights of the wrong shape", "gap stages above blocks")
+AFTER_LOAD = ("memory budget 0.001", "weights of the wrong shape", "gap stages above blocks",
+              "scorer's reward model incomplete")
 
 
 def _fake_run(folder, step, config, name=None, run_config=None):
@@ -113,6 +114,8 @@ def _cases(tmp_path):
                                                                    "output_dir": str(a)}}))
     held_b = tmp_path / "held_b"
     shutil.copytree(held, held_b)
+    empty = tmp_path / "empty_clip"
+    empty.mkdir()
     jsonl17 = tmp_path / "shapes.jsonl"
     jsonl17.write_text('{"prompt": "a red circle"}\n{"prompt": "a blue square", "height": 17}\n')
     weights = "diffusion_pytorch_model.safetensors"
@@ -207,13 +210,17 @@ def _cases(tmp_path):
          f"--model-path {heads}: Cannot load"),
         ("gap stages above blocks", [*TINY, "--generators", "5", "--trainers", "1", "--gap-stages", "5",
                                      "--output-dir", str(tmp_path / "after3")], {}, "--gap-stages 5: the model has 4"),
+        ("scorer's reward model incomplete", [*TINY, "--scorers", "1", "--reward", "clip_score", "--reward-model",
+                                              f"clip_score={empty}", "--output-dir", str(tmp_path / "after4")], {},
+         f"reward 'clip_score': model folder {str(empty)!r} is incomplete"),
     ]
     if not torch.cuda.is_available():
         cases.append(("cuda on a CPU build", [*tiny, "--device", "cuda"], {}, "--device cuda, but this torch"))
     return cases
 
 
-WORLDS = {"gap stages above blocks": 6}  # 5 generators as one 5-stage replica: more stages than 4 blocks
+WORLDS = {"gap stages above blocks": 6,  # 5 generators as one 5-stage replica: more stages than 4 blocks
+          "scorer's reward model incomplete": 3}  # only the scorer loads it: the others learn of it
 
 
 @pytest.fixture(scope="module")
