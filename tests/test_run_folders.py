@@ -231,6 +231,13 @@ def test_a_resume_starts_from_the_checkpoints_config_and_flags_override_it(tmp_p
     cfg = parse_config(["--resume", str(run), "--output-dir", str(run), "--steps", "6"])
     assert (cfg.optim.lora_rank, cfg.model.model_path, cfg.rl.group_size, cfg.rl.steps) == (0, "/w/flux", 4, 6)
     assert cfg.output.resume == str(run) and not cfg.output.overwrite
+    split = _cfg(tmp_path / "split", steps=2)
+    split.topology.generators, split.topology.trainers, split.topology.tsp = 1, 1, True
+    (tmp_path / "split").mkdir()
+    _checkpoint(tmp_path / "split", 2, split.describe())
+    moved = parse_config(["--resume", str(tmp_path / "split"), "--mode", "colocated", "--steps", "4"])
+    t = moved.topology  # the role split is the command's as a whole; the rest of the placement is carried
+    assert (t.mode, t.generators, t.trainers, t.tsp) == ("colocated", None, None, True)
     again = parse_config(["--resume", str(run), "--output-dir", str(run), "--steps", "6", "--lora-rank", "8"])
     again.resolve_defaults()
     with pytest.raises(ValueError, match="--lora-rank 0 \\(this run: 8\\)"):
