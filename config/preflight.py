@@ -193,8 +193,8 @@ def check_safetensors(path: str) -> None:
             raise ValueError(f"{path}: truncated or not a safetensors file ({size} bytes)")
         try:
             header = json.loads(f.read(n))
-            tensors = sorted((v["data_offsets"][0], v["data_offsets"][1], k, v["shape"], v["dtype"])
-                             for k, v in header.items() if k != "__metadata__")
+            tensors = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]), k, [int(d) for d in v["shape"]],
+                              v["dtype"]) for k, v in header.items() if k != "__metadata__")
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             raise ValueError(f"{path}: damaged safetensors header ({e})") from None
     position = 0
@@ -212,9 +212,9 @@ def check_safetensors(path: str) -> None:
 
 
 def check_folder_files(path: str) -> None:
-    """Every file of a weights folder can be opened (no broken link, no symlink loop: followed
-    links to folders would loop forever, so they count as files), every JSON file it reads parses,
-    every safetensors file is whole."""
+    """Every file of a weights folder can be reached (a link that leads nowhere or loops is named;
+    os.walk does not follow links to folders), every JSON file it reads parses, every safetensors
+    file is whole."""
     for folder, _, names in os.walk(path):
         for name in sorted(names):
             full = os.path.join(folder, name)
