@@ -18,7 +18,6 @@ from planner.released import MODELS as PLANNER_MODELS
 from rewards import reward_url
 from rl.conditioning import Conditioning
 
-from config import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*_grpo", "*.toml")))
@@ -240,14 +239,6 @@ def test_split_runs_the_released_transformers_on_meta(adapters):
         idle = [n for n, m in tr.named_modules() if n and id(m) not in ran | skipped
                 and any(True for _ in m.parameters(False))]
         assert not idle, (name, idle)
-
-
-@pytest.fixture
-def no_model_folder(monkeypatch):
-    """The recipes name weights folders this machine does not have (/w/model): the preflight's
-    folder and size checks are left out here; tests/test_bad_inputs.py covers them."""
-    monkeypatch.setattr(preflight, "check_model", lambda cfg, prompts=(): None)
-    monkeypatch.setattr(preflight, "check_reward_models", lambda cfg: None)
 
 
 def test_every_recipe_fits_the_gpus_it_names(adapters, no_model_folder):
