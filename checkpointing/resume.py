@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from checkpointing import checkpoint
 from parallel import publish
-from parallel.fsdp import full_tensor
 
 
 @dataclass
@@ -63,21 +62,26 @@ def publish_start(facts, rank: int, trainer, publisher: publish.WeightPublisher,
     """TCSS trainers: keep version `start` (the stale version of checkpoint start+1) and, when the
     generators resumed one version behind, send it to them (a collective under FSDP)."""
     names = sorted({n for group in publish_names.values() for n in group})
-    weights = trainer.full_weights(names)
+    out = trainer.current_version(names)  # as the generators hold it (under FSDP a collective)
+    publisher.keep_version(out, names, start)
+    by_dst = {g: publish_names[g] for g in facts.topology.generator_ranks}
     if rank != facts.topology.trainer_ranks[0]:
+        if generators_stale:
+            publisher.follow_all(out, by_dst)
         return
-    publisher.remember(start, weights)
     if generators_stale:
         store.put(f"pub/{start}", 1)
-        for g in facts.topology.generator_ranks:
-            publisher.publish({n: weights[n] for n in publish_names[g]}, start, dst=g)
+        publisher.publish_all(out, by_dst, start)
 
 
-def check_same_weights(adapter, names: list[str], version: int) -> None:
+def check_same_weights(adapter, names: list[str], version: int, dtype=None) -> None:
     """Every rank holding the same version holds the same weights (same checkpoint, same seeded
-    LoRA init; TCSS generators resume one version behind the trainers)."""
+    LoRA init; TCSS generators resume one version behind the trainers), compared as the generators
+    hold them: in the compute dtype `dtype` (trainers keep float32; FSDP trainers checksum their
+    shards, a collective over the trainers)."""
     params = dict(adapter.transformer.named_parameters())
-    local = (version, publish.state_checksum({n: full_tensor(params[n].detach()) for n in names}))
+    sums = publish.checksums_of({n: params[n] for n in names}, dtype)
+    local = (version, publish.combine_checksums({n: params[n] for n in names}, sums, dtype))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)  # sync point
     by_version: dict[int, set] = {}

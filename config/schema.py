@@ -34,8 +34,10 @@ class ModelConfig:
                                       "shapes model (flux) if present, else the offline tiny preset")
     preset: str = _f("auto", "without --model-path: auto (the shipped shapes model for flux, else tiny), tiny "
                              "(a random offline model, for tests) or mid (random, ~42M parameters, for benchmarks)")
-    dtype: str = _f("auto", "transformer weights: float32, bfloat16, float16 or auto (float32 weights, bf16 autocast "
-                            "on CUDA); on CUDA the frozen text encoders are half precision unless float32")
+    dtype: str = _f("auto", "compute dtype: float32, bfloat16, float16 or auto (bfloat16 on CUDA, float32 on CPU). "
+                            "Generators, text encoders, the VAE and frozen weights are held in it; trainers keep "
+                            "trained weights and AdamW in float32 and compute in it (FSDP2 mixed precision, or "
+                            "autocast)")
     attention: str = _f("sdpa", "attention kernel through diffusers' dispatcher: sdpa, flash, flash_varlen, sage")
     device: str = _f("auto", "cpu, cuda or auto (each rank uses cuda:LOCAL_RANK when CUDA is available)")
 

@@ -56,13 +56,15 @@ def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny"
 
 
 def autocast(device: torch.device, dtype_name: str):
-    """bf16 autocast on CUDA (docs/ALGORITHMS.md defaults); generation and training use the same
-    context, so the first on-policy step sees ratio == 1."""
-    if device.type == "cuda" and dtype_name in ("auto", "bfloat16"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    if device.type == "cuda" and dtype_name == "float16":
-        return torch.autocast("cuda", dtype=torch.float16)
-    return contextlib.nullcontext()
+    """Autocast to the compute dtype (--dtype; auto: bf16 on CUDA, float32 elsewhere), with no cache
+    of cast weights: a cached cast lives as long as the block, a bf16 copy of every float32 weight a
+    forward touches (torch.autocast's cache_enabled). Weights already in the compute dtype (generators,
+    FSDP2 mixed precision, frozen weights) are not cast at all. Generation and training use the same
+    context, so the first on-policy step sees ratio == 1. float32 runs without autocast."""
+    dtype = resolve_dtype(dtype_name, device)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
 
 
 __all__ = ["Conditioning", "DiTAdapter", "SamplingDefaults", "State", "adapter_class", "autocast", "load_model",
@@ -102,18 +104,18 @@ def resolve_device(name: str = "auto") -> torch.device:
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
-def model_dtypes(name: str, device: torch.device) -> dict[str, torch.dtype]:
-    """The dtype of each pipeline component for training (--dtype): the transformer in the named dtype
-    (auto: float32, trained under bf16 autocast on CUDA), the frozen text encoders in half precision
-    on CUDA (auto, bfloat16, float16: they only run inference) and the VAE in float32."""
-    weights = torch.float32 if name == "auto" else resolve_dtype(name, device)
-    half = device.type == "cuda" and name != "float32"
-    text = (torch.bfloat16 if name == "auto" else weights) if half else weights
-    return {"transformer": weights, **{n: text for n in TEXT_ENCODERS}, "default": torch.float32}
+def model_dtypes(name: str, device: torch.device, master: bool = True) -> dict[str, torch.dtype]:
+    """The dtype each pipeline component loads in (--dtype): everything in the compute dtype
+    (`resolve_dtype`: auto is bf16 on CUDA, float32 elsewhere), except a trained transformer's
+    float32 master weights (`master`: a full fine-tune's trainer; AdamW updates float32 weights).
+    Generators, frozen LoRA bases, text encoders and the VAE only run inference."""
+    compute = resolve_dtype(name, device)
+    return {"transformer": torch.float32 if master else compute, "default": compute}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 on CUDA (docs/ALGORITHMS.md defaults) and float32 elsewhere."""
+    """The compute dtype of --dtype: `auto` is bfloat16 on CUDA (docs/ALGORITHMS.md defaults) and
+    float32 elsewhere."""
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

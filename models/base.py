@@ -60,6 +60,12 @@ class DiTAdapter:
         self.pipe = pipe
         self.transformer: nn.Module = pipe.transformer
         self.blocks: list[nn.Module] = self._block_list()
+        self.compute_dtype: torch.dtype | None = None
+        """The dtype every forward computes in, when it differs from the weights' (a trainer's float32
+        weights under autocast or FSDP2 mixed precision): inputs are cast to it alike on every rank."""
+        self.enclosing = None
+        """A callable `enclosing(fn, *args)` that runs one whole velocity (FSDP2's root module over the
+        transformer's units: its all-gathers then overlap compute); None runs it directly."""
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -105,7 +111,8 @@ class DiTAdapter:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
+        """The transformer's compute dtype (see `compute_dtype`), else its weights' dtype."""
+        return self.compute_dtype or next(self.transformer.parameters()).dtype
 
     # ----- shapes ---------------------------------------------------------------------------
     @classmethod
@@ -154,6 +161,11 @@ class DiTAdapter:
         raise NotImplementedError
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance: float | None = None) -> Tensor:
+        if self.enclosing is not None:
+            return self.enclosing(self._velocity, latents, sigma, cond, guidance)
+        return self._velocity(latents, sigma, cond, guidance)
+
+    def _velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance: float | None) -> Tensor:
         state = self.embed(latents, sigma, cond, guidance)
         for i in range(len(self.blocks)):
             state = self.run_block(i, state)

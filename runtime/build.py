@@ -18,7 +18,7 @@ from checkpointing import folder as runfolder
 from checkpointing import resume as runstate
 from config.schema import RunConfig
 from config.validate import RunFacts
-from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, set_attention
+from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, resolve_dtype, set_attention
 from models.lora import apply_lora
 from parallel import compress, publish
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
@@ -209,18 +209,20 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     if rank == 0:
         runfolder.prepare(cfg, facts.resume, say=runguard.say)  # before any other rank writes there
     ctx, shapes = _context(cfg, facts, rank)
-    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, shapes)  # sync point: before FSDP shards the model
-    if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
-        shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
         if topo.is_trainer(rank) else None
+    # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
+    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, shapes, training=trainer is not None)  # sync point
+    if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
+        shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     in_place = facts.resume is not None and facts.resume.same_folder
     log = StepLog(cfg, rank, rank == facts.log_rank, store, topo.world_size, facts.resume.step if facts.resume else 0,
                   in_place, algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl).SUMMARY)
     begin = runstate.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
     log.std_history = begin.std_history
     all_names = _publish_names(ctx.adapter, facts.lora)
-    runstate.check_same_weights(ctx.adapter, all_names, begin.version)  # every rank starts from its version
+    runstate.check_same_weights(ctx.adapter, all_names, begin.version,  # every rank starts from its version
+                                resolve_dtype(cfg.model.dtype, ctx.device))
     layouts = _stage_layouts(ctx) if topo.gap_stages > 1 else {}
     shares = replica_speeds({g: speeds[g]["generate_s"] for g in topo.generator_ranks},
                             [topo.replica_ranks(r) for r in range(topo.num_replicas)])
@@ -239,12 +241,21 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     """The model and what every role reads; checks every size and prompt before any rank waits."""
     topo = facts.topology
     device = _device(cfg)
+    if device.type == "cuda":  # TF32 for the float32 matmuls that remain (evaluation, rewards, the VAE in float32)
+        torch.set_float32_matmul_precision("high")
     torch.manual_seed(cfg.seed)
+    master = topo.is_trainer(rank) and not facts.lora  # float32 weights only where a full fine-tune trains them
     adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
-                         dtype=model_dtypes(cfg.model.dtype, device), device=device)
+                         dtype=model_dtypes(cfg.model.dtype, device, master=master), device=device)
     set_attention(adapter, cfg.model.attention)
     if facts.lora:
         apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
+    compute = resolve_dtype(cfg.model.dtype, device)
+    # The same numbers on every rank, before generators drop their gradients (below).
+    probe.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts,
+                              torch.empty((), dtype=compute).element_size())
+    if not topo.is_trainer(rank):  # generators (and scorers) hold frozen weights in the compute dtype, no gradient
+        adapter.transformer.requires_grad_(False).to(compute)
     s = cfg.sampling
     sampling = sampler.SamplingConfig.for_adapter(
         adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
@@ -256,7 +267,6 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     if cfg.output.eval_every:
         buckets.check_shapes(adapter, eval_records(cfg.output.eval_prompts, cfg.output.eval_num_prompts), sampling,
                              cfg.output.eval_prompts)
-    probe.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts)  # same on every rank
     tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
                     sync=torch.cuda.synchronize if device.type == "cuda" else None)
     is_train = topo.is_trainer(rank)
@@ -297,8 +307,8 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
                              trainer_ratio=speeds[rank]["generate_s"] / replica_s)
     if facts.disagg:  # with TCSS the sending trainer keeps the last two versions for checkpoints
         r.publisher = publish.WeightPublisher(compression=cfg.topology.publish_compression,
-                                              link_mbps=cfg.output.debug_link_bandwidth,
-                                              keep=facts.tcss and rank == topo.trainer_ranks[0])
+                                              link_mbps=cfg.output.debug_link_bandwidth, keep=facts.tcss,
+                                              holds=rank == topo.trainer_ranks[0])
     if compress.lossy(cfg.topology.publish_compression):  # every placement trains through the codec
         trainer.start_codec(cfg.topology.publish_compression, all_names, runstate.residual(facts))
     if facts.tcss:  # the generators' version at the next checkpoint; resent at a resume
