@@ -31,7 +31,7 @@ from models.lora import trainable_names
 from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
 from parallel import compress
-from parallel.fsdp import count_allgathers, full_tensor, local_part, shard_modules
+from parallel.fsdp import count_allgathers, full_tensor, local_part, own_group, shard_modules
 from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
 from parallel.publish import Outgoing, WeightPublisher
 from telemetry.tracing import Slowdown
@@ -77,10 +77,14 @@ class Trainer:
         adapter.compute_dtype = self.compute_dtype
         self.loss = algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl)
         self.reference = self._make_reference() if self.loss.needs_reference else None
-        if sharding == "fsdp":
-            mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
-            adapter.enclosing = shard_modules(model, group, mixed)  # one root: all-gathers overlap compute
-            count_allgathers(model, group, self._on_allgather)
+        # Mixed precision as FSDP2 does it (float32 weights, each unit cast to the compute dtype for
+        # its forward, float32 gradients): over the trainer group, or for a replicated trainer over
+        # this rank alone, so that every forward computes with exactly the weights generators hold.
+        mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
+        engine = group if sharding == "fsdp" else (own_group() if mixed is not None else None)
+        if engine is not None:
+            adapter.enclosing = shard_modules(model, engine, mixed)  # one root: all-gathers overlap compute
+            count_allgathers(model, engine, self._on_allgather)
         if cfg.optim.grad_checkpointing:
             self._checkpoint_blocks()
         self.params = self.trained_params()
@@ -348,13 +352,16 @@ class Trainer:
         """Replicated data parallel: one flat all-reduce (sum) of all gradients."""
         if self.group is None or dist.get_world_size(self.group) == 1:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [local_part(p.grad)[0] for p in self.params]  # whole: a replicated trainer's own FSDP is one rank
         flat = torch.cat([g.reshape(-1) for g in grads]).to(self._comm_device())
         dist.all_reduce(flat, group=self.group)  # sync point: all trainers
         offset = 0
-        for p, g in zip(self.params, grads):
+        for g in grads:
             n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(g).to(g.device).clone()
+            g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
 
     # ----- weights out ----------------------------------------------------------------------
@@ -391,7 +398,7 @@ class Trainer:
         with torch.no_grad():
             for n, t in held.items():
                 local_part(params[n])[0].copy_(local_part(t)[0])
-        return Outgoing.of(wire, held, self.cfg.topology.publish_compression)
+        return Outgoing.of(wire, held, self.codec.spec)
 
 
 def _index(rows: list[int], device: torch.device) -> slice | Tensor:

@@ -15,12 +15,13 @@ import torch
 
 from checkpointing import checkpoint
 from checkpointing.checkpoint import EXPORT_DTYPES
-from models import ATTENTION_BACKENDS, adapter_class
+from models import ATTENTION_BACKENDS, adapter_class, check_attention
 from models.base import check_model_folder, preset_defaults, read_folder_defaults
 from parallel import compress
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
 from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
+from prompts import embeds
 from prompts.sets import load_prompts
 from rl import sampler
 from rewards import parse_reward_spec, reward_class
@@ -126,6 +127,8 @@ def check_choices(cfg) -> None:
                          f"(a CPU build, or no GPU visible); use --device cpu or auto")
     if m.attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown --attention {m.attention!r}; choose one of {ATTENTION_BACKENDS}")
+    check_attention(adapter_class(m.model), m.attention)  # a family's mask the kernel cannot take
+    _choice("--reward-dtype", rl.reward_dtype, ("auto", "float32"))
 
 
 def check_environment() -> None:
@@ -231,7 +234,18 @@ def check_prompts(cfg) -> None:
 
 def check_run(cfg) -> None:
     """What config.validate checks after the flags: the environment, the model folder and sizes,
-    the prompt files' grammar."""
+    the prompt files' grammar, precomputed prompt embeddings."""
     check_environment()
     check_model(cfg)
     check_prompts(cfg)
+    if cfg.model.prompt_embeds:
+        embeds.check(cfg.model.prompt_embeds, cfg.model.model, embedded_prompts(cfg))
+
+
+def embedded_prompts(cfg) -> list[str]:
+    """Every prompt a run encodes: training and evaluated prompts, the empty prompt (the start-up
+    probes) and with CFG the negative prompt."""
+    prompts = ["", cfg.sampling.negative_prompt] + [r.prompt for r in load_prompts(cfg.rl.prompts)]
+    if cfg.output.eval_every:
+        prompts += [r.prompt for r in load_prompts(cfg.output.eval_prompts)[:cfg.output.eval_num_prompts]]
+    return prompts

@@ -9,7 +9,7 @@ import diffusers.utils.logging as dlog
 import torch
 import transformers.utils.logging as tlog
 
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State
+from models.base import TEXT_ENCODERS, Conditioning, DiTAdapter, SamplingDefaults, State
 
 
 # name -> "module:class"; imported on first use so one family's import cost is paid only when used.
@@ -34,15 +34,20 @@ def model_names() -> list[str]:
 
 
 def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny", seed: int = 0,
-               dtype: torch.dtype | dict = torch.float32, device: str | torch.device = "cpu") -> DiTAdapter:
+               dtype: torch.dtype | dict = torch.float32, device: str | torch.device = "cpu",
+               release: tuple[str, ...] = ()) -> DiTAdapter:
     """A local diffusers folder when `model_path` is given, else the named preset (built offline).
-    `dtype` is one dtype for every component, or {component: dtype, "default": dtype} (`model_dtypes`)."""
+    `dtype` is one dtype for every component, or {component: dtype, "default": dtype} (`model_dtypes`).
+    `release`: components this rank never runs, freed before anything moves to `device`
+    (`DiTAdapter.release_components`)."""
     cls = adapter_class(name)
     _quiet_loading()
     if model_path:
         adapter = cls.from_pretrained(model_path, dtype=dtype)
+        adapter.release_components(list(release))
     elif preset in ("tiny", "mid") and hasattr(cls, preset):
         adapter = getattr(cls, preset)(seed=seed)
+        adapter.release_components(list(release))
         table = dtype if isinstance(dtype, dict) else {"default": dtype}
         for component, module in adapter.pipe.components.items():
             wanted = table.get(component, table.get("default", torch.float32))
@@ -67,8 +72,8 @@ def autocast(device: torch.device, dtype_name: str):
     return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
 
 
-__all__ = ["Conditioning", "DiTAdapter", "SamplingDefaults", "State", "adapter_class", "autocast", "load_model",
-           "model_dtypes", "model_names", "resolve_device", "resolve_dtype", "set_attention"]
+__all__ = ["TEXT_ENCODERS", "Conditioning", "DiTAdapter", "SamplingDefaults", "State", "adapter_class", "autocast", "load_model",
+           "check_attention", "model_dtypes", "model_names", "resolve_device", "resolve_dtype", "set_attention"]
 
 
 def _quiet_loading() -> None:
@@ -80,11 +85,26 @@ def _quiet_loading() -> None:
 ATTENTION_BACKENDS = ("sdpa", "flash", "flash_varlen", "sage", "native")
 
 
+def check_attention(cls: type[DiTAdapter], backend: str) -> None:
+    """A backend that cannot run the family's attention mask is a ValueError naming the family,
+    before anything loads: diffusers' flash (flash-attn 2) and sage kernels raise at the first
+    forward on any mask; flash_varlen turns a mask into per-sample key lengths, right only when the
+    mask keeps a prefix of the keys (HunyuanVideo's [image, text] sequence, not Qwen-Image's [text,
+    image] with padded text)."""
+    if cls.attention_mask is None:
+        return
+    if backend in ("flash", "sage") or (backend == "flash_varlen" and not cls.mask_is_key_prefix):
+        other = "sdpa or flash_varlen" if cls.mask_is_key_prefix else "sdpa"
+        raise ValueError(f"--attention {backend} cannot run {cls.family!r}: the model {cls.attention_mask}, and "
+                         f"{backend} takes no such mask; use {other}")
+
+
 def set_attention(adapter: DiTAdapter, backend: str) -> None:
     """Select the attention kernel through diffusers' dispatcher (docs/MODELS.md, "Attention backends").
     flash-attn is an optional GPU dependency: asking for it without the package is a clear error."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    check_attention(type(adapter), backend)
     if backend == "sdpa":
         return  # diffusers' default ("native") is torch's scaled_dot_product_attention
     if backend.startswith("flash") and importlib.util.find_spec("flash_attn") is None:
@@ -99,9 +119,6 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def model_dtypes(name: str, device: torch.device, master: bool = True) -> dict[str, torch.dtype]:

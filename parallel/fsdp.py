@@ -55,6 +55,21 @@ def shard_modules(transformer: torch.nn.Module, group, param_dtype: torch.dtype 
     return fully_shard(Root(transformer), mesh=mesh, mp_policy=policy)
 
 
+def own_group():
+    """A process group of this rank alone, for FSDP2 as a mixed-precision engine on a replicated
+    trainer (one rank: no all-gather, no reduce-scatter; FSDP2 casts each unit's weights for its
+    forward and frees them after, as sharded trainers do). Only this rank takes part in creating it
+    (use_local_synchronization), so the ranks' group order is unchanged. None outside a process group."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+def spans_ranks(t: Tensor) -> bool:
+    """Whether `t` is sharded over more than one rank (its whole takes a collective)."""
+    return isinstance(t, DTensor) and t.device_mesh.size() > 1
+
+
 def full_tensor(t: Tensor) -> Tensor:
     """The whole tensor of a possibly FSDP-sharded parameter (a collective over the trainer group)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t

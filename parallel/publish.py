@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel import compress, p2p
-from parallel.fsdp import full_tensor, local_part, mesh_group
+from parallel.fsdp import full_tensor, local_part, mesh_group, spans_ranks
 from parallel.fsdp import sharded as sharded_tensor
 from parallel.p2p import as_bytes, comm_device, dtype_from_name, recv_payload, send_payload
 
@@ -257,7 +257,7 @@ class Outgoing:
             return out
 
         return cls(layout(wire), layout(rebuilt), checksums_of(rebuilt, dtype), fetch, encoding,
-                   any(sharded_tensor(t) for t in wire.values()))
+                   any(spans_ranks(t) for t in wire.values()))
 
     def subset(self, names: list[str]) -> "Outgoing":
         """What one receiver holds: the tensors `names` and their wire parts."""

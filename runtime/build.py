@@ -18,7 +18,8 @@ from checkpointing import folder as runfolder
 from checkpointing import resume as runstate
 from config.schema import RunConfig
 from config.validate import RunFacts
-from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, resolve_dtype, set_attention
+from models import TEXT_ENCODERS, DiTAdapter, autocast, load_model, model_dtypes, resolve_device, resolve_dtype
+from models import set_attention
 from models.lora import apply_lora
 from parallel import compress, publish
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
@@ -30,6 +31,7 @@ from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
 from prompts import shapes as buckets
+from prompts.embeds import PromptEmbeddings
 from prompts.sets import eval_records, load_prompts
 from rewards import RewardSet, reward_model_paths
 from rl import algorithms, sampler
@@ -108,8 +110,10 @@ class Rank:
         Returns (the fragment results, what stays on this rank for its own training: colocated)."""
         if self.generator is None:
             return [], {}
-        return generator_step(self.ctx, self.generator, self.versions, plan, lambda: self._reward_std(plan.step),
-                              self.replica, self.store, self.deferred if self.ctx.facts.tcss else None)
+        out = generator_step(self.ctx, self.generator, self.versions, plan, lambda: self._reward_std(plan.step),
+                             self.replica, self.store, self.deferred if self.ctx.facts.tcss else None)
+        self._offload()
+        return out
 
     def score(self, plan) -> None:
         """A scorer rank's step: score the fragments sent to it."""
@@ -123,6 +127,7 @@ class Rank:
             return None, []
         stats = trainer_step(self.ctx, self.trainer, plan, local, self.publish_names, self.publisher, self.assistant,
                              self.store, self._reward_std(plan.step))
+        self._offload()  # a TAG helper encoded prompts
         return stats, (self.assistant.results if self.assistant is not None else [])
 
     def record(self, plan, started: float, gen_out: list, train_stats: dict | None) -> None:
@@ -153,6 +158,7 @@ class Rank:
         c = self.ctx
         evaluate_on_trainers(c.cfg, c.adapter, c.sampling, c.topo, c.rank, done, self.log.logger, c.tracer,
                              self.groups.trainers)
+        self._offload()
 
     def finish(self) -> None:
         """After the last step (or a signal): the publications still addressed to generators are
@@ -186,6 +192,12 @@ class Rank:
     def exit_code(self) -> int:
         return runguard.EXIT_STOPPED if self.guard.stopping else runguard.EXIT_OK
 
+    def _offload(self) -> None:
+        """--offload-text-encoders: the text encoders go back to host memory after a phase that
+        encodes prompts, so the rest of the step has their device memory."""
+        if self.cfg.model.offload_text_encoders:
+            self.ctx.adapter.offload_text_encoders()
+
     def _reward_std(self, step: int) -> float | None:
         """The advantage std: None (each group's own) or the running std of the batches before this
         one, published by the logging rank (with TCSS, of the batches before the previous one; a
@@ -211,8 +223,9 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     ctx, shapes = _context(cfg, facts, rank)
     trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
         if topo.is_trainer(rank) else None
+    cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
     # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
-    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, shapes, training=trainer is not None)  # sync point
+    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
     if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
         shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     in_place = facts.resume is not None and facts.resume.same_folder
@@ -223,7 +236,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     all_names = _publish_names(ctx.adapter, facts.lora)
     runstate.check_same_weights(ctx.adapter, all_names, begin.version,  # every rank starts from its version
                                 resolve_dtype(cfg.model.dtype, ctx.device))
-    layouts = _stage_layouts(ctx) if topo.gap_stages > 1 else {}
+    layouts = _stage_layouts(ctx, cond) if topo.gap_stages > 1 else {}
     shares = replica_speeds({g: speeds[g]["generate_s"] for g in topo.generator_ranks},
                             [topo.replica_ranks(r) for r in range(topo.num_replicas)])
     publish_names = {g: _stage_names(ctx.adapter, all_names, layouts.get(g)) for g in topo.generator_ranks}
@@ -233,6 +246,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     if trainer is not None:
         _build_trainer_side(r, speeds, all_names)
     if topo.is_scorer(rank):
+        ctx.adapter.release_components(["transformer"])  # a scorer runs the rewards only
         r.scorer_rewards = _reward_set(cfg, ctx.device)
     return r
 
@@ -246,7 +260,12 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     torch.manual_seed(cfg.seed)
     master = topo.is_trainer(rank) and not facts.lora  # float32 weights only where a full fine-tune trains them
     adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
-                         dtype=model_dtypes(cfg.model.dtype, device, master=master), device=device)
+                         dtype=model_dtypes(cfg.model.dtype, device, master=master), device=device,
+                         release=released_components(cfg, facts, rank))
+    if cfg.model.prompt_embeds:  # precomputed: no rank encodes
+        adapter.prompt_cache = PromptEmbeddings(cfg.model.prompt_embeds, adapter.max_sequence_length)
+    if cfg.model.offload_text_encoders:
+        adapter.offload_text_encoders()  # on the device only while a step encodes (Rank.offload)
     set_attention(adapter, cfg.model.attention)
     if facts.lora:
         apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
@@ -278,13 +297,30 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     return RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown), shapes
 
 
+def released_components(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[str, ...]:
+    """The pipeline components rank `rank` never runs, freed before the model moves to its device.
+    Text encoders run where prompts are encoded: a replica's first stage (the conditioning travels
+    to the other stages and, with every fragment, to the trainers), and trainers that generate (TAG)
+    or evaluate; with --prompt-embeds nowhere. The VAE runs where samples are decoded: a replica's
+    last stage, and trainers that generate or evaluate. Scorers run neither (nor, once the start-up
+    checks are done, the transformer)."""
+    topo = facts.topology
+    replica = topo.replica_ranks(topo.replica_of(rank)) if topo.is_generator(rank) else ()
+    samples = topo.is_trainer(rank) and (facts.tag or cfg.output.eval_every > 0)  # generates or evaluates
+    encodes = (bool(replica) and replica[0] == rank or samples) and not cfg.model.prompt_embeds
+    decodes = bool(replica) and replica[-1] == rank or samples
+    return (() if encodes else TEXT_ENCODERS) + (() if decodes else ("vae",))
+
+
 def _build_generator(r: Rank, layouts: dict, version: int) -> None:
     """A generator rank's generator, its GAP stage and the version sync with the trainers."""
     ctx, topo, facts = r.ctx, r.topo, r.ctx.facts
     rank = ctx.rank
     if not topo.is_generator(rank):
         return
-    scorer = RemoteScorer(topo.scorer_ranks) if topo.scorer_ranks else LocalScorer(_reward_set(ctx.cfg, ctx.device))
+    last = not layouts or layouts[rank].last  # a GAP replica scores on its last stage
+    scorer = RemoteScorer(topo.scorer_ranks) if topo.scorer_ranks else \
+        LocalScorer(_reward_set(ctx.cfg, ctx.device) if last else None)
     r.generator = _generator(ctx, scorer)
     if layouts:
         release_other_blocks(ctx.adapter, layouts[rank].blocks)
@@ -325,7 +361,13 @@ def _generator(ctx: RankContext, scorer) -> Generator:
 
 
 def _reward_set(cfg: RunConfig, device) -> RewardSet:
-    return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model))
+    return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model),
+                     dtype=reward_dtype(cfg, device))
+
+
+def reward_dtype(cfg: RunConfig, device) -> torch.dtype:
+    """The model rewards' weights (--reward-dtype): float32, or auto: the compute dtype."""
+    return torch.float32 if cfg.rl.reward_dtype == "float32" else resolve_dtype(cfg.model.dtype, device)
 
 
 def _member_groups(topo: Topology, rank: int, groups: ProcessGroups) -> list:
@@ -370,14 +412,16 @@ def _publish_names(adapter, lora: bool) -> list[str]:
     return [n for n, _ in named if ".lora_" in n] if lora else [n for n, _ in named]
 
 
-def _stage_layouts(ctx: RankContext) -> dict:
-    """GAP stages: every generator rank measures its per-block cost (scaled by its slow-down);
-    every rank then computes the same partition of every replica from the gathered measurements."""
+def _stage_layouts(ctx: RankContext, cond) -> dict:
+    """GAP stages: every generator rank measures its per-block cost (scaled by its slow-down) with
+    the probes' conditioning `cond`; every rank then computes the same partition of every replica
+    from the gathered measurements."""
     cfg, topo, rank, adapter = ctx.cfg, ctx.topo, ctx.rank, ctx.adapter
     costs = None
     if topo.is_generator(rank):
         with autocast(adapter.device, cfg.model.dtype):
-            costs = [c * ctx.slowdown.factor for c in measure_block_costs(adapter, ctx.sampling, cfg.rl.micro_batch)]
+            costs = [c * ctx.slowdown.factor
+                     for c in measure_block_costs(adapter, ctx.sampling, cfg.rl.micro_batch, cond=cond)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, costs)  # sync point
     layouts = {}

@@ -86,7 +86,8 @@ def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, log
     names = [buckets.shape_name(buckets.record_shape(r, default)) for r in records]
     share = buckets.evaluation_share(names, len(evaluators), evaluators.index(rank))
     rows = [j for j, _ in share]  # record j is sample j: its fixed seed
-    rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model))
+    rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model),
+                        dtype=torch.float32 if cfg.rl.reward_dtype == "float32" else adapter.dtype)
     # Under the run's autocast, as the generators sample (FSDP2 trainers gather compute-dtype weights;
     # TF32 is on for what stays float32, runtime/build.py): float32 sampling of a 12B model takes minutes.
     with tracer.span("evaluate", "eval", done), autocast(adapter.device, cfg.model.dtype):
