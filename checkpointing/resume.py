@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from checkpointing import checkpoint
-from parallel import publish
+from parallel import checksums, publish
 
 
 @dataclass
@@ -80,8 +80,8 @@ def check_same_weights(adapter, names: list[str], version: int, dtype=None) -> N
     hold them: in the compute dtype `dtype` (trainers keep float32; FSDP trainers checksum their
     shards, a collective over the trainers)."""
     params = dict(adapter.transformer.named_parameters())
-    sums = publish.checksums_of({n: params[n] for n in names}, dtype)
-    local = (version, publish.combine_checksums({n: params[n] for n in names}, sums, dtype))
+    sums = checksums.checksums_of({n: params[n] for n in names}, dtype)
+    local = (version, checksums.combine_checksums({n: params[n] for n in names}, sums, dtype))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)  # sync point
     by_version: dict[int, set] = {}

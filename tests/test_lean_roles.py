@@ -11,7 +11,7 @@ from config.preflight import check_choices
 from config.schema import RunConfig
 from config.validate import validate
 from models import autocast, load_model
-from parallel.publish import checksum, checksum_sums, fold
+from parallel.checksums import checksum, checksum_sums, fold
 from prompts import embeds
 from rl import sampler
 from runtime import build, probe

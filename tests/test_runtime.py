@@ -117,13 +117,16 @@ def test_full_finetune_checkpoint_loads_with_diffusers(tmp_path):
         assert torch.equal(p.detach(), saved[name].to(torch.bfloat16).float())
 
 
-def test_resume_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("training", [["--lora-rank", "4"], ["--lora-rank", "0", "--dtype", "bfloat16"]],
+                         ids=["lora", "full-bf16"])
+def test_resume_matches_uninterrupted_run(tmp_path, training):
     """Disaggregated, with an EMA: a copy of the run cut back to its step-1 checkpoint resumes in
     place and ends bitwise equal; metrics.jsonl holds every step once (test_faults.py: the other
-    modes, signals and torn checkpoints)."""
+    modes, signals and torn checkpoints). In bf16 too: the trainer's float32 weights and AdamW
+    state, sharded by its own mixed-precision FSDP2, resume exactly."""
     import shutil
 
-    args = [*TINY, "--lora-rank", "4", "--ema-decay", "0.9", "--steps", "2", "--save-every", "1"]
+    args = [*TINY, *training, "--ema-decay", "0.9", "--steps", "2", "--save-every", "1"]
     torchrun(2, [*args, "--output-dir", str(tmp_path / "straight")])
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step-2")

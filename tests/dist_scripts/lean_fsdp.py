@@ -25,7 +25,8 @@ from models import load_model
 from parallel import compress
 from parallel.fsdp import full_tensor
 from parallel.intake import TrainChunk
-from parallel.publish import WeightPublisher, WeightReceiver, checksum
+from parallel.checksums import checksum
+from parallel.publish import WeightPublisher, WeightReceiver
 from rl import sampler
 from trainer import Trainer
 
