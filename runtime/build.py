@@ -255,8 +255,8 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     """The model and what every role reads; checks every size and prompt before any rank waits."""
     topo = facts.topology
     device = _device(cfg)
-    if device.type == "cuda":  # TF32 for the float32 matmuls that remain (evaluation, rewards, the VAE in float32)
-        torch.set_float32_matmul_precision("high")
+    if device.type == "cuda" and cfg.model.dtype != "float32":  # TF32 for the float32 matmuls that remain
+        torch.set_float32_matmul_precision("high")  # (float32 rewards); --dtype float32 asks for true float32
     torch.manual_seed(cfg.seed)
     master = topo.is_trainer(rank) and not facts.lora  # float32 weights only where a full fine-tune trains them
     adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,

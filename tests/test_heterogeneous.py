@@ -98,7 +98,10 @@ def test_hetero_modes_train_the_colocated_data(tmp_path):
         weights[name] = trained_weights(str(out), 2)
         speeds = json.loads((out / "speeds.json").read_text())
         assert speeds[0]["generate_s"] > 2 * speeds[1]["generate_s"], speeds
-        assert speeds[0]["train_s"] > 2 * speeds[1]["train_s"], speeds
+        if name.startswith("colocated"):  # a generator rank runs no training probe
+            assert speeds[0]["train_s"] > 2 * speeds[1]["train_s"], speeds
+        else:
+            assert "train_s" not in speeds[0] and "train_s" in speeds[1], speeds
     for name in runs:
         assert_same_weights(weights["colocated"], weights[name], name)
     trace = json.loads((tmp_path / "colocated-speed" / "trace" / "rank0.json").read_text())["traceEvents"]
