@@ -2,7 +2,7 @@
 
 After step k's update a trainer rank publishes version k+1 to each generator rank, sending
 exactly the tensors that rank holds (its stage's blocks plus embed or head; LoRA adapters only
-for LoRA runs). The protocol, sender -> receiver:
+for LoRA runs), as it holds them (the compute dtype). The protocol, sender -> receiver:
 
 1. a header payload (`parallel.p2p`): version, the wire tensors' names, shapes and dtypes, the
    bucket plan, the encoding (parallel/compress.py) with the name, shape and dtype of every tensor
@@ -11,20 +11,20 @@ for LoRA runs). The protocol, sender -> receiver:
 2. the buckets, one message each: the tensors of one dtype, flattened and concatenated, at most
    `bucket_bytes` each unless a single tensor is larger.
 
-The receiver stages the buckets in buffers of its own (`WeightReceiver.receive`) and copies
-them into its live parameters when the caller says so (`install`, at a fragment boundary, so
-that no trajectory sees a weight swap). After the copy it checksums the *installed* tensors and
-compares with the sender's: any difference in names, shapes, dtypes or values raises
-`PublicationError`. So does an update that silently does nothing: a tensor the sender says has
-changed since its previous publication, yet which install left as it was.
+The sender fetches the version a bucket at a time (`Outgoing`): FSDP trainers all-gather each
+bucket together just before it is sent, and checksum their shards once per version
+(parallel/checksums.py), so no rank holds the whole model. The receiver applies each bucket as it
+arrives (`WeightReceiver.receive`): into the live parameters at a step boundary, so that no
+trajectory sees a weight swap, or (TCSS) into an idle copy that `install` copies in at the next
+step boundary. After the copy it checksums the *installed* tensors and compares with the sender's:
+any difference in names, shapes, dtypes or values raises `PublicationError`. So does an update
+that silently does nothing: a tensor the sender says has changed since its previous publication,
+yet which install left as it was.
 
-Checksums are exact integer sums (see `checksum`), so they agree across devices, reduction
-orders and processes.
-
-Test hook: the environment variable `DIGENRL_DEBUG_CORRUPT_PUBLISH`, read by `install`,
-corrupts the publication on purpose so that end-to-end tests can check that it is caught:
-`1` or `flip` flips one bit of one staged tensor before the copy (a value mismatch), `skip`
-skips every copy (an update that does nothing). Unset or empty in normal runs; any other value is
+Test hook: the environment variable `DIGENRL_DEBUG_CORRUPT_PUBLISH`, read where the live
+tensors are written, corrupts the publication on purpose so that end-to-end tests can check that
+it is caught: `1` or `flip` flips one bit of one received tensor before it is applied (a value
+mismatch), `skip` skips every write (an update that does nothing). Unset or empty in normal runs; any other value is
 an error (config/preflight.py checks it before a run starts).
 """
 from __future__ import annotations
