@@ -9,6 +9,7 @@ fragments into a stream.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,7 +81,8 @@ class Scoring:
 class FragmentResult:
     """A generated, decoded and scored fragment: its training chunks and what the logs need."""
 
-    chunks: list[TrainChunk]  # in plan order
+    fragment: int
+    chunks: list[TrainChunk]  # in plan order (emptied once sent: the sends hold their packed copies)
     sample_ids: list[int]
     rewards: dict[str, list[float]]  # per reward name, and "combined"
     zero_std: list[bool]
@@ -188,15 +190,16 @@ class Generator:
             latents, log_probs = traj.latents, traj.log_probs
             if self.clean_only:  # DiffusionNFT: the clean samples (n, 1, ...), no log-probs (n, 0)
                 latents, log_probs = latents[:, -1:].contiguous(), log_probs[:, :0].contiguous()
+            # The trajectories and conditioning stay on the device until they are sent (or, colocated,
+            # trained); the per-sample metadata is small and read on the host.
             chunks.append(TrainChunk(plan.step, fragment.index, chunk.index, scoring.version,
-                                     torch.tensor(chunk.sample_ids, dtype=torch.int64), latents.cpu(),
-                                     log_probs.cpu(), adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(),
-                                     cond.to("cpu"), neg.to("cpu") if neg is not None else None))
+                                     torch.tensor(chunk.sample_ids, dtype=torch.int64), latents, log_probs,
+                                     adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(), cond, neg))
             start = sl.stop
         rewards = {name: v.float().cpu().tolist() for name, v in scores.items()}
         rewards["combined"] = combined.tolist()
         prompts = [r.prompt for r in self.records_of(plan, ids)]
-        return FragmentResult(chunks, ids, rewards, zero_std.tolist(), scoring.images, prompts)
+        return FragmentResult(fragment.index, chunks, ids, rewards, zero_std.tolist(), scoring.images, prompts)
 
     def stream(self, plan: StepPlan, reward_std: float | None, emit: Callable, tracer=None) -> "FragmentStream":
         return FragmentStream(self, plan, reward_std, emit, tracer)
@@ -258,18 +261,22 @@ class VersionSync:
         self.receiver, self.store, self.src = receiver, store, trainer_rank
         self.version, self.lag, self.layout, self.replica, self.tracer = start_version, lag, layout, replica, tracer
 
-    def _receive_next(self, step: int) -> None:
+    def _receive_next(self, step: int, install: bool = False) -> int:
+        """Receive version + 1: into the live weights bucket by bucket (`install`, at a step
+        boundary), or into the receiver's idle copy (TCSS, while this rank still samples)."""
         with self.tracer.span("receive_weights", "publish", step, version=self.version + 1):
-            got = self.receiver.receive(src=self.src)  # rank wait: trainer 0 sends version + 1
+            got = self.receiver.receive(src=self.src, install=install)  # rank wait: trainer 0 sends version + 1
         if got != self.version + 1:  # a real check: python -O removes asserts
             raise PublicationError(f"rank received version {got} from trainer rank {self.src} while holding "
                                    f"version {self.version}: publications must arrive in order")
+        return got
 
     def _install_next(self, step: int) -> None:
         if self.receiver.staged_version is None:
-            self._receive_next(step)
+            self.version = self._receive_next(step, install=True)  # verified against the trainer's checksum
+            return
         with self.tracer.span("install", "publish", step, version=self.version + 1):
-            self.version = self.receiver.install()  # verified against the trainer's checksum
+            self.version = self.receiver.install()  # the idle copy goes live, verified
 
     def at_step_start(self, step: int) -> int:
         need = max(step - self.lag, self.version)
@@ -313,14 +320,15 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
 
     def emit(result: FragmentResult) -> None:
         nonlocal cost, last_emit
-        results.append(result)
         if facts.disagg:
             for dst, tensors, meta in ctx.intake.route(plan, result.chunks):
                 handles.append(p2p.isend_payload(tensors, meta, dst=dst))
+            result = dataclasses.replace(result, chunks=[])  # the trajectories leave the device with their sends
         else:
             local.update({chunk.chunk: chunk for chunk in result.chunks})
+        results.append(result)
         if board is not None:  # TAG: mark the fragment landed, share this replica's time per fragment
-            board.land(result.chunks[0].fragment)
+            board.land(result.fragment)
             now = time.time()
             cost = now - last_emit if cost is None else 0.7 * cost + 0.3 * (now - last_emit)
             last_emit = now

@@ -32,15 +32,15 @@ from torch.utils.checkpoint import checkpoint
 from rl import algorithms
 from rl import sampler
 from config.schema import RunConfig
-from models import DiTAdapter, autocast
+from models import DiTAdapter, autocast, resolve_dtype
 from models.lora import trainable_names
 from rl import nft, old_policy
 from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
 from parallel import compress
-from parallel.fsdp import copy_full, count_allgathers, full_tensor, shard_modules
+from parallel.fsdp import count_allgathers, full_tensor, local_part, own_group, shard_modules
 from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
-from parallel.publish import WeightPublisher
+from parallel.publish import Outgoing, WeightPublisher
 from telemetry.tracing import Slowdown
 
 COUNTS = ("staleness_mean", "staleness_frac_1")
@@ -79,16 +79,30 @@ class Trainer:
         if not self.lora:
             model.requires_grad_(True)
         self.names = trainable_names(model)
+        if any(p.dtype != torch.float32 for p in self.trained_params()):
+            raise RuntimeError("trained weights must be float32 (models.model_dtypes(master=True), models.lora)")
+        # Every forward computes in the compute dtype: the generators hold the weights in it, and
+        # inputs are cast to it alike everywhere (DiTAdapter.compute_dtype).
+        self.compute_dtype = resolve_dtype(cfg.model.dtype, self.device)
+        adapter.compute_dtype = self.compute_dtype
         self.loss = algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl)
         self.reference = self._make_reference() if self.loss.needs_reference else None
-        if sharding == "fsdp":
-            shard_modules(model, group)
-            count_allgathers(model, group, self._on_allgather)
+        # Mixed precision as FSDP2 does it (float32 weights, each unit cast to the compute dtype for
+        # its forward, float32 gradients): over the trainer group, or for a replicated trainer over
+        # this rank alone, so that every forward computes with exactly the weights generators hold.
+        mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
+        engine = group if sharding == "fsdp" else (own_group() if mixed is not None else None)
+        if engine is not None:
+            adapter.enclosing = shard_modules(model, engine, mixed)  # one root: all-gathers overlap compute
+            count_allgathers(model, engine, self._on_allgather)
         if cfg.optim.grad_checkpointing:
             self._checkpoint_blocks()
-        self.params = [p for _, p in model.named_parameters() if p.requires_grad]
+        self.params = self.trained_params()
+        # Fused AdamW on CUDA: one kernel over all parameters, no foreach temporaries (a float32
+        # copy per parameter group: +11 GiB for FLUX full fine-tuning); the default elsewhere.
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.learning_rate(), betas=tuple(cfg.optim.adam_betas),
-                                           weight_decay=cfg.optim.weight_decay)
+                                           weight_decay=cfg.optim.weight_decay,
+                                           fused=True if self.device.type == "cuda" else None)
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
         # DiffusionNFT's old policy: what the generators sample with and the loss contrasts against.
         self.old = old_policy.OldPolicy(self.params, old_policy.schedule(cfg.rl.old_policy_decay),
@@ -103,12 +117,18 @@ class Trainer:
         self.reset_stats()
 
     # ----- set-up ---------------------------------------------------------------------------
+    def trained_params(self) -> list[Tensor]:
+        return [p for p in self.adapter.transformer.parameters() if p.requires_grad]
+
     def _make_reference(self) -> DiTAdapter | None:
+        """The frozen reference policy of the KL term: LoRA's base, or a copy of the initial weights
+        in the compute dtype (frozen weights are held as generators hold them)."""
         if self.lora:
             return None  # the reference is the same model with its LoRA disabled
         ref = copy.copy(self.adapter)
-        ref.transformer = copy.deepcopy(self.adapter.transformer).requires_grad_(False)
+        ref.transformer = copy.deepcopy(self.adapter.transformer).requires_grad_(False).to(self.compute_dtype)
         ref.blocks = ref._block_list()
+        ref.enclosing = None
         return ref
 
     def _checkpoint_blocks(self) -> None:
@@ -125,7 +145,7 @@ class Trainer:
         self.num_transitions = 0
         self.num_forwards = 0
         self.num_allgathers = 0
-        self.nonfinite_advantages = 0
+        self.nonfinite_advantages = torch.zeros((), dtype=torch.int64, device=self.device)  # items with any
 
     @property
     def sums(self) -> dict[str, float]:
@@ -148,9 +168,10 @@ class Trainer:
         self.num_forwards += 1
 
     def train(self, item: TrainChunk | TransitionBatch) -> None:
-        """Forward + backward of every transition of `item` this trainer trains."""
-        if not torch.isfinite(item.advantages).all():  # from non-finite rewards: the step will be skipped
-            self.nonfinite_advantages += 1
+        """Forward + backward of every transition of `item` this trainer trains. The item's tensors
+        stay where they arrived (the device, on NCCL); its row metadata is read on the host once."""
+        # Non-finite rewards make the step skip; counted on the device, read once per step.
+        self.nonfinite_advantages += (~torch.isfinite(item.advantages)).any().to(self.device)
         if isinstance(item, TransitionBatch):
             self.train_transitions(item)
         else:
@@ -158,29 +179,31 @@ class Trainer:
 
     def train_chunk(self, chunk: TrainChunk) -> None:
         """Every trained transition of a chunk, one timestep per forward."""
-        ids = chunk.sample_ids.tolist()
+        host = _Host.of(chunk)
+        ids, keep = host.sample_ids, host.keep
         cond = chunk.cond.to(self.device)
         neg = chunk.neg_cond.to(self.device) if chunk.neg_cond is not None else None
         spec = self.spec
         for t in spec.forward_timesteps(chunk.step, tuple(ids)):
-            rows = [j for j, i in enumerate(ids) if t in spec.timesteps(chunk.step, i) and chunk.keep[j]]
+            rows = [j for j, i in enumerate(ids) if t in spec.timesteps(chunk.step, i) and keep[j]]
             self._start_forward()
             if not rows:  # keeps FSDP ranks' forward counts equal
-                self._forward(self._chunk_rows(chunk, [0], t, cond, neg), weight=0.0)
+                self._forward(self._chunk_rows(chunk, [0], t, host, cond, neg), weight=0.0)
                 continue
-            self._forward(self._chunk_rows(chunk, rows, t, cond, neg))
+            self._forward(self._chunk_rows(chunk, rows, t, host, cond, neg))
             self._count(len(rows), chunk.version)
 
-    def _chunk_rows(self, chunk: TrainChunk, rows: list[int], t: int, cond, neg) -> Transitions:
+    def _chunk_rows(self, chunk: TrainChunk, rows: list[int], t: int, host: "_Host", cond, neg) -> Transitions:
         dev, n = self.device, len(rows)
         whole = n == len(chunk.sample_ids)  # keep the generation batch intact: bitwise-equal forwards
-        sel = torch.tensor(rows)
+        sel = _index(rows, chunk.latents.device)
         x_t, x_next, logp = chunk.at(sel, t)
+        small = _index(rows, chunk.advantages.device)
         return Transitions(x_t.to(dev), x_next.to(dev),
-                           chunk.sigmas[t].to(dev).expand(n), chunk.sigmas[t + 1].to(dev).expand(n), [t] * n,
-                           cond if whole else cond.select(sel),
-                           neg if (neg is None or whole) else neg.select(sel),
-                           logp.to(dev), chunk.advantages[sel].to(dev), chunk.sample_ids[sel].tolist(), chunk.step)
+                           torch.full((n,), host.sigmas[t], device=dev), torch.full((n,), host.sigmas[t + 1], device=dev),
+                           [t] * n, cond if whole else cond.select(_index(rows, dev)),
+                           neg if (neg is None or whole) else neg.select(_index(rows, dev)),
+                           logp.to(dev), chunk.advantages[small].to(dev), [host.sample_ids[j] for j in rows], chunk.step)
 
     def train_transitions(self, batch: TransitionBatch) -> None:
         """This trainer's packed micro-batches of one fragment (TSP), each mixing samples and
@@ -188,25 +211,27 @@ class Trainer:
         in the same packed batch)."""
         cond = batch.cond.to(self.device)
         neg = batch.neg_cond.to(self.device) if batch.neg_cond is not None else None
+        host = _Host.of(batch)
         for lo, hi in batch.bounds():
-            rows = [j for j in range(lo, hi) if batch.keep[j]]
+            rows = [j for j in range(lo, hi) if host.keep[j]]
             if not rows:
                 if self.sharding == "fsdp":  # the other FSDP ranks run this forward's collectives
                     self._start_forward()
-                    self._forward(self._packed_rows(batch, [lo], cond, neg), weight=0.0)
+                    self._forward(self._packed_rows(batch, [lo], host, cond, neg), weight=0.0)
                 continue
             self._start_forward()
-            self._forward(self._packed_rows(batch, rows, cond, neg))
+            self._forward(self._packed_rows(batch, rows, host, cond, neg))
             self._count(len(rows), batch.version)
 
-    def _packed_rows(self, batch: TransitionBatch, rows: list[int], cond, neg) -> Transitions:
+    def _packed_rows(self, batch: TransitionBatch, rows: list[int], host: "_Host", cond, neg) -> Transitions:
         dev = self.device
-        sel = torch.tensor(rows)
-        idx = batch.cond_index[sel].to(dev)
-        return Transitions(batch.x_t[sel].to(dev), batch.x_next[sel].to(dev), batch.sigma[sel].to(dev),
-                           batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
-                           neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
-                           batch.advantages[sel].to(dev), batch.sample_ids[sel].tolist(), batch.step)
+        sel = _index(rows, batch.x_t.device)
+        idx = batch.cond_index[_index(rows, batch.cond_index.device)].to(dev)
+        small = _index(rows, batch.sigma.device)
+        return Transitions(batch.x_t[sel].to(dev), batch.x_next[sel].to(dev), batch.sigma[small].to(dev),
+                           batch.sigma_next[small].to(dev), [host.timesteps[j] for j in rows], cond.select(idx),
+                           neg.select(idx) if neg is not None else None, batch.log_probs[small].to(dev),
+                           batch.advantages[small].to(dev), [host.sample_ids[j] for j in rows], batch.step)
 
     def _forward(self, tr: Transitions, weight: float = 1.0) -> None:
         """One forward + backward of the loss of `tr`. Weight 0 is padding: the same computation
@@ -270,7 +295,7 @@ class Trainer:
                                     x_next=x_next)
         parts, order = [], []
         for level in sorted(set(levels)):
-            rows = torch.tensor([j for j, l in enumerate(levels) if l == level], device=tr.x_t.device)
+            rows = sampler.to_device(torch.tensor([j for j, l in enumerate(levels) if l == level]), tr.x_t.device)
             parts.append(sampler.sde_step(tr.x_t[rows], v[rows], tr.sigma[rows], tr.sigma_next[rows],
                                           sde_type=s.sde_type, noise_level=level, x_next=x_next[rows]))
             order.append(rows)
@@ -286,8 +311,9 @@ class Trainer:
             self._start_forward()
             cond = template.cond.to(self.device)
             neg = template.neg_cond.to(self.device) if template.neg_cond is not None else None
-            rows = self._packed_rows(template, [0], cond, neg) if isinstance(template, TransitionBatch) \
-                else self._chunk_rows(template, [0], 0, cond, neg)
+            host = _Host.of(template)
+            rows = self._packed_rows(template, [0], host, cond, neg) if isinstance(template, TransitionBatch) \
+                else self._chunk_rows(template, [0], 0, host, cond, neg)
             self._forward(rows, weight=0.0)
 
     def _count(self, n: int, version: int) -> None:
@@ -303,9 +329,9 @@ class Trainer:
         """Sum gradients and statistics over trainer ranks, normalize by the batch's transition
         count, clip, step, update the EMA. Every trainer rank waits here for the others."""
         names = self.loss.STATS + COUNTS
-        host = torch.tensor([float(self.num_transitions)] + [self.counts[k] for k in COUNTS]
-                            + [float(self.nonfinite_advantages)], dtype=torch.float64)
-        counts = torch.cat([host[:1], self.loss_sums.cpu(), host[1:]])  # the step's one read of the loss sums
+        host = torch.tensor([float(self.num_transitions)] + [self.counts[k] for k in COUNTS], dtype=torch.float64)
+        on_device = torch.cat([self.loss_sums, self.nonfinite_advantages.reshape(1).double()]).cpu()  # the step's one read
+        counts = torch.cat([host[:1], on_device[:-1], host[1:], on_device[-1:]])
         if self.group is not None and dist.get_world_size(self.group) > 1:
             counts = counts.to(self._comm_device())
             dist.all_reduce(counts, group=self.group)  # sync point: all trainers
@@ -367,55 +393,87 @@ class Trainer:
         """Replicated data parallel: one flat all-reduce (sum) of all gradients."""
         if self.group is None or dist.get_world_size(self.group) == 1:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [local_part(p.grad)[0] for p in self.params]  # whole: a replicated trainer's own FSDP is one rank
         flat = torch.cat([g.reshape(-1) for g in grads]).to(self._comm_device())
         dist.all_reduce(flat, group=self.group)  # sync point: all trainers
         offset = 0
-        for p, g in zip(self.params, grads):
+        for g in grads:
             n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(g).to(g.device).clone()
+            g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
 
     # ----- weights out ----------------------------------------------------------------------
-    def full_weights(self, names: list[str] | None = None) -> dict[str, Tensor]:
-        """Unsharded trained weights (under FSDP a collective: every trainer rank must call it)."""
+    def weights(self, names: list[str] | None = None) -> dict[str, Tensor]:
+        """The trained weights by name, as this rank holds them (under FSDP: its shards)."""
         wanted = set(names or self.names)
-        return {n: full_tensor(p.detach()) for n, p in self.adapter.transformer.named_parameters() if n in wanted}
+        return {n: p for n, p in self.adapter.transformer.named_parameters() if n in wanted}
 
-    def _sampling_tensors(self, names: list[str]) -> dict[str, Tensor]:
-        """The (possibly sharded) tensors of the policy the generators sample with, by name."""
+    def sampling_tensors(self, names: list[str]) -> dict[str, Tensor]:
+        """The tensors of the policy the generators sample with, by name, as this rank holds them
+        (under FSDP its shards): the trained weights, or DiffusionNFT's old policy."""
         if self.old is None:
             params = dict(self.adapter.transformer.named_parameters())
             return {n: params[n] for n in names}
         index = {n: i for i, n in enumerate(self.names)}
         return {n: self.old.tensors[index[n]] for n in names}
 
-    def sampling_weights(self, names: list[str]) -> dict[str, Tensor]:
-        """Unsharded weights of the policy the generators sample with: the trained weights, or
-        DiffusionNFT's old policy (under FSDP a collective)."""
-        return {n: full_tensor(t.detach()) for n, t in self._sampling_tensors(names).items()}
-
     # ----- publication ----------------------------------------------------------------------
     def start_codec(self, spec: str, names: list[str], residual: dict[str, Tensor] | None = None) -> None:
         """Train through the lossy publication codec `spec` (parallel/compress.py) from the weights
-        held now, going on from a resumed run's `residual` (a collective under FSDP)."""
-        self.codec = compress.Reconstruction(spec, self.sampling_weights(names), residual)
+        held now, going on from a resumed run's `residual`. The codec's state is sharded as the
+        weights are, in the dtype the generators hold (the compute dtype)."""
+        self.codec = compress.Reconstruction(spec, self.sampling_tensors(names), residual, self.compute_dtype)
 
-    def make_version(self, names: list[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """The version this update makes, as (wire tensors, the weights receivers rebuild from
-        them): the sampling policy's weights (DiffusionNFT: the old policy's). Every trainer rank
-        calls it (a collective under FSDP). With a lossy codec the trainer adopts the rebuilt
-        weights, so it trains against the policy the generators sample with; what the wire left out
-        waits in the codec's residual."""
-        weights = self.sampling_weights(names)
+    def current_version(self, names: list[str]) -> Outgoing:
+        """The version the generators hold of the weights `names`, as they hold it: the sampling
+        policy's weights (the trained ones; DiffusionNFT: the old policy) cast to the compute dtype,
+        or a lossy codec's reconstruction. Every trainer rank calls it (under FSDP a collective:
+        checksums)."""
         if self.codec is None:
-            return weights, weights
-        wire, held = self.codec.publish(weights)
-        targets = self._sampling_tensors(list(held))
+            return Outgoing.of(self.sampling_tensors(names), dtype=self.compute_dtype)
+        return Outgoing.of({n: self.codec.held[n] for n in names})
+
+    def make_version(self, names: list[str]) -> Outgoing:
+        """The version this update makes, for publication (every trainer rank calls it; under FSDP
+        a collective). Without a lossy codec, the sampling policy's weights in the compute dtype,
+        cast and gathered a bucket at a time as they are sent. With one, the codec encodes this
+        rank's shards and the trainer adopts what receivers rebuild, so it trains against the policy
+        the generators sample with; what the wire left out waits in the codec's residual."""
+        if self.codec is None:
+            return self.current_version(names)
+        targets = self.sampling_tensors(names)
+        wire, held = self.codec.publish(targets)
         with torch.no_grad():
             for n, t in held.items():
-                copy_full(targets[n], t)
-        return wire, held
+                local_part(targets[n])[0].copy_(local_part(t)[0])
+        return Outgoing.of(wire, held, self.codec.spec)
+
+
+@dataclass
+class _Host:
+    """An item's row metadata read to the host once (its tensors may live on the device)."""
+
+    sample_ids: list[int]
+    keep: list[bool]
+    sigmas: list[float] | None = None  # a chunk's K+1 sigmas
+    timesteps: list[int] | None = None  # a packed batch's per-row timesteps
+
+    @classmethod
+    def of(cls, item: TrainChunk | TransitionBatch) -> "_Host":
+        if isinstance(item, TransitionBatch):
+            return cls(item.sample_ids.tolist(), item.keep.tolist(), timesteps=item.timesteps.tolist())
+        return cls(item.sample_ids.tolist(), item.keep.tolist(), sigmas=item.sigmas.tolist())
+
+
+def _index(rows: list[int], device: torch.device) -> slice | Tensor:
+    """An index of `rows` for tensors on `device`: a slice when the rows are consecutive (the usual
+    case: a whole chunk, a packed micro-batch), else an index tensor copied without a device wait."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return sampler.to_device(torch.tensor(rows), device)
 
 
 def fsdp_pad_target(plan, facts, intake) -> int:
@@ -479,12 +537,17 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     if facts.disagg:
         sent = []
         with tracer.span("publish", "publish", step):
-            wire, held = trainer.make_version(sorted({n for names in publish_names.values() for n in names}))
+            names = sorted({n for names in publish_names.values() for n in names})
+            out = trainer.make_version(names)  # sync point under FSDP: the version's checksums, from shards
+            # Each generator (stage) gets only the weights it holds, encoded once for all of them.
+            by_dst = {g: publish_names[g] for g in topo.generator_ranks}
             if ctx.rank == topo.trainer_ranks[0]:
                 if store is not None:
                     store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
-                # Each generator (stage) gets only the weights it holds, encoded once for all of them.
-                sent = publisher.publish_all(wire, held, {g: publish_names[g] for g in topo.generator_ranks}, step + 1)
+                sent = publisher.publish_all(out, by_dst, step + 1)
+            else:
+                publisher.follow_all(out, by_dst)  # FSDP: the same bucket all-gathers as trainer 0's sends
+            publisher.keep_version(out, names, step + 1)  # TCSS: the generators' version at a checkpoint
         stats["publish/bytes"] = float(sum(s.num_bytes for s in sent))
         stats["publish/seconds"] = time.perf_counter() - t0
     elif trainer.codec is not None:

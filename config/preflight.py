@@ -18,12 +18,13 @@ import torch
 
 from checkpointing import checkpoint
 from checkpointing.checkpoint import EXPORT_DTYPES
-from models import ATTENTION_BACKENDS, adapter_class
+from models import ATTENTION_BACKENDS, adapter_class, check_attention
 from models.base import check_model_folder, preset_defaults, read_folder_defaults
 from parallel import compress
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
 from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
+from prompts import embeds
 from prompts import shapes as buckets
 from rl import sampler
 from rl import old_policy
@@ -165,6 +166,8 @@ def check_choices(cfg) -> None:
                          f"(a CPU build, or no GPU visible); use --device cpu or auto")
     if m.attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown --attention {m.attention!r}; choose one of {ATTENTION_BACKENDS}")
+    check_attention(adapter_class(m.model), m.attention)  # a family's mask the kernel cannot take
+    _choice("--reward-dtype", rl.reward_dtype, ("auto", "float32"))
 
 
 def check_environment() -> None:
@@ -341,10 +344,18 @@ def check_prompts(cfg, prompt_sets) -> None:
 def check_run(cfg, prompt_sets, weights: bool = True) -> None:
     """What config.validate checks after the flags: the environment, the model folder and sizes
     (every prompt's shape among them), the reward models' folders (unless not `weights`), the
-    prompts' grammar. `prompt_sets`: [(path, records)] of the training and evaluation prompts as
-    read once."""
+    prompts' grammar, precomputed prompt embeddings. `prompt_sets`: [(path, records)] of the
+    training and evaluation prompts as read once."""
     check_environment()
     check_model(cfg, [(path, r) for path, records in prompt_sets for r in records])
     if weights:
         check_reward_models(cfg)
     check_prompts(cfg, prompt_sets)
+    if cfg.model.prompt_embeds:
+        embeds.check(cfg.model.prompt_embeds, cfg.model.model, embedded_prompts(cfg, prompt_sets))
+
+
+def embedded_prompts(cfg, prompt_sets) -> list[str]:
+    """Every prompt a run encodes: training and evaluated prompts, the empty prompt (the start-up
+    probes) and with CFG the negative prompt."""
+    return ["", cfg.sampling.negative_prompt] + [r.prompt for _, records in prompt_sets for r in records]

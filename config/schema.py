@@ -40,9 +40,17 @@ class ModelConfig:
                                       "shapes model (flux) if present, else the offline tiny preset")
     preset: str = _f("auto", "without --model-path: auto (the shipped shapes model for flux, else tiny), tiny "
                              "(a random offline model, for tests) or mid (random, ~42M parameters, for benchmarks)")
-    dtype: str = _f("auto", "transformer weights: float32, bfloat16, float16 or auto (float32 weights, bf16 autocast "
-                            "on CUDA); on CUDA the frozen text encoders are half precision unless float32")
+    dtype: str = _f("auto", "compute dtype: float32, bfloat16, float16 or auto (bfloat16 on CUDA, float32 on CPU). "
+                            "Generators, text encoders, the VAE and frozen weights are held in it; trainers keep "
+                            "trained weights and AdamW in float32 and compute in it (FSDP2 mixed precision, or "
+                            "autocast)")
     attention: str = _f("sdpa", "attention kernel through diffusers' dispatcher: sdpa, flash, flash_varlen, sage")
+    prompt_embeds: str | None = _f(None, "FILE of precomputed prompt embeddings (python -m scripts.encode_prompts): "
+                                         "no rank loads a text encoder; it must hold every prompt the run encodes",
+                                   metavar="FILE")
+    offload_text_encoders: bool = _f(False, "keep the text encoders in host memory between steps: on the device only "
+                                            "while a step encodes prompts (two host-device copies of their weights "
+                                            "per step for their device memory during the rest of it)")
     device: str = _f("auto", "cpu, cuda or auto (each rank uses cuda:LOCAL_RANK when CUDA is available)")
 
 
@@ -83,6 +91,8 @@ class RLConfig:
                                        "then the run stops, naming the URL and its answer")
     reward_model: list = _f([], "NAME=DIR: local weights folder of a model-based reward, repeatable",
                         action="append", metavar="NAME=DIR")
+    reward_dtype: str = _f("auto", "model rewards' weights: auto (the compute dtype, --dtype: half the memory on "
+                                   "GPUs) or float32 (the peers' own scores, e.g. Flow-GRPO's PickScore)")
     steps: int = _f(50, "training steps (one optimizer update each)")
     prompts_per_step: int = _f(8, "B: prompts (groups) per step")
     group_size: int = _f(8, "G: samples per prompt")

@@ -76,10 +76,11 @@ def release_other_blocks(adapter, blocks: tuple[int, int]) -> None:
 
 @torch.no_grad()
 def measure_block_costs(adapter, sampling: sampler.SamplingConfig, batch: int,
-                        repeats: int = 2) -> list[float]:
-    """Seconds per block for one micro-batch on this rank (the last of `repeats` runs)."""
+                        repeats: int = 2, cond: Conditioning | None = None) -> list[float]:
+    """Seconds per block for one micro-batch on this rank (the last of `repeats` runs), with the
+    conditioning `cond` of `batch` prompts (default: empty prompts, encoded here)."""
     shape = adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)
-    cond = adapter.encode_prompts([""] * batch)
+    cond = adapter.encode_prompts([""] * batch) if cond is None else cond
     x = torch.randn(batch, *shape, device=adapter.device)
     state = adapter.embed(x, torch.full((batch,), 0.5, device=adapter.device), cond, sampling.guidance)
     costs = []

@@ -53,11 +53,13 @@ def reward_class(name: str):
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def build_reward(name: str, device: str | torch.device = "cpu", model_path: str | None = None):
-    """Build one reward by name. Model rewards need `model_path`; rule rewards refuse one."""
+def build_reward(name: str, device: str | torch.device = "cpu", model_path: str | None = None,
+                 dtype: torch.dtype = torch.float32):
+    """Build one reward by name. Model rewards need `model_path` and hold their weights in `dtype`;
+    rule rewards refuse a model path."""
     cls = reward_class(name)
     if name in MODEL_REWARDS:
-        return cls(device=device, model_path=model_path)
+        return cls(device=device, model_path=model_path, dtype=dtype)
     if model_path is not None:
         raise ValueError(f"reward {name!r} loads no weights, but a model path was given ({model_path!r})")
     return cls(device=device)
@@ -157,13 +159,16 @@ class RewardSet:
     retries included); `remote` says whether any is."""
 
     def __init__(self, specs: Sequence[str], device: str | torch.device = "cpu",
-                 model_paths: dict[str, str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 model_paths: dict[str, str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 dtype: torch.dtype = torch.float32):
+        """`timeout_s`: of a reward service (--reward-timeout-s); `dtype`: the weights of the model
+        rewards (--reward-dtype)."""
         parsed = parse_reward_specs(specs, model_paths)  # all checks before any model loads
         self.names = [n for n, _ in parsed]
         self.weights = [w for _, w in parsed]
         model_paths = model_paths or {}
         self.rewards = {n: HttpReward(reward_url(s), n, timeout_s) if reward_url(s)
-                        else build_reward(n, device=device, model_path=model_paths.get(n))
+                        else build_reward(n, device=device, model_path=model_paths.get(n), dtype=dtype)
                         for (n, _), s in zip(parsed, specs)}
         self.remote = any(isinstance(r, HttpReward) for r in self.rewards.values())
 

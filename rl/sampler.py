@@ -92,10 +92,21 @@ class StepOutput:
 
 
 def _bcast(v: Tensor | float, like: Tensor) -> Tensor:
+    if isinstance(v, (int, float)):  # filled on the device: no host-to-device copy in the denoising loop
+        v = torch.full((like.shape[0],), float(v), dtype=torch.float32, device=like.device)
     v = torch.as_tensor(v, dtype=torch.float32, device=like.device)
     if v.dim() == 0:
         v = v.expand(like.shape[0])
     return v.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def to_device(t: Tensor, device) -> Tensor:
+    """A CPU tensor on `device` without waiting for the device: drawn noise goes through pinned
+    memory asynchronously (a plain copy from pageable memory synchronizes the stream)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.is_cuda:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _mean_over_sample(t: Tensor) -> Tensor:
@@ -145,14 +156,16 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
         x_next = mean + std * noise.to(device=x.device, dtype=torch.float32)
     x_next = x_next.detach().float()
 
-    deterministic = bool((std == 0).all())
-    if deterministic:
-        log_prob = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
-    elif sde_type == "cps":
+    # A deterministic row (std 0: an ODE step, or CPS's last step) has log-prob 0, decided per row on
+    # the device: a host check of the batch would wait for the forward at every denoising step.
+    live = std > 0
+    safe = torch.where(live, std, torch.ones_like(std))  # no 0 / 0 in the formula, nor in its gradient
+    if sde_type == "cps":
         # CPS's "log-prob" drops the variance and the constants (docs/ALGORITHMS.md).
         log_prob = _mean_over_sample(-((x_next - mean) ** 2))
     else:
-        log_prob = _mean_over_sample(-((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI)
+        log_prob = _mean_over_sample(-((x_next - mean) ** 2) / (2 * safe**2) - torch.log(safe) - LOG_SQRT_2PI)
+    log_prob = torch.where(live.reshape(-1), log_prob, torch.zeros_like(log_prob))
     return StepOutput(x_next=x_next, log_prob=log_prob, mean=mean, std=std.reshape(-1))
 
 
@@ -268,7 +281,7 @@ def guided_velocity(adapter: "DiTAdapter", x: Tensor, sigma: Tensor, cond: Condi
 def initial_latents(cfg: SamplingConfig, step: int, init_ids: list[int], latent_shape: tuple[int, ...],
                     device) -> Tensor:
     """x at sigma = 1 for a batch: the seeded initial noise of each id, (B, *latent_shape)."""
-    return torch.stack([initial_noise(cfg.seed, step, i, latent_shape) for i in init_ids]).to(device)
+    return to_device(torch.stack([initial_noise(cfg.seed, step, i, latent_shape) for i in init_ids]), device)
 
 
 def dpm2_update(x: Tensor, x0: Tensor, x0_prev: Tensor, sigma_prev: float, sigma: float,
@@ -293,13 +306,13 @@ def sample_step(x: Tensor, v: Tensor, sigmas: Tensor, t: int, sample_ids: list[i
     the previous step's data prediction). The one step of rollout, whether one rank runs the whole
     DiT or GAP stages share it; the returned x0 is the next step's `x0_prev`."""
     level = cfg.noise_level_at(t, step)
-    sigma, sigma_next = sigmas[t].item(), sigmas[t + 1].item()
-    eps = (torch.stack([step_noise(cfg.seed, step, i, t, tuple(x.shape[1:])) for i in sample_ids]).to(x.device)
-           if level > 0 else torch.zeros_like(x, dtype=torch.float32))
+    sigma, sigma_next = float(sigmas[t]), float(sigmas[t + 1])  # sigmas live on the host: no device wait
+    eps = (to_device(torch.stack([step_noise(cfg.seed, step, i, t, tuple(x.shape[1:])) for i in sample_ids]),
+                     x.device) if level > 0 else torch.zeros_like(x, dtype=torch.float32))
     out = sde_step(x, v, sigma, sigma_next, sde_type=cfg.sde_type, noise_level=level, noise=eps)
     out.x0 = x.float() - sigma * v.float()
     if x0_prev is not None and cfg.second_order_at(t, step):
-        out.x_next = out.mean = dpm2_update(x, out.x0, x0_prev, sigmas[t - 1].item(), sigma, sigma_next)
+        out.x_next = out.mean = dpm2_update(x, out.x0, x0_prev, float(sigmas[t - 1]), sigma, sigma_next)
     return out
 
 
@@ -317,7 +330,7 @@ def denoise(adapter: "DiTAdapter", cond: Conditioning, neg_cond: Conditioning | 
     x = initial_latents(cfg, step, sample_ids if init_ids is None else init_ids, latent_shape, device)
     latents, log_probs, x0 = [x], [], None
     for t in range(cfg.num_steps):
-        sigma = sigmas[t].to(device).expand(len(sample_ids))
+        sigma = torch.full((len(sample_ids),), float(sigmas[t]), device=device)  # no host-to-device copy
         v = guided_velocity(adapter, x, sigma, cond, neg_cond, cfg)
         out = sample_step(x, v, sigmas, t, sample_ids, step, cfg, x0)
         x, x0 = out.x_next, out.x0

@@ -19,7 +19,8 @@ from checkpointing import resume as runstate
 from config import preflight
 from config.schema import RunConfig
 from config.validate import RunFacts
-from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, set_attention
+from models import TEXT_ENCODERS, DiTAdapter, autocast, load_model, model_dtypes, resolve_device, resolve_dtype
+from models import set_attention
 from models.lora import apply_lora
 from parallel import compress, publish
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
@@ -31,6 +32,7 @@ from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
 from prompts import shapes as buckets
+from prompts.embeds import PromptEmbeddings
 from rewards import RewardSet, reward_model_paths
 from rl import algorithms, sampler
 from rollout import Generator, VersionSync, generator_step
@@ -112,8 +114,10 @@ class Rank:
         Returns (the fragment results, what stays on this rank for its own training: colocated)."""
         if self.generator is None:
             return [], {}
-        return generator_step(self.ctx, self.generator, self.versions, plan, lambda: self._reward_std(plan.step),
-                              self.replica, self.store, self.deferred if self.ctx.facts.tcss else None)
+        out = generator_step(self.ctx, self.generator, self.versions, plan, lambda: self._reward_std(plan.step),
+                             self.replica, self.store, self.deferred if self.ctx.facts.tcss else None)
+        self._offload()
+        return out
 
     def score(self, plan) -> None:
         """A scorer rank's step: score the fragments sent to it."""
@@ -127,6 +131,7 @@ class Rank:
             return None, []
         stats = trainer_step(self.ctx, self.trainer, plan, local, self.publish_names, self.publisher, self.assistant,
                              self.store, self._reward_std(plan.step))
+        self._offload()  # a TAG helper encoded prompts
         return stats, (self.assistant.results if self.assistant is not None else [])
 
     def record(self, plan, started: float, gen_out: list, train_stats: dict | None) -> None:
@@ -157,6 +162,7 @@ class Rank:
         c = self.ctx
         evaluate_on_trainers(c.cfg, c.adapter, c.sampling, c.topo, c.rank, done, self.log.logger, c.tracer,
                              self.groups.trainers, records=list(c.facts.eval_records))
+        self._offload()
 
     def finish(self) -> None:
         """After the last step (or a signal): the publications still addressed to generators are
@@ -190,6 +196,12 @@ class Rank:
     def exit_code(self) -> int:
         return runguard.EXIT_STOPPED if self.guard.stopping else runguard.EXIT_OK
 
+    def _offload(self) -> None:
+        """--offload-text-encoders: the text encoders go back to host memory after a phase that
+        encodes prompts, so the rest of the step has their device memory."""
+        if self.cfg.model.offload_text_encoders:
+            self.ctx.adapter.offload_text_encoders()
+
     def _reward_std(self, step: int) -> float | None:
         """The advantage std: None (each group's own) or the running std of the batches before this
         one, published by the logging rank (with TCSS, of the batches before the previous one; a
@@ -211,21 +223,31 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
                               groups=_member_groups(topo, rank, groups),
                               start_step=facts.resume.step if facts.resume else 0).start()
     ctx, shapes = _context(cfg, facts, rank)  # every check that needs the model: nothing written yet
-    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, shapes)  # sync point: before FSDP shards the model
+    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
+        if topo.is_trainer(rank) else None
+    cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
+    # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
+    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
     run = _prepare_folder(cfg, facts, rank, store)  # sync point: every rank passed its checks, the folder is ready
     if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
         shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
         if topo.is_trainer(rank) else None
+    cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
+    # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
+    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
+    if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
+        shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     in_place = facts.resume is not None and facts.resume.same_folder
     log = StepLog(cfg, rank, rank == facts.log_rank, store, topo.world_size, facts.resume.step if facts.resume else 0,
                   in_place, algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl).SUMMARY)
     begin = runstate.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
     log.std_history = begin.std_history
     all_names = _publish_names(ctx.adapter, facts.lora)
-    held = trainer.sampling_weights(all_names) if trainer is not None else None  # NFT trainers: the old policy
-    runstate.check_same_weights(ctx.adapter, all_names, begin.version, held)  # every rank starts from its version
-    layouts = _stage_layouts(ctx) if topo.gap_stages > 1 else {}
+    sampled = trainer.sampling_tensors(all_names) if trainer is not None else None  # NFT trainers: the old policy
+    runstate.check_same_weights(ctx.adapter, all_names, begin.version,  # every rank starts from its version
+                                resolve_dtype(cfg.model.dtype, ctx.device), sampled)
+    layouts = _stage_layouts(ctx, cond) if topo.gap_stages > 1 else {}
     shares = replica_speeds({g: speeds[g]["generate_s"] for g in topo.generator_ranks},
                             [topo.replica_ranks(r) for r in range(topo.num_replicas)])
     publish_names = {g: _stage_names(ctx.adapter, all_names, layouts.get(g)) for g in topo.generator_ranks}
@@ -235,6 +257,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     if trainer is not None:
         _build_trainer_side(r, speeds, all_names)
     if topo.is_scorer(rank):
+        ctx.adapter.release_components(["transformer"])  # a scorer runs the rewards only
         r.scorer_rewards = ctx.rewards
     return r
 
@@ -250,11 +273,13 @@ def _prepare_folder(cfg: RunConfig, facts: RunFacts, rank: int, store: StepStore
     return store.get("run/record")
 
 
-def _load(cfg: RunConfig, device: torch.device) -> DiTAdapter:
-    """The base model; weights that do not fit the folder's config are a user error naming the folder."""
+def _load(cfg: RunConfig, device: torch.device, master: bool, release: tuple[str, ...]) -> DiTAdapter:
+    """The base model without the components this rank never runs (`release`), float32 weights
+    where a full fine-tune trains them (`master`); weights that do not fit the folder's config are a
+    user error naming the folder."""
     try:
         return load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
-                          dtype=model_dtypes(cfg.model.dtype, device), device=device)
+                          dtype=model_dtypes(cfg.model.dtype, device, master=master), device=device, release=release)
     except ValueError as e:
         where = f"--model-path {cfg.model.model_path}" if cfg.model.model_path else f"--preset {cfg.model.preset}"
         raise ValueError(f"{where}: {e}") from None
@@ -264,23 +289,36 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     """The model and what every role reads; checks every size and prompt before any rank waits."""
     topo = facts.topology
     device = _device(cfg)
+    if device.type == "cuda" and cfg.model.dtype != "float32":  # TF32 for the float32 matmuls that remain
+        torch.set_float32_matmul_precision("high")  # (float32 rewards); --dtype float32 asks for true float32
     torch.manual_seed(cfg.seed)
-    adapter = _load(cfg, device)
+    master = topo.is_trainer(rank) and not facts.lora  # float32 weights only where a full fine-tune trains them
+    adapter = _load(cfg, device, master, released_components(cfg, facts, rank))
     if topo.gap_stages > len(adapter.blocks):
         raise ValueError(f"--gap-stages {topo.gap_stages}: the model has {len(adapter.blocks)} DiT blocks, fewer than "
                          f"the stages that would split them")
+    if cfg.model.prompt_embeds:  # precomputed: no rank encodes
+        adapter.prompt_cache = PromptEmbeddings(cfg.model.prompt_embeds, adapter.max_sequence_length)
+    if cfg.model.offload_text_encoders:
+        adapter.offload_text_encoders()  # on the device only while a step encodes (Rank.offload)
     set_attention(adapter, cfg.model.attention)
     if facts.lora:
         apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
+    compute = resolve_dtype(cfg.model.dtype, device)
+    # The same numbers on every rank, before generators drop their gradients (below).
+    probe.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts,
+                              torch.empty((), dtype=compute).element_size())
+    if not topo.is_trainer(rank):  # generators (and scorers) hold frozen weights in the compute dtype, no gradient
+        adapter.transformer.requires_grad_(False).to(compute)
     sampling = run_sampling(cfg, adapter)
     adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails alike everywhere
     records = list(facts.prompts.records)  # as read before anything loaded
     shapes = buckets.shape_table(adapter, records, sampling, cfg.rl.prompts)  # before any wait: names a bad line
     if cfg.output.eval_every:
         buckets.check_shapes(adapter, facts.eval_records, sampling, cfg.output.eval_prompts)
-    probe.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts)  # same on every rank
-    needs_rewards = (topo.is_generator(rank) and not topo.scorer_ranks) or topo.is_scorer(rank) or \
-        (facts.tag and topo.is_trainer(rank))
+    replica = topo.replica_ranks(topo.replica_of(rank)) if topo.is_generator(rank) else ()
+    scores = bool(replica) and replica[-1] == rank and not topo.scorer_ranks  # a replica scores on its last stage
+    needs_rewards = scores or topo.is_scorer(rank) or (facts.tag and topo.is_trainer(rank))
     rewards = _reward_set(cfg, device) if needs_rewards else None  # a reward model's folder fails before any wait
     tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
                     sync=torch.cuda.synchronize if device.type == "cuda" else None)
@@ -291,6 +329,21 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     slow = cfg.output.debug_slow_rank
     slowdown = Slowdown(slow[1] if slow and slow[0] == rank else 1.0)
     return RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown, rewards), shapes
+
+
+def released_components(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[str, ...]:
+    """The pipeline components rank `rank` never runs, freed before the model moves to its device.
+    Text encoders run where prompts are encoded: a replica's first stage (the conditioning travels
+    to the other stages and, with every fragment, to the trainers), and trainers that generate (TAG)
+    or evaluate; with --prompt-embeds nowhere. The VAE runs where samples are decoded: a replica's
+    last stage, and trainers that generate or evaluate. Scorers run neither (nor, once the start-up
+    checks are done, the transformer)."""
+    topo = facts.topology
+    replica = topo.replica_ranks(topo.replica_of(rank)) if topo.is_generator(rank) else ()
+    samples = topo.is_trainer(rank) and (facts.tag or cfg.output.eval_every > 0)  # generates or evaluates
+    encodes = (bool(replica) and replica[0] == rank or samples) and not cfg.model.prompt_embeds
+    decodes = bool(replica) and replica[-1] == rank or samples
+    return (() if encodes else TEXT_ENCODERS) + (() if decodes else ("vae",))
 
 
 def _build_generator(r: Rank, layouts: dict, version: int) -> None:
@@ -322,8 +375,8 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
                              trainer_ratio=speeds[rank]["generate_s"] / replica_s)
     if facts.disagg:  # with TCSS the sending trainer keeps the last two versions for checkpoints
         r.publisher = publish.WeightPublisher(compression=cfg.topology.publish_compression,
-                                              link_mbps=cfg.output.debug_link_bandwidth,
-                                              keep=facts.tcss and rank == topo.trainer_ranks[0])
+                                              link_mbps=cfg.output.debug_link_bandwidth, keep=facts.tcss,
+                                              holds=rank == topo.trainer_ranks[0])
     if compress.lossy(cfg.topology.publish_compression):  # every placement trains through the codec
         trainer.start_codec(cfg.topology.publish_compression, all_names, runstate.residual(facts))
     if facts.tcss:  # the generators' version at the next checkpoint; resent at a resume
@@ -359,7 +412,12 @@ def _generator(ctx: RankContext, scorer, trainer: Trainer | None) -> Generator:
 
 def _reward_set(cfg: RunConfig, device) -> RewardSet:
     return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model),
-                     timeout_s=cfg.rl.reward_timeout_s)
+                     timeout_s=cfg.rl.reward_timeout_s, dtype=reward_dtype(cfg, device))
+
+
+def reward_dtype(cfg: RunConfig, device) -> torch.dtype:
+    """The model rewards' weights (--reward-dtype): float32, or auto: the compute dtype."""
+    return torch.float32 if cfg.rl.reward_dtype == "float32" else resolve_dtype(cfg.model.dtype, device)
 
 
 def _member_groups(topo: Topology, rank: int, groups: ProcessGroups) -> list:
@@ -404,14 +462,16 @@ def _publish_names(adapter, lora: bool) -> list[str]:
     return [n for n, _ in named if ".lora_" in n] if lora else [n for n, _ in named]
 
 
-def _stage_layouts(ctx: RankContext) -> dict:
-    """GAP stages: every generator rank measures its per-block cost (scaled by its slow-down);
-    every rank then computes the same partition of every replica from the gathered measurements."""
+def _stage_layouts(ctx: RankContext, cond) -> dict:
+    """GAP stages: every generator rank measures its per-block cost (scaled by its slow-down) with
+    the probes' conditioning `cond`; every rank then computes the same partition of every replica
+    from the gathered measurements."""
     cfg, topo, rank, adapter = ctx.cfg, ctx.topo, ctx.rank, ctx.adapter
     costs = None
     if topo.is_generator(rank):
         with autocast(adapter.device, cfg.model.dtype):
-            costs = [c * ctx.slowdown.factor for c in measure_block_costs(adapter, ctx.sampling, cfg.rl.micro_batch)]
+            costs = [c * ctx.slowdown.factor
+                     for c in measure_block_costs(adapter, ctx.sampling, cfg.rl.micro_batch, cond=cond)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, costs)  # sync point
     layouts = {}

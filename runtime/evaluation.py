@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from models import autocast
 from prompts import shapes as buckets
 from prompts.sets import eval_records
 from rewards import RewardSet, reward_model_paths
@@ -87,8 +88,11 @@ def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, log
     share = buckets.evaluation_share(names, len(evaluators), evaluators.index(rank))
     rows = [j for j, _ in share]  # record j is sample j: its fixed seed
     rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model),
-                        timeout_s=cfg.rl.reward_timeout_s)
-    with tracer.span("evaluate", "eval", done):
+                        timeout_s=cfg.rl.reward_timeout_s,
+                        dtype=torch.float32 if cfg.rl.reward_dtype == "float32" else adapter.dtype)
+    # Under the run's autocast, as the generators sample (FSDP2 trainers gather compute-dtype weights;
+    # TF32 is on for what stays float32, runtime/build.py): float32 sampling of a 12B model takes minutes.
+    with tracer.span("evaluate", "eval", done), autocast(adapter.device, cfg.model.dtype):
         scores, images = evaluate(adapter, sampling, [records[j] for j in rows], rewards,
                                   batch_size=cfg.rl.micro_batch, sample_ids=rows,
                                   negative_prompt=cfg.sampling.negative_prompt, thumbnail=thumbnails,

@@ -59,7 +59,8 @@ def _facts(sharding, trainers=1, disagg=True, stages=1):
 def test_memory_budget_refuses_replicated_training_state_that_does_not_fit():
     model = torch.nn.Linear(1000, 1000)  # 1.001M float32 parameters: 4.004 MB of weights
     b = state_bytes(model)
-    assert b == {"weights": 4.004e6, "gradients": 4.004e6, "optimizer": 8.008e6}
+    assert b == {"weights": 4.004e6, "gradients": 4.004e6, "optimizer": 8.008e6, "inference": 4.004e6}
+    assert state_bytes(model, compute_bytes=2)["inference"] == 2.002e6  # generators hold bf16 weights
     budget = 10e6 / 1e9  # 10 MB: the 16 MB of replicated training state does not fit
     with pytest.raises(ValueError, match=r"--memory-budget-gb 0.01: training state needs 0.016 GB per trainer rank "
                                          r"\(weights 0.004 \+ gradients 0.004 \+ AdamW 0.00801 GB, over 1 rank\(s\)\); "
@@ -97,7 +98,10 @@ def test_hetero_modes_train_the_colocated_data(tmp_path):
         weights[name] = trained_weights(str(out), 2)
         speeds = json.loads((out / "speeds.json").read_text())
         assert speeds[0]["generate_s"] > 2 * speeds[1]["generate_s"], speeds
-        assert speeds[0]["train_s"] > 2 * speeds[1]["train_s"], speeds
+        if name.startswith("colocated"):  # a generator rank runs no training probe
+            assert speeds[0]["train_s"] > 2 * speeds[1]["train_s"], speeds
+        else:
+            assert "train_s" not in speeds[0] and "train_s" in speeds[1], speeds
     for name in runs:
         assert_same_weights(weights["colocated"], weights[name], name)
     trace = json.loads((tmp_path / "colocated-speed" / "trace" / "rank0.json").read_text())["traceEvents"]

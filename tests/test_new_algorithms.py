@@ -282,8 +282,8 @@ def test_nft_update_moves_the_old_policy_and_generation_uses_it():
     assert not torch.equal(live, sampled_old)
     assert all(torch.equal(p.detach(), q) for p, q in zip(trainer.params, theta))
     assert all(torch.equal(o, q) for o, q in zip(trainer.old.tensors, old))
-    held = trainer.sampling_weights(trainer.names)  # what a publication sends the generators
-    assert all(torch.equal(held[n], o) for n, o in zip(trainer.names, old))
+    held = trainer.sampling_tensors(trainer.names)  # what a publication sends the generators
+    assert all(torch.equal(held[n].detach(), o) for n, o in zip(trainer.names, old))
 
 
 # ----- CFG-free training ------------------------------------------------------------------------------

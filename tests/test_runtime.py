@@ -23,15 +23,23 @@ PLACEMENTS = {
 }
 
 
-@pytest.mark.parametrize("training", [["--lora-rank", "4"], ["--lora-rank", "0"]], ids=["lora", "full"])
-def test_placement_invariance(tmp_path, training):
+@pytest.mark.parametrize("training,dtype", [(["--lora-rank", "4"], "float32"), (["--lora-rank", "0"], "float32"),
+                                            (["--lora-rank", "0"], "bfloat16")], ids=["lora", "full", "full-bf16"])
+def test_placement_invariance(tmp_path, training, dtype):
     """Same seed and flags: every placement trains on the same transitions and ends with the same
-    weights after 2 steps, up to floating-point reduction order."""
+    weights after 2 steps, up to floating-point reduction order. In bf16 (compute dtype; float32
+    trained weights) too: generators hold the bf16 weights, and trainers, replicated or FSDP2,
+    compute with exactly those (docs/DESIGN.md, precision), so on this CPU the placements agree to
+    the same tolerance, and ratio == 1 exactly. Generators run no training probe."""
     results = {}
-    for name, (nproc, placement) in PLACEMENTS.items():
+    placements = {**PLACEMENTS, **({"disagg-1g2t-fsdp": (3, ["--generators", "1", "--trainers", "2",
+                                                            "--train-sharding", "fsdp"])} if dtype != "float32" else {})}
+    for name, (nproc, placement) in placements.items():
         out = tmp_path / name
-        torchrun(nproc, [*TINY, *training, "--steps", "2", "--output-dir", str(out), *placement])
+        torchrun(nproc, [*TINY, *training, "--dtype", dtype, "--steps", "2", "--output-dir", str(out), *placement])
         results[name] = (trained_weights(str(out), 2), read_metrics(str(out / "metrics.jsonl")))
+        speeds = json.loads((out / "speeds.json").read_text())
+        assert all(("train_s" in row) == (row["role"] != "generator") for row in speeds), (name, speeds)
     ref_w, ref_m = results["colocated-2"]
     for name, (w, m) in results.items():
         assert_same_weights(ref_w, w, name)
@@ -109,13 +117,16 @@ def test_full_finetune_checkpoint_loads_with_diffusers(tmp_path):
         assert torch.equal(p.detach(), saved[name].to(torch.bfloat16).float())
 
 
-def test_resume_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("training", [["--lora-rank", "4"], ["--lora-rank", "0", "--dtype", "bfloat16"]],
+                         ids=["lora", "full-bf16"])
+def test_resume_matches_uninterrupted_run(tmp_path, training):
     """Disaggregated, with an EMA: a copy of the run cut back to its step-1 checkpoint resumes in
     place and ends bitwise equal; metrics.jsonl holds every step once (test_faults.py: the other
-    modes, signals and torn checkpoints)."""
+    modes, signals and torn checkpoints). In bf16 too: the trainer's float32 weights and AdamW
+    state, sharded by its own mixed-precision FSDP2, resume exactly."""
     import shutil
 
-    args = [*TINY, "--lora-rank", "4", "--ema-decay", "0.9", "--steps", "2", "--save-every", "1"]
+    args = [*TINY, *training, "--ema-decay", "0.9", "--steps", "2", "--save-every", "1"]
     torchrun(2, [*args, "--output-dir", str(tmp_path / "straight")])
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step-2")
