@@ -24,7 +24,7 @@ from parallel import p2p
 from parallel.intake import TrainChunk
 from parallel.stepplan import Chunk, Fragment, StepPlan
 from parallel.publish import PublicationError
-from parallel.scoring import LocalScorer, Ticket
+from parallel.scoring import LocalScorer, RemoteScorer, Ticket
 from parallel.tag import FragmentBoard, claimed_rounds, publish_replica_cost
 from rl.conditioning import Conditioning
 from telemetry.tracing import Slowdown
@@ -104,7 +104,7 @@ class Generator:
         puts the sampling policy into the model while this generator denoises (a trainer's
         `sampling_policy`, for ranks that generate with the trainer's model)."""
         self.adapter, self.sampling, self.records = adapter, sampling, records
-        self.scorer = scorer if hasattr(scorer, "submit") else LocalScorer(scorer)
+        self.scorer = scorer if isinstance(scorer, (LocalScorer, RemoteScorer)) else LocalScorer(scorer)
         self.seed, self.negative_prompt = seed, negative_prompt
         self.same_group_noise, self.adv_clip, self.drop_zero_std = same_group_noise, adv_clip, drop_zero_std
         self.autocast = autocast_ctx or contextlib.nullcontext

@@ -32,8 +32,8 @@ class LocalScorer:
     """Scores on this rank: at once, or (rewards served over HTTP) when the services answer."""
 
     def __init__(self, rewards):
-        self.rewards = rewards  # a rewards.RewardSet
-        self.remote = rewards.remote  # the services score while this rank denoises the next fragment
+        self.rewards = rewards  # a rewards.RewardSet; None on a rank that never scores (a GAP stage before the last)
+        self.remote = rewards is not None and rewards.remote  # services score while this rank denoises on
 
     def submit(self, step: int, fragment: int, images: Tensor, prompts: list[str], metadata: list[dict]) -> Ticket:
         return Ticket(step, fragment, handle=self.rewards.submit(images, prompts, metadata))

@@ -231,13 +231,6 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     run = _prepare_folder(cfg, facts, rank, store)  # sync point: every rank passed its checks, the folder is ready
     if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
         shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
-    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
-        if topo.is_trainer(rank) else None
-    cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
-    # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
-    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
-    if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
-        shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     in_place = facts.resume is not None and facts.resume.same_folder
     log = StepLog(cfg, rank, rank == facts.log_rank, store, topo.world_size, facts.resume.step if facts.resume else 0,
                   in_place, algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl).SUMMARY)

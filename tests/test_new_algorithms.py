@@ -4,7 +4,6 @@ and diffusers, and the trainer's forward-process path against its own per-timest
 placement-invariance runs through torchrun are in tests/test_new_algorithms_runs.py."""
 import json
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -260,6 +259,7 @@ def test_nft_packed_gradients_equal_the_per_timestep_loop(lora, cfg_scale):
 def test_nft_update_moves_the_old_policy_and_generation_uses_it():
     """After an update the old policy is d old + (1 - d) theta; a generator that shares the
     trainer's model (colocated, TAG) samples with it, and the trained weights come back after."""
+    from parallel.scoring import LocalScorer
     from rollout import Generator
 
     trainer, plan, chunks = _nft_rollout()
@@ -272,7 +272,7 @@ def test_nft_update_moves_the_old_policy_and_generation_uses_it():
     for o, b, p in zip(trainer.old.tensors, before, trainer.params):
         torch.testing.assert_close(o, 0.5 * b + 0.5 * p.detach(), rtol=0, atol=1e-7)
     theta, old = [p.detach().clone() for p in trainer.params], [o.clone() for o in trainer.old.tensors]
-    gen = Generator(trainer.adapter, trainer.sampling, SimpleNamespace(submit=None), [], seed=0,
+    gen = Generator(trainer.adapter, trainer.sampling, LocalScorer(None), [], seed=0,
                     policy=trainer.sampling_policy)  # a scorer stand-in: nothing is scored here
     cond = trainer.adapter.encode_prompts(["a red circle"])
     live = sampler.denoise(trainer.adapter, cond, None, [0], 1, trainer.sampling).latents
