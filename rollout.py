@@ -244,13 +244,16 @@ class VersionSync:
     stage 0 picks the version of a step and the other stages install exactly that one."""
 
     def __init__(self, receiver, store, trainer_rank: int, start_version: int, lag: int, layout=None,
-                 replica: int | None = None, tracer=None):
-        self.receiver, self.store, self.src = receiver, store, trainer_rank
+                 replica: int | None = None, tracer=None, group=None):
+        """`group`: the communicator versions arrive on (ProcessGroups.publish), apart from this
+        rank's fragment sends: with TCSS trainer 0 publishes before it receives the fragments this
+        rank sent before it receives the version (docs/communication.md)."""
+        self.receiver, self.store, self.src, self.group = receiver, store, trainer_rank, group
         self.version, self.lag, self.layout, self.replica, self.tracer = start_version, lag, layout, replica, tracer
 
     def _receive_next(self, step: int) -> None:
         with self.tracer.span("receive_weights", "publish", step, version=self.version + 1):
-            got = self.receiver.receive(src=self.src)  # rank wait: trainer 0 sends version + 1
+            got = self.receiver.receive(src=self.src, group=self.group)  # rank wait: trainer 0 sends version + 1
         if got != self.version + 1:  # a real check: python -O removes asserts
             raise PublicationError(f"rank received version {got} from trainer rank {self.src} while holding "
                                    f"version {self.version}: publications must arrive in order")
@@ -306,7 +309,7 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
         results.append(result)
         if facts.disagg:
             for dst, tensors, meta in ctx.intake.route(plan, result.chunks):
-                handles.append(p2p.isend_payload(tensors, meta, dst=dst))
+                handles.append(p2p.isend_payload(tensors, meta, dst=dst, group=ctx.intake.group_from(ctx.rank)))
         else:
             local.update({chunk.chunk: chunk for chunk in result.chunks})
         if board is not None:  # TAG: mark the fragment landed, share this replica's time per fragment
@@ -332,12 +335,26 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
                 stream.submit(generator.denoise(plan, fragment), version)
             stream.collect()
         stream.close()
+    due = [(step, handles)]
     if deferred is not None:
         # TCSS: step k's sends complete while step k+1 is generated; the caller drains them later.
         deferred.append((step, handles))
-        handles = [h for s, hs in deferred if s < step for h in hs]
+        due = [(s, hs) for s, hs in deferred if s < step]
         deferred[:] = [(s, hs) for s, hs in deferred if s >= step]
     with tracer.span("send_wait", "comm", step):
-        for h in handles:
-            h.wait()  # drain sends: this step's, or with TCSS the previous step's
+        drain_sends(store, due)  # this step's, or with TCSS the previous step's
     return results, local
+
+
+def drain_sends(store, due: list) -> None:
+    """Wait for the fragment sends of each (step, handles) in `due`. A trainer receives a step's
+    data only once it has begun that step, after its evaluation or checkpoint of the step before,
+    which may take longer than any timeout: so first wait, with no time limit (the run guard's
+    heartbeats name a dead or silent trainer), until every receiver has begun the step
+    (`begin/{step}/{rank}`, runtime/build.py), then wait for the sends, each bounded from there."""
+    for step, handles in due:
+        for dst in sorted({h.dst for h in handles}):
+            while store is not None and not store.ready(f"begin/{step}/{dst}"):
+                time.sleep(0.01)  # rank wait: the trainer's evaluation or checkpoint
+        for h in handles:
+            h.wait()  # rank wait: the trainer takes the fragment

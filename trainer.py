@@ -433,7 +433,9 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
                 if store is not None:
                     store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
                 # Each generator (stage) gets only the weights it holds, encoded once for all of them.
-                sent = publisher.publish_all(wire, held, {g: publish_names[g] for g in topo.generator_ranks}, step + 1)
+                # On a communicator apart from the fragments' (docs/communication.md).
+                sent = publisher.publish_all(wire, held, {g: publish_names[g] for g in topo.generator_ranks}, step + 1,
+                                             group=ctx.comms.publish)
         stats["publish/bytes"] = float(sum(s.num_bytes for s in sent))
         stats["publish/seconds"] = time.perf_counter() - t0
     elif trainer.codec is not None:

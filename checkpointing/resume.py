@@ -59,9 +59,10 @@ def extra_state(trainer, std_history: dict, done: int) -> dict:
 
 
 def publish_start(facts, rank: int, trainer, publisher: publish.WeightPublisher, publish_names: dict,
-                  start: int, generators_stale: bool, store) -> None:
+                  start: int, generators_stale: bool, store, group=None) -> None:
     """TCSS trainers: keep version `start` (the stale version of checkpoint start+1) and, when the
-    generators resumed one version behind, send it to them (a collective under FSDP)."""
+    generators resumed one version behind, send it to them on `group` (ProcessGroups.publish; a
+    collective under FSDP)."""
     names = sorted({n for group in publish_names.values() for n in group})
     weights = trainer.full_weights(names)
     if rank != facts.topology.trainer_ranks[0]:
@@ -70,7 +71,7 @@ def publish_start(facts, rank: int, trainer, publisher: publish.WeightPublisher,
     if generators_stale:
         store.put(f"pub/{start}", 1)
         for g in facts.topology.generator_ranks:
-            publisher.publish({n: weights[n] for n in publish_names[g]}, start, dst=g)
+            publisher.publish({n: weights[n] for n in publish_names[g]}, start, dst=g, group=group)
 
 
 def check_same_weights(adapter, names: list[str], version: int) -> None:

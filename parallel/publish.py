@@ -36,7 +36,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from parallel import compress, p2p
@@ -211,11 +210,11 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
         num_bytes += flat.numel() * flat.element_size()
         if link_bytes_per_s:
             time.sleep(flat.numel() * flat.element_size() / link_bytes_per_s)  # the emulated link's transfer
-        in_flight.append((dist.isend(as_bytes(flat), dst=dst, group=group), flat))
+        in_flight.append((p2p.isend(as_bytes(flat), dst, group, "publish.bucket"), flat))
         if len(in_flight) > 1:
-            p2p.wait(in_flight.popleft()[0], dst, "send to")
+            p2p.wait(in_flight.popleft()[0], "send to")
     while in_flight:
-        p2p.wait(in_flight.popleft()[0], dst, "send to")
+        p2p.wait(in_flight.popleft()[0], "send to")
     changed = None if not previous else sum(previous.get(n) != s for n, s in sums.items())
     return PublishStats(
         version=int(version), dst=dst, num_tensors=len(rebuilt), num_buckets=len(buckets),
@@ -313,7 +312,7 @@ class WeightReceiver:
         comm = comm_device(group)
         buffers = self._staging_buffers(header["buckets"], comm)
         for buf in buffers:
-            p2p.recv(as_bytes(buf), src, group)  # rank wait: one bucket from src
+            p2p.recv(as_bytes(buf), src, group, "publish.bucket")  # rank wait: one bucket from src
         shapes = dict(zip(header["names"], header["shapes"]))  # of the wire tensors
         staged = {}
         for bucket, buf in zip(header["buckets"], buffers):

@@ -9,6 +9,10 @@ landed) and only when BTS (parallel/bts.py) predicts a shorter step. Trainer wei
 step are exactly the step's version, generation runs without grad, and accumulated gradients are
 never touched, so a fragment is the same whoever generates it.
 
+What a trainer generates travels to the other trainers on a communicator of its own
+(parallel/topology.py): two trainers that both generate send to each other before each receives,
+which on one NCCL communicator would wait for each other (docs/communication.md).
+
 Replicated trainers each decide on their own (`Assistant`). FSDP2 trainers cannot: every forward
 all-gathers over the whole group, so they generate together, and one of them decides for all
 (`GroupAssistant`). A GAP replica claims a round of fragments at a time (`claimed_rounds`). A
@@ -187,11 +191,12 @@ class Assistant:
     def _deliver(self, f: int, result) -> None:
         """Routed as a generator routes a fragment: this trainer's share into its own intake, the
         others' sent; then the fragment is marked landed."""
+        group = self.intake.group_from(self.ctx.rank)  # this trainer's own communicator (docs/communication.md)
         for dst, tensors, meta in self.intake.route(self.plan, result.chunks):
             if dst == self.ctx.rank:
                 self.intake.accept(tensors, meta)
             else:
-                self.sends.append(p2p.isend_payload(tensors, meta, dst=dst))
+                self.sends.append(p2p.isend_payload(tensors, meta, dst=dst, group=group))
         self.board.land(f)
         self.generated += 1
         self.results.append(result)  # its rewards belong to the step's metrics

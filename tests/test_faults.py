@@ -22,6 +22,7 @@ from checkpointing import files as checkpoint_files
 from checkpointing.checkpoint import KILL_ENV
 from runtime.launch import TINY, alive, torchrun, torchrun_background, trained_weights, worker_pids
 from telemetry.metrics import read_metrics
+from traced import assert_nccl_ok, traced
 
 BASE = [*TINY, "--lora-rank", "4", "--log-images-every", "0"]
 FOUR = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]
@@ -146,7 +147,8 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(tmp_path, mode):
     shutil.copytree(straight, run)
     for step in range(2, steps + 1):
         shutil.rmtree(run / "checkpoints" / f"step-{step}")
-    torchrun(nproc, [*args, "--resume", str(run), "--output-dir", str(run)])
+    torchrun(nproc, [*args, "--resume", str(run), "--output-dir", str(run)], env=traced(run))
+    assert_nccl_ok(run, ["fragments", "publish"])  # with TCSS version N is sent again at the start
     _bitwise(trained_weights(str(straight), steps), trained_weights(str(run), steps), mode)
     keys = ("step", "reward/mean", "train/loss", "train/staleness_mean", "train/num_transitions")
     assert [[r[k] for k in keys] for r in _rows(run)] == [[r[k] for k in keys] for r in _rows(straight)]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from runtime.launch import TINY, torchrun, trained_weights
+from traced import assert_nccl_ok, merged, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 
@@ -21,16 +22,21 @@ PLACEMENTS = {
     "disagg-1g1t": (2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "0"]),  # naive
     "disagg-2g2t": (4, ["--generators", "2", "--trainers", "2"]),
 }
+TRAFFIC = {"colocated-2": ["world"], "disagg-1g1t": ["fragments", "publish"],
+           "disagg-2g2t": ["fragments", "publish", "trainers"]}
+"""the communicators each placement must have used (its recorded run is checked under NCCL's rules)"""
 
 
 @pytest.mark.parametrize("training", [["--lora-rank", "4"], ["--lora-rank", "0"]], ids=["lora", "full"])
 def test_placement_invariance(tmp_path, training):
     """Same seed and flags: every placement trains on the same transitions and ends with the same
-    weights after 2 steps, up to floating-point reduction order."""
+    weights after 2 steps, up to floating-point reduction order; what each rank posted completes
+    under NCCL's rules."""
     results = {}
     for name, (nproc, placement) in PLACEMENTS.items():
         out = tmp_path / name
-        torchrun(nproc, [*TINY, *training, "--steps", "2", "--output-dir", str(out), *placement])
+        torchrun(nproc, [*TINY, *training, "--steps", "2", "--output-dir", str(out), *placement], env=traced(out))
+        assert_nccl_ok(out, TRAFFIC[name])
         results[name] = (trained_weights(str(out), 2), read_metrics(str(out / "metrics.jsonl")))
     ref_w, ref_m = results["colocated-2"]
     for name, (w, m) in results.items():
@@ -52,14 +58,19 @@ def test_placement_invariance(tmp_path, training):
 
 
 def test_fsdp_placements_match_replicate(tmp_path):
-    """FSDP2 trainers and colocated FSDP generation reach the replicated weights."""
+    """FSDP2 trainers and colocated FSDP generation reach the replicated weights; the FSDP2 groups'
+    all-gathers and reduce-scatters are posted alike on every member (the NCCL check)."""
     runs = {"replicate": (2, ["--mode", "colocated"]),
             "colocated-fsdp": (2, ["--mode", "colocated", "--colocated-sharding", "fsdp"]),
             "disagg-fsdp": (3, ["--generators", "1", "--trainers", "2", "--train-sharding", "fsdp"])}
+    fsdp = {"replicate": [], "colocated-fsdp": ["world:all_gather_single", "world:reduce_scatter_single"],
+            "disagg-fsdp": ["trainers:all_gather_single", "trainers:reduce_scatter_single"]}
     weights = {}
     for name, (nproc, placement) in runs.items():
         out = tmp_path / name
-        torchrun(nproc, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement])
+        torchrun(nproc, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement],
+                 env=traced(out))
+        assert_nccl_ok(out, collectives=fsdp[name])
         weights[name] = trained_weights(str(out), 2)
     for name in runs:
         assert_same_weights(weights["replicate"], weights[name], name)
@@ -119,7 +130,9 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     torchrun(2, [*args, "--output-dir", str(tmp_path / "straight")])
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step-2")
-    torchrun(2, [*args, "--resume", str(tmp_path / "resumed"), "--output-dir", str(tmp_path / "resumed")])
+    torchrun(2, [*args, "--resume", str(tmp_path / "resumed"), "--output-dir", str(tmp_path / "resumed")],
+             env=traced(tmp_path / "resumed"))
+    assert_nccl_ok(tmp_path / "resumed", ["fragments", "publish"])
     straight = trained_weights(str(tmp_path / "straight"), 2)
     resumed = trained_weights(str(tmp_path / "resumed"), 2)
     for name in straight:
@@ -168,7 +181,13 @@ def test_scorer_ranks_match_colocated(tmp_path):
     """Rewards computed on a scorer rank (while the generator denoises its next fragment) give the
     colocated run's weights."""
     args = [*TINY, "--lora-rank", "4", "--steps", "2", "--fragment-groups", "1"]
-    torchrun(3, [*args, "--generators", "1", "--trainers", "1", "--scorers", "1", "--output-dir", str(tmp_path / "s")])
+    torchrun(3, [*args, "--generators", "1", "--trainers", "1", "--scorers", "1", "--output-dir", str(tmp_path / "s")],
+             env=traced(tmp_path / "s"))
+    assert_nccl_ok(tmp_path / "s", ["images", "scores", "fragments", "publish"])
+    # Images and scores on one communicator, as before: the generator sends fragment 1's images
+    # before it receives fragment 0's scores, which the scorer sends before it receives them.
+    old = merged(tmp_path / "s", ["images", "scores"])
+    assert old.deadlock and old.cycles == [[0, 2]], old.message
     torchrun(2, [*args, "--mode", "colocated", "--output-dir", str(tmp_path / "c")])
     assert_same_weights(trained_weights(str(tmp_path / "c"), 2), trained_weights(str(tmp_path / "s"), 2), "scorers")
     trace = json.loads((tmp_path / "s" / "trace" / "rank2.json").read_text())
