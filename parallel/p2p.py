@@ -92,8 +92,7 @@ class Posted:
 def _post(op: str, tensor: Tensor, peer: int, group, name: str) -> Posted:
     line = commtrace.record(op, commtrace.group_name(group), peer=peer, nbytes=tensor.numel() * tensor.element_size(),
                             name=name)
-    post = dist.isend if op == "send" else dist.irecv
-    work = post(tensor, dst=peer, group=group) if op == "send" else post(tensor, src=peer, group=group)
+    work = dist.isend(tensor, dst=peer, group=group) if op == "send" else dist.irecv(tensor, src=peer, group=group)
     return Posted(work, peer, group, time.monotonic(), line)
 
 
@@ -134,6 +133,7 @@ def backend_detail(e: BaseException) -> str:
 def recv(tensor: Tensor, src: int, group=None, name: str = "") -> None:
     """A blocking receive from global rank `src`, bounded and named (dist.recv ignores a changed timeout)."""
     wait(irecv(tensor, src, group, name), "receive from")
+
 
 _DTYPES = {
     str(dt): dt

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.launch import TINY, torchrun, torchrun_module, trained_weights
-from traced import assert_nccl_ok, traced
+from traced import assert_nccl_ok, merged, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel.stepplan import plan_step
@@ -131,7 +131,10 @@ def test_fsdp_helper_generation_leaves_gradients_alone():
 def test_staleness_is_at_most_one_and_zero_without_tcss(tmp_path, tcss):
     out = tmp_path / "run"
     torchrun(2, [*ARGS, "--steps", "4", "--output-dir", str(out), *(["--tcss"] if tcss else [])], env=traced(out))
-    assert_nccl_ok(out, ["fragments", "publish"])  # TCSS: versions cross the next step's fragments
+    assert_nccl_ok(out, ["fragments", "publish"])
+    if tcss:  # on one communicator, as before: the generator sends step k+1's fragments before it receives
+        old = merged(out, ["fragments", "publish"])  # version k+1, which the trainer sends before those
+        assert old.deadlock and old.cycles == [[0, 1]], old.message
     rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "train/loss" in r]
     assert len(rows) == 4
     for r in rows:
