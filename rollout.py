@@ -309,7 +309,7 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
         results.append(result)
         if facts.disagg:
             for dst, tensors, meta in ctx.intake.route(plan, result.chunks):
-                handles.append(p2p.isend_payload(tensors, meta, dst=dst, group=ctx.intake.group_from(ctx.rank)))
+                handles.append(p2p.isend_payload(tensors, meta, dst=dst, group=ctx.intake.group_to(dst)))
         else:
             local.update({chunk.chunk: chunk for chunk in result.chunks})
         if board is not None:  # TAG: mark the fragment landed, share this replica's time per fragment

@@ -189,16 +189,16 @@ class _Intake:
     def __init__(self, spec: TrainingSpec, trainer_ranks: tuple[int, ...], replica_last_rank: Callable[[int], int],
                  me: int | None = None, tracer=None, comms=None):
         """`me`: this rank's index among the trainers (None on a rank that only routes). `comms`: the
-        run's parallel.topology.ProcessGroups, which say the communicator data from a rank travels
-        on (None: the default group)."""
+        run's parallel.topology.ProcessGroups, whose `data` say the communicator data to each
+        trainer travels on (None: the default group)."""
         self.spec, self.trainer_ranks, self.me, self.tracer, self.comms = spec, trainer_ranks, me, tracer, comms
         self.replica_last_rank = replica_last_rank  # replica -> its last stage's rank, which emits
         self.num_trainers = len(trainer_ranks)
         self.inbox: dict = {}
 
-    def group_from(self, src: int):
-        """The communicator training data from rank `src` travels on."""
-        return self.comms.data_from(src) if self.comms is not None else None
+    def group_to(self, dst: int):
+        """The communicator training data to trainer rank `dst` travels on, from any sender."""
+        return self.comms.data.get(dst) if self.comms is not None else None
 
     def static_source(self, plan: StepPlan, fragment: int) -> int:
         """Without TAG a fragment comes from the last stage of the replica the plan assigns."""
@@ -210,7 +210,8 @@ class _Intake:
         if need.key in self.inbox:
             return self.inbox.pop(need.key)
         with _span(self.tracer, "recv", "comm", plan.step, need.fragment):
-            item = self.record.from_payload(*p2p.recv_payload(src, self.group_from(src), device=CPU))  # rank wait: src
+            mine = self.group_to(self.trainer_ranks[self.me])
+            item = self.record.from_payload(*p2p.recv_payload(src, mine, device=CPU))  # rank wait: the generator
         self.check(plan, need, item)
         return item
 
@@ -338,11 +339,11 @@ class TransitionIntake(_Intake):
                         self.inbox[self.key_of(batch)] = batch
                         continue
                     with _span(self.tracer, "send", "comm", plan.step, f.index):
-                        p2p.send_payload(*batch.to_payload(), dst=self.trainer_ranks[r],
-                                         group=self.group_from(rank))  # rank wait: the receiver
+                        dst = self.trainer_ranks[r]
+                        p2p.send_payload(*batch.to_payload(), dst=dst, group=self.group_to(dst))  # rank wait: dst
             elif me in self.packing(plan).trainers_of(f.index):
                 with _span(self.tracer, "recv", "comm", plan.step, f.index):
-                    batch = TransitionBatch.from_payload(*p2p.recv_payload(owner, self.group_from(owner),
+                    batch = TransitionBatch.from_payload(*p2p.recv_payload(owner, self.group_to(rank),
                                                                            device=CPU))  # rank wait
                 self.inbox[self.key_of(batch)] = batch
 

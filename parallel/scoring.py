@@ -4,10 +4,10 @@ Both scorers have one interface: `submit` a decoded fragment, later `wait` for i
 remote one sends the images to scorer rank `fragment % R` and returns at once, so the generator
 can denoise its next fragment while the scorer works; scores come back in submission order.
 The scorer rank computes the weighted combination too, so every placement combines bitwise alike.
-Images and scores travel on communicators of their own (parallel/topology.py): the generator sends
-a fragment's images before it waits for the previous fragment's scores, and the scorer sends those
-scores before it receives the next images, which on one communicator would wait for each other
-on NCCL (docs/communication.md).
+Images travel on each scorer's communicator, scores on each generator's (parallel/topology.py):
+the generator sends a fragment's images before it waits for the previous fragment's scores, and
+the scorer sends those scores before it receives the next images, which on one communicator would
+wait for each other on NCCL (docs/communication.md).
 """
 from __future__ import annotations
 
@@ -48,9 +48,11 @@ class RemoteScorer:
 
     remote = True
 
-    def __init__(self, scorer_ranks: tuple[int, ...], images_group=None, scores_group=None):
+    def __init__(self, scorer_ranks: tuple[int, ...], images_groups: dict | None = None, scores_group=None):
+        """`images_groups`: scorer rank -> the communicator images to it go on; `scores_group`: the
+        one this rank's scores come back on (ProcessGroups.images and .scores; None: the default)."""
         self.scorer_ranks = scorer_ranks
-        self.images_group, self.scores_group = images_group, scores_group
+        self.images_groups, self.scores_group = images_groups or {}, scores_group
 
     def scorer_of(self, fragment: int) -> int:
         return self.scorer_ranks[fragment % len(self.scorer_ranks)]
@@ -58,7 +60,7 @@ class RemoteScorer:
     def submit(self, step: int, fragment: int, images: Tensor, prompts: list[str], metadata: list[dict]) -> Ticket:
         dst = self.scorer_of(fragment)
         handle = p2p.isend_framed({"images": images.float().contiguous()}, {"step": step, "fragment": fragment},
-                                  dst=dst, group=self.images_group)
+                                  dst=dst, group=self.images_groups.get(dst))
         return Ticket(step, fragment, dst=dst, handle=handle)
 
     def wait(self, ticket: Ticket) -> dict[str, Tensor]:
@@ -70,11 +72,13 @@ class RemoteScorer:
         return {k: v.clone() for k, v in tensors.items()}
 
 
-def scorer_step(ctx, rewards, plan, source_of, images_group=None, scores_group=None) -> dict[str, list[float]]:
+def scorer_step(ctx, rewards, plan, source_of, images_group=None, scores_groups: dict | None = None
+                ) -> dict[str, list[float]]:
     """One step of a scorer rank: score the fragments assigned to it (fragment % R == its index),
     in plan order, each received from the rank `source_of(fragment)` that generated it (None: a
-    TAG trainer generated it and scored it itself), on `images_group`; scores go back on
-    `scores_group`."""
+    TAG trainer generated it and scored it itself), on `images_group`; the scores go back to
+    each generator on its communicator of `scores_groups`."""
+    scores_groups = scores_groups or {}
     me = ctx.topo.scorer_ranks.index(ctx.rank)
     num = len(ctx.topo.scorer_ranks)
     sends, busy = [], {}
@@ -94,7 +98,7 @@ def scorer_step(ctx, rewards, plan, source_of, images_group=None, scores_group=N
         records = [ctx.records[plan.prompt_indices[i // g]] for i in fragment.sample_ids]
         with ctx.tracer.span("score", "score", plan.step, fragment.index), ctx.slowdown():
             scores = rewards.score_combined(tensors["images"], [r.prompt for r in records], [r.metadata for r in records])
-        sends.append(p2p.isend_framed(scores, meta, dst=src, group=scores_group))
+        sends.append(p2p.isend_framed(scores, meta, dst=src, group=scores_groups.get(src)))
         busy[fragment.index] = len(records)
     for h in sends:
         h.wait()

@@ -9,7 +9,7 @@ landed) and only when BTS (parallel/bts.py) predicts a shorter step. Trainer wei
 step are exactly the step's version, generation runs without grad, and accumulated gradients are
 never touched, so a fragment is the same whoever generates it.
 
-What a trainer generates travels to the other trainers on a communicator of its own
+What a trainer generates travels to each other trainer on that trainer's own communicator
 (parallel/topology.py): two trainers that both generate send to each other before each receives,
 which on one NCCL communicator would wait for each other (docs/communication.md).
 
@@ -191,12 +191,11 @@ class Assistant:
     def _deliver(self, f: int, result) -> None:
         """Routed as a generator routes a fragment: this trainer's share into its own intake, the
         others' sent; then the fragment is marked landed."""
-        group = self.intake.group_from(self.ctx.rank)  # this trainer's own communicator (docs/communication.md)
         for dst, tensors, meta in self.intake.route(self.plan, result.chunks):
             if dst == self.ctx.rank:
                 self.intake.accept(tensors, meta)
             else:
-                self.sends.append(p2p.isend_payload(tensors, meta, dst=dst, group=group))
+                self.sends.append(p2p.isend_payload(tensors, meta, dst=dst, group=self.intake.group_to(dst)))
         self.board.land(f)
         self.generated += 1
         self.results.append(result)  # its rewards belong to the step's metrics

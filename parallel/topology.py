@@ -108,62 +108,53 @@ class Topology:
 
 @dataclass
 class ProcessGroups:
-    """The run's communicators, one per direction of traffic, created by every rank in the same order
-    (a torch.distributed rule; the creations are recorded, so the NCCL check compares the order).
+    """The run's communicators, created by every rank in the same order (a torch.distributed rule;
+    the creations are recorded, so the NCCL check compares the order).
 
     On NCCL a communicator runs a rank's sends and receives in posting order, and a send completes
     only when its receive runs: two ranks that each send before they receive on one communicator
-    wait for each other forever (docs/communication.md). So each kind of traffic has its own, and on
-    each of them a rank only sends or only receives, except where ranks take turns in one order
-    (the colocated TSP exchange):
-      trainers   the trainers' all-reduces and FSDP2 collectives (colocated: the world)
-      fragments  training data: generators -> trainers (colocated TSP: the exchange between ranks)
-      publish    versions: the first trainer -> generators
-      images     decoded fragments: generators -> scorers;  scores: scorers -> generators
-      tag[t]     the training data trainer t generated (TAG) -> the other trainers
-      gap[r, s]  a GAP replica r's stage s -> stage s + 1 (the last stage -> stage 0: the latent)
+    wait for each other forever (docs/communication.md). So traffic goes to each receiver on a
+    communicator of its own, on which the receiver only receives and the others only send; a rank's
+    sends to different receivers then never queue behind each other either:
+      trainers       the trainers' all-reduces and FSDP2 collectives (colocated: the world)
+      data[t]        training data to trainer t: from generators, TAG trainers, colocated ranks
+      publish        versions: the first trainer -> generators (one at a time)
+      images[s]      decoded fragments to scorer s;  scores[g]: scores to generator g
+      gap[r, s]      a GAP replica r's link from stage s to the next (the last stage -> stage 0)
     The point-to-point communicators get `pending_s` as their NCCL watchdog timeout, which counts
     from posting: an op may stay posted through a long evaluation or checkpoint, and waits on it
     are bounded from when they start (parallel/p2p.py). The collective groups get `timeout_s`,
     which the run guard adapts to the step time."""
 
     trainers: object
-    fragments: object = None
+    data: dict = field(default_factory=dict)  # trainer rank -> its communicator
     publish: object = None
-    images: object = None
-    scores: object = None
-    tag: dict = field(default_factory=dict)  # trainer rank -> its communicator
+    images: dict = field(default_factory=dict)  # scorer rank -> its communicator
+    scores: dict = field(default_factory=dict)  # generator rank -> its communicator
     gap: dict = field(default_factory=dict)  # (replica, stage) -> its link to the next stage
 
     @classmethod
-    def create(cls, topo: Topology, timeout_s: float, pending_s: float, tag: bool = False,
-               exchange: bool = False) -> "ProcessGroups":
-        """`tag`: TAG trainers send what they generate; `exchange`: colocated ranks exchange TSP shares."""
+    def create(cls, topo: Topology, timeout_s: float, pending_s: float, exchange: bool = False) -> "ProcessGroups":
+        """`exchange`: colocated ranks exchange TSP shares (else nothing moves between them)."""
         pending = timedelta(seconds=pending_s)
-        every = list(range(topo.world_size))
-        if topo.mode == "colocated":
-            return cls(trainers=dist.group.WORLD,
-                       fragments=commhooks.new_group("fragments", every, pending) if exchange else None)
         generators, trainers = list(topo.generator_ranks), list(topo.trainer_ranks)
+        if topo.mode == "colocated":
+            every = list(range(topo.world_size))
+            return cls(trainers=dist.group.WORLD,
+                       data={t: commhooks.new_group(f"data.to{t}", every, pending) for t in trainers} if exchange else {})
         out = cls(trainers=commhooks.new_group("trainers", trainers, timedelta(seconds=timeout_s)))
-        out.fragments = commhooks.new_group("fragments", generators + trainers, pending)
+        out.data = {t: commhooks.new_group(f"data.to{t}", generators + trainers, pending) for t in trainers}
         out.publish = commhooks.new_group("publish", [trainers[0]] + generators, pending)
-        if topo.scorer_ranks:
-            out.images = commhooks.new_group("images", generators + list(topo.scorer_ranks), pending)
-            out.scores = commhooks.new_group("scores", generators + list(topo.scorer_ranks), pending)
-        if tag and len(trainers) > 1:
-            out.tag = {t: commhooks.new_group(f"tag.from{t}", trainers, pending) for t in trainers}
-        if topo.gap_stages > 1:
-            for r in range(topo.num_replicas):
-                ranks = topo.replica_ranks(r)
-                for s in range(len(ranks)):
-                    link = [ranks[s], ranks[(s + 1) % len(ranks)]]
-                    out.gap[r, s] = commhooks.new_group(f"gap.r{r}.s{s}->s{(s + 1) % len(ranks)}", link, pending)
+        scorers = list(topo.scorer_ranks)
+        out.images = {s: commhooks.new_group(f"images.to{s}", generators + [s], pending) for s in scorers}
+        if scorers:
+            out.scores = {g: commhooks.new_group(f"scores.to{g}", [g] + scorers, pending) for g in generators}
+        for r in range(topo.num_replicas if topo.gap_stages > 1 else 0):
+            ranks = topo.replica_ranks(r)
+            for s in range(len(ranks)):
+                nxt = (s + 1) % len(ranks)
+                out.gap[r, s] = commhooks.new_group(f"gap.r{r}.s{s}->s{nxt}", [ranks[s], ranks[nxt]], pending)
         return out
-
-    def data_from(self, src: int):
-        """The communicator that carries training data from rank `src` (a TAG trainer: its own)."""
-        return self.tag.get(src, self.fragments)
 
     def stage_links(self, replica: int, stage: int, num_stages: int) -> tuple:
         """(the link a GAP stage receives on, the link it sends on)."""

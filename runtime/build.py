@@ -116,7 +116,7 @@ class Rank:
         """A scorer rank's step: score the fragments sent to it."""
         if self.scorer_rewards is not None:
             scorer_step(self.ctx, self.scorer_rewards, plan, _image_source(self.ctx, self.store, plan),
-                        self.groups.images, self.groups.scores)
+                        self.groups.images[self.ctx.rank], self.groups.scores)
 
     def train(self, plan, local: dict) -> tuple[dict | None, list]:
         """A trainer's step: train what lands, one update, publish. Returns (its statistics, the
@@ -213,7 +213,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     topo, t = facts.topology, cfg.topology
     commhooks.install()  # DIGENRL_COMM_TRACE: every collective from here on is recorded
     store = StepStore(t.dist_timeout_s)
-    groups = ProcessGroups.create(topo, t.dist_timeout_s, runguard.pending_timeout_s(t.dist_timeout_s), tag=facts.tag,
+    groups = ProcessGroups.create(topo, t.dist_timeout_s, runguard.pending_timeout_s(t.dist_timeout_s),
                                   exchange=facts.tsp and not facts.disagg)
     guard = runguard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
                               stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
@@ -298,7 +298,7 @@ def _build_generator(r: Rank, layouts: dict, version: int) -> None:
     rank = ctx.rank
     if not topo.is_generator(rank):
         return
-    scorer = RemoteScorer(topo.scorer_ranks, r.groups.images, r.groups.scores) if topo.scorer_ranks else \
+    scorer = RemoteScorer(topo.scorer_ranks, r.groups.images, r.groups.scores.get(rank)) if topo.scorer_ranks else \
         LocalScorer(_reward_set(ctx.cfg, ctx.device))
     r.generator = _generator(ctx, scorer)
     if layouts:

@@ -88,7 +88,7 @@ def test_runs_publish_through_every_codec(tmp_path):
     for spec in ("none", "bf16", "delta-topk:0.01"):
         out = tmp_path / spec.replace(":", "-")
         torchrun(2, [*args, "--publish-compression", spec, "--output-dir", str(out)], env=traced(out))
-        assert_nccl_ok(out, ["fragments", "publish"])
+        assert_nccl_ok(out, ["data.to", "publish"])
         rows = read_metrics(str(out / "metrics.jsonl"))
         assert all(r["publish/seconds"] > 0 for r in rows)
         sent[spec] = rows[-1]["publish/bytes"]

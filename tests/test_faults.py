@@ -148,7 +148,7 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(tmp_path, mode):
     for step in range(2, steps + 1):
         shutil.rmtree(run / "checkpoints" / f"step-{step}")
     torchrun(nproc, [*args, "--resume", str(run), "--output-dir", str(run)], env=traced(run))
-    assert_nccl_ok(run, ["fragments", "publish"])  # with TCSS version N is sent again at the start
+    assert_nccl_ok(run, ["data.to", "publish"])  # with TCSS version N is sent again at the start
     _bitwise(trained_weights(str(straight), steps), trained_weights(str(run), steps), mode)
     keys = ("step", "reward/mean", "train/loss", "train/staleness_mean", "train/num_transitions")
     assert [[r[k] for k in keys] for r in _rows(run)] == [[r[k] for k in keys] for r in _rows(straight)]

@@ -155,7 +155,7 @@ def test_placement_invariance_across_fragments_and_stages(tmp_path):
     runs = {"colocated": (2, ["--mode", "colocated"]),
             "stream": (2, ["--fragment-groups", "1"]),
             "stages-2": (3, ["--generators", "2", "--trainers", "1", "--gap-stages", "2", "--fragment-groups", "1"])}
-    links = {"colocated": [], "stream": ["fragments"], "stages-2": ["gap.r0.s0->s1", "gap.r0.s1->s0"]}
+    links = {"colocated": [], "stream": ["data.to"], "stages-2": ["gap.r0.s0->s1", "gap.r0.s1->s0"]}
     weights = {}
     for name, (nproc, placement) in runs.items():
         out = tmp_path / name

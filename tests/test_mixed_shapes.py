@@ -278,7 +278,7 @@ def test_mixed_shapes_placement_invariance(tmp_path):
                                  "--eval-every", "2", "--eval-prompts", prompts, "--eval-num-prompts", "5"]),
             "gap2stage-rr": (3, ["--generators", "2", "--gap-stages", "2", "--trainers", "1",
                                  "--dispatch", "round-robin"])}
-    checked = {"colocated": ([], []), "2g1t-lpt-tsp": (["fragments"], ["trainers:all_gather_object"]),  # evaluation
+    checked = {"colocated": ([], []), "2g1t-lpt-tsp": (["data.to"], ["trainers:all_gather_object"]),  # evaluation
                "gap2stage-rr": (["gap.r0.s0->s1"], [])}
     weights, metrics = {}, {}
     for name, (nproc, placement) in runs.items():

@@ -22,8 +22,8 @@ PLACEMENTS = {
     "disagg-1g1t": (2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "0"]),  # naive
     "disagg-2g2t": (4, ["--generators", "2", "--trainers", "2"]),
 }
-TRAFFIC = {"colocated-2": ["world"], "disagg-1g1t": ["fragments", "publish"],
-           "disagg-2g2t": ["fragments", "publish", "trainers"]}
+TRAFFIC = {"colocated-2": ["world"], "disagg-1g1t": ["data.to", "publish"],
+           "disagg-2g2t": ["data.to", "publish", "trainers"]}
 """the communicators each placement must have used (its recorded run is checked under NCCL's rules)"""
 
 
@@ -132,7 +132,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step-2")
     torchrun(2, [*args, "--resume", str(tmp_path / "resumed"), "--output-dir", str(tmp_path / "resumed")],
              env=traced(tmp_path / "resumed"))
-    assert_nccl_ok(tmp_path / "resumed", ["fragments", "publish"])
+    assert_nccl_ok(tmp_path / "resumed", ["data.to", "publish"])
     straight = trained_weights(str(tmp_path / "straight"), 2)
     resumed = trained_weights(str(tmp_path / "resumed"), 2)
     for name in straight:
@@ -183,10 +183,10 @@ def test_scorer_ranks_match_colocated(tmp_path):
     args = [*TINY, "--lora-rank", "4", "--steps", "2", "--fragment-groups", "1"]
     torchrun(3, [*args, "--generators", "1", "--trainers", "1", "--scorers", "1", "--output-dir", str(tmp_path / "s")],
              env=traced(tmp_path / "s"))
-    assert_nccl_ok(tmp_path / "s", ["images", "scores", "fragments", "publish"])
+    assert_nccl_ok(tmp_path / "s", ["images.to", "scores.to", "data.to", "publish"])
     # Images and scores on one communicator, as before: the generator sends fragment 1's images
     # before it receives fragment 0's scores, which the scorer sends before it receives them.
-    old = merged(tmp_path / "s", ["images", "scores"])
+    old = merged(tmp_path / "s", ["images.to", "scores.to"])
     assert old.deadlock and old.cycles == [[0, 2]], old.message
     torchrun(2, [*args, "--mode", "colocated", "--output-dir", str(tmp_path / "c")])
     assert_same_weights(trained_weights(str(tmp_path / "c"), 2), trained_weights(str(tmp_path / "s"), 2), "scorers")

@@ -227,8 +227,8 @@ def test_placement_invariance_with_tsp(tmp_path):
             "disagg-1g2t-tsp-fsdp": (3, ["--generators", "1", "--trainers", "2", *tsp_flags,
                                          "--train-sharding", "fsdp"]),
             "colocated-2-tsp": (2, ["--mode", "colocated", *tsp_flags])}
-    traffic = {"colocated-2": [], "disagg-1g2t-tsp": ["fragments"], "disagg-1g2t-tsp-fsdp": ["fragments"],
-               "colocated-2-tsp": ["fragments"]}  # the colocated TSP exchange: its own communicator
+    traffic = {"colocated-2": [], "disagg-1g2t-tsp": ["data.to"], "disagg-1g2t-tsp-fsdp": ["data.to"],
+               "colocated-2-tsp": ["data.to"]}  # the colocated TSP exchange
     results = {}
     for name, (nproc, placement) in runs.items():
         out = tmp_path / name
