@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.launch import TINY, torchrun, torchrun_module, trained_weights
-from traced import assert_nccl_ok, merged, sent_pairs, traced
+from traced import assert_nccl_ok, merged, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel.stepplan import plan_step
@@ -91,7 +91,6 @@ def test_tag_trains_the_colocated_data(tmp_path, colocated):
                  "--output-dir", str(run)], env=traced(run))
     _check_tag_run(run, colocated, 3, [0], [1, 2])
     assert_nccl_ok(run, ["data.to", "publish"])
-    assert sent_pairs(run) & {(1, 2), (2, 1)}  # a trainer sent what it generated to the other
 
 
 def test_tag_with_fsdp_trainers_trains_the_colocated_data(tmp_path, colocated):
@@ -101,7 +100,6 @@ def test_tag_with_fsdp_trainers_trains_the_colocated_data(tmp_path, colocated):
                  "--debug-slow-rank", "0:5", "--output-dir", str(run)], env=traced(run))
     _check_tag_run(run, colocated, 2, [0], [1, 2])
     assert_nccl_ok(run, ["data.to", "publish"], ["trainers:all_gather_single"])
-    assert sent_pairs(run) & {(1, 2), (2, 1)}
     rows = [r for r in read_metrics(str(run / "metrics.jsonl")) if "train/loss" in r]
     assert len({r["train/num_allgathers"] for r in rows}) == 1  # generation's gathers are not counted as training's
 

@@ -39,8 +39,3 @@ def merged(out, prefixes, into: str = "world", name: str = "comm") -> commcheck.
                 line["group"] = into
     return commcheck.check(traces)
 
-
-def sent_pairs(out, name: str = "comm") -> set[tuple[int, int]]:
-    """(sender, receiver) of every point-to-point send the run recorded."""
-    traces = commcheck.load(str(Path(out) / name))
-    return {(line["rank"], line["peer"]) for lines in traces.values() for line in lines if line["op"] == "send"}
