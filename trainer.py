@@ -11,10 +11,16 @@ Without TSP a chunk of samples goes whole to one trainer, which runs one forward
 timestep. With --tsp every trainer receives a `TransitionBatch`: its share of each fragment's
 transitions, packed by `parallel.tsp` into micro-batches that mix samples and timesteps. Which of
 the two a run uses is its intake's choice (parallel/intake.py).
+
+DiffusionNFT (--algorithm nft) trains the same way on clean records: a transition is a (sample,
+sigma) pair whose clean latent the trainer noises itself, against the old policy this trainer keeps
+(rl/old_policy.py), which is also what it publishes for the generators to sample with.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -28,6 +34,7 @@ from rl import sampler
 from config.schema import RunConfig
 from models import DiTAdapter, autocast
 from models.lora import trainable_names
+from rl import nft, old_policy
 from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
 from parallel import compress
@@ -54,6 +61,9 @@ class Transitions:
     neg: Conditioning | None
     logp_old: Tensor  # (n,)
     adv: Tensor  # (n,)
+    sample_ids: list[int] | None = None  # n sample ids of the step (the keys of forward-process noise)
+    step: int | None = None  # the step the transitions belong to (its window, its noise)
+
 
 class Trainer:
     def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig, group=None,
@@ -80,6 +90,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.learning_rate(), betas=tuple(cfg.optim.adam_betas),
                                            weight_decay=cfg.optim.weight_decay)
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
+        # DiffusionNFT's old policy: what the generators sample with and the loss contrasts against.
+        self.old = old_policy.OldPolicy(self.params, old_policy.schedule(cfg.rl.old_policy_decay),
+                                        cfg.rl.old_policy_interval) if self.loss.forward_process else None
         self.num_updates = 0
         self.skips = SkipTracker(cfg.optim.max_skipped_steps)  # steps with non-finite values (rl/nonfinite.py)
         self.current_step: int | None = None  # the step being trained (its update makes version step+1)
@@ -162,11 +175,12 @@ class Trainer:
         dev, n = self.device, len(rows)
         whole = n == len(chunk.sample_ids)  # keep the generation batch intact: bitwise-equal forwards
         sel = torch.tensor(rows)
-        return Transitions(chunk.latents[sel, t].to(dev), chunk.latents[sel, t + 1].to(dev),
+        x_t, x_next, logp = chunk.at(sel, t)
+        return Transitions(x_t.to(dev), x_next.to(dev),
                            chunk.sigmas[t].to(dev).expand(n), chunk.sigmas[t + 1].to(dev).expand(n), [t] * n,
                            cond if whole else cond.select(sel),
                            neg if (neg is None or whole) else neg.select(sel),
-                           chunk.log_probs[sel, t].to(dev), chunk.advantages[sel].to(dev))
+                           logp.to(dev), chunk.advantages[sel].to(dev), chunk.sample_ids[sel].tolist(), chunk.step)
 
     def train_transitions(self, batch: TransitionBatch) -> None:
         """This trainer's packed micro-batches of one fragment (TSP), each mixing samples and
@@ -192,21 +206,45 @@ class Trainer:
         return Transitions(batch.x_t[sel].to(dev), batch.x_next[sel].to(dev), batch.sigma[sel].to(dev),
                            batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
                            neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
-                           batch.advantages[sel].to(dev))
+                           batch.advantages[sel].to(dev), batch.sample_ids[sel].tolist(), batch.step)
 
     def _forward(self, tr: Transitions, weight: float = 1.0) -> None:
         """One forward + backward of the loss of `tr`. Weight 0 is padding: the same computation
         and collectives as a real forward (FSDP ranks must run equally many), nothing recorded."""
         with self.slowdown():
-            with autocast(self.device, self.cfg.model.dtype):
-                v = sampler.guided_velocity(self.adapter, tr.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
-            out = self._score_steps(tr, v, tr.x_next)
-            mean_ref = self._score_steps(tr, self._reference_velocity(tr), tr.x_t).mean \
-                if self.loss.needs_reference else None
-            loss, stats = self.loss(out.log_prob, tr.logp_old, tr.adv, out.mean, mean_ref, out.std)
+            if self.old is not None:
+                loss, stats = self._forward_process_loss(tr)
+            else:
+                with autocast(self.device, self.cfg.model.dtype):
+                    v = sampler.guided_velocity(self.adapter, tr.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
+                out = self._score_steps(tr, v, tr.x_next)
+                mean_ref = self._score_steps(tr, self._reference_velocity(tr), tr.x_t).mean \
+                    if self.loss.needs_reference else None
+                loss, stats = self.loss(out.log_prob, tr.logp_old, tr.adv, out.mean, mean_ref, out.std)
             (loss if weight == 1.0 else loss * weight).backward()
         if weight:
             self.loss_sums += stats
+
+    def _forward_process_loss(self, tr: Transitions) -> tuple[Tensor, Tensor]:
+        """DiffusionNFT (rl/nft.py): each transition's clean sample x0 noised at its sigma with the
+        noise keyed by (seed, step, sample, t), x_t = (1 - sigma) x0 + sigma eps; the old policy's and
+        the reference's velocities without gradient (before the trained forward: the old policy's
+        exchange writes the parameters in place), then the trained policy's."""
+        x0 = tr.x_t.float()
+        noised = dataclasses.replace(tr, x_t=nft.noised(x0, tr.sigma, tr.sample_ids, tr.timesteps, self.cfg.seed,
+                                                        tr.step))
+        with torch.no_grad(), self.old.swapped(), autocast(self.device, self.cfg.model.dtype):
+            v_old = sampler.guided_velocity(self.adapter, noised.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
+        v_ref = self._reference_velocity(noised) if self.loss.needs_reference else None
+        with autocast(self.device, self.cfg.model.dtype):
+            v = sampler.guided_velocity(self.adapter, noised.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
+        return self.loss(x0, noised.x_t, tr.sigma, v, v_old, tr.adv, v_ref)
+
+    def sampling_policy(self):
+        """The policy the generators sample with, in the parameters for a block (colocated ranks and
+        TAG helpers generate with the trainer's model): DiffusionNFT's old policy, else the trained
+        weights as they are."""
+        return self.old.swapped() if self.old is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def _reference_velocity(self, tr: Transitions) -> Tensor:
@@ -226,7 +264,7 @@ class Trainer:
         """sampler.sde_step over transitions at different timesteps: one call per distinct noise
         level (a windowed sampler is deterministic outside its window), rows put back in order."""
         s = self.sampling
-        levels = [s.noise_level_at(t) for t in tr.timesteps]
+        levels = [s.noise_level_at(t, tr.step) for t in tr.timesteps]
         if len(set(levels)) == 1:
             return sampler.sde_step(tr.x_t, v, tr.sigma, tr.sigma_next, sde_type=s.sde_type, noise_level=levels[0],
                                     x_next=x_next)
@@ -297,6 +335,8 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.num_updates += 1
+        if self.old is not None and not skip:
+            self.old.after_update(self.num_updates)  # NFT: the soft update, after the optimizer's
         if self.ema is not None and not skip:
             decay = min(self.cfg.optim.ema_decay, (1 + self.num_updates) / (10 + self.num_updates))
             with torch.no_grad():
@@ -342,29 +382,40 @@ class Trainer:
         wanted = set(names or self.names)
         return {n: full_tensor(p.detach()) for n, p in self.adapter.transformer.named_parameters() if n in wanted}
 
+    def _sampling_tensors(self, names: list[str]) -> dict[str, Tensor]:
+        """The (possibly sharded) tensors of the policy the generators sample with, by name."""
+        if self.old is None:
+            params = dict(self.adapter.transformer.named_parameters())
+            return {n: params[n] for n in names}
+        index = {n: i for i, n in enumerate(self.names)}
+        return {n: self.old.tensors[index[n]] for n in names}
+
+    def sampling_weights(self, names: list[str]) -> dict[str, Tensor]:
+        """Unsharded weights of the policy the generators sample with: the trained weights, or
+        DiffusionNFT's old policy (under FSDP a collective)."""
+        return {n: full_tensor(t.detach()) for n, t in self._sampling_tensors(names).items()}
+
     # ----- publication ----------------------------------------------------------------------
     def start_codec(self, spec: str, names: list[str], residual: dict[str, Tensor] | None = None) -> None:
         """Train through the lossy publication codec `spec` (parallel/compress.py) from the weights
         held now, going on from a resumed run's `residual` (a collective under FSDP)."""
-        self.codec = compress.Reconstruction(spec, self.full_weights(names), residual)
+        self.codec = compress.Reconstruction(spec, self.sampling_weights(names), residual)
 
     def make_version(self, names: list[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """The version this update makes, as (wire tensors, the weights receivers rebuild from
-        them); every trainer rank calls it (a collective under FSDP). With a lossy codec the
-        trainer adopts the rebuilt weights, so it trains the policy the generators sample with;
-        what the wire left out waits in the codec's residual."""
-        weights = self.full_weights(names)
+        them): the sampling policy's weights (DiffusionNFT: the old policy's). Every trainer rank
+        calls it (a collective under FSDP). With a lossy codec the trainer adopts the rebuilt
+        weights, so it trains against the policy the generators sample with; what the wire left out
+        waits in the codec's residual."""
+        weights = self.sampling_weights(names)
         if self.codec is None:
             return weights, weights
         wire, held = self.codec.publish(weights)
-        params = dict(self.adapter.transformer.named_parameters())
+        targets = self._sampling_tensors(list(held))
         with torch.no_grad():
             for n, t in held.items():
-                copy_full(params[n], t)
+                copy_full(targets[n], t)
         return wire, held
-
-
-
 
 
 def fsdp_pad_target(plan, facts, intake) -> int:

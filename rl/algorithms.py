@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass
 
 from rl.loss import ClippedPolicyLoss
+from rl.nft import NFTLoss
 
 
 @dataclass(frozen=True)
@@ -17,9 +18,16 @@ class Algorithm:
     """rl.timesteps rule: first, random or window"""
     needs_window: bool = False
     """the SDE runs only inside --sde-window (ODE elsewhere), and only the window is trained"""
+    sliding_window: bool = False
+    """the window moves with the training step (MixGRPO: --window-size, --window-stride, ...)"""
+    forward_process: bool = False
+    """trains clean samples noised on the trainers (DiffusionNFT): generators sample with the ODE by
+    default and the old policy, fragments carry clean latents (no trajectory, no log-probability)"""
 
-    def loss(self, rl) -> ClippedPolicyLoss:
+    def loss(self, rl) -> ClippedPolicyLoss | NFTLoss:
         """The loss object of a run's [rl] config section."""
+        if self.forward_process:
+            return NFTLoss(rl.nft_beta, rl.beta, rl.adv_clip)
         return ClippedPolicyLoss(rl.clip_range, rl.beta)
 
 
@@ -28,6 +36,10 @@ ALGORITHMS = {a.name: a for a in (
     Algorithm("dance_grpo", "DanceGRPO: a random subset of the steps per sample", "random"),
     Algorithm("flow_grpo_fast", "Flow-GRPO-Fast: SDE and training only inside --sde-window", "window",
               needs_window=True),
+    Algorithm("mixgrpo", "MixGRPO: SDE and training only inside a window that slides along the steps", "window",
+              sliding_window=True),
+    Algorithm("nft", "DiffusionNFT: a reward-weighted flow-matching loss on clean samples against the old policy",
+              "subset", forward_process=True),
 )}
 ALIASES = {"window": "flow_grpo_fast"}
 """old spellings, accepted with a warning"""
