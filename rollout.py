@@ -102,7 +102,7 @@ class Generator:
         puts the sampling policy into the model while this generator denoises (a trainer's
         `sampling_policy`, for ranks that generate with the trainer's model)."""
         self.adapter, self.sampling, self.records = adapter, sampling, records
-        self.scorer = scorer if hasattr(scorer, "submit") else LocalScorer(scorer)
+        self.scorer = scorer if hasattr(scorer, "wait") else LocalScorer(scorer)  # a RewardSet has `submit` too
         self.seed, self.negative_prompt = seed, negative_prompt
         self.same_group_noise, self.adv_clip, self.drop_zero_std = same_group_noise, adv_clip, drop_zero_std
         self.autocast = autocast_ctx or contextlib.nullcontext

@@ -94,7 +94,6 @@ def _wrap(fn, name: str, functional: bool):
         with collective(name, group, _nbytes(args), blocking=not async_op):
             return fn(*args, **kwargs)
 
-    recorded.__wrapped_collective__ = fn
     return recorded
 
 
