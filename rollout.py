@@ -24,7 +24,7 @@ from parallel import p2p
 from parallel.intake import TrainChunk
 from parallel.stepplan import Chunk, Fragment, StepPlan
 from parallel.publish import PublicationError
-from parallel.scoring import LocalScorer, RemoteScorer, Ticket
+from parallel.scoring import LocalScorer, Ticket
 from parallel.tag import FragmentBoard, claimed_rounds, publish_replica_cost
 from rl.conditioning import Conditioning
 from telemetry.tracing import Slowdown
@@ -104,7 +104,7 @@ class Generator:
         puts the sampling policy into the model while this generator denoises (a trainer's
         `sampling_policy`, for ranks that generate with the trainer's model)."""
         self.adapter, self.sampling, self.records = adapter, sampling, records
-        self.scorer = scorer if isinstance(scorer, (LocalScorer, RemoteScorer)) else LocalScorer(scorer)
+        self.scorer = scorer if hasattr(scorer, "wait") else LocalScorer(scorer)  # a RewardSet has `submit` too
         self.seed, self.negative_prompt = seed, negative_prompt
         self.same_group_noise, self.adv_clip, self.drop_zero_std = same_group_noise, adv_clip, drop_zero_std
         self.autocast = autocast_ctx or contextlib.nullcontext
@@ -257,15 +257,18 @@ class VersionSync:
     stage 0 picks the version of a step and the other stages install exactly that one."""
 
     def __init__(self, receiver, store, trainer_rank: int, start_version: int, lag: int, layout=None,
-                 replica: int | None = None, tracer=None):
-        self.receiver, self.store, self.src = receiver, store, trainer_rank
+                 replica: int | None = None, tracer=None, group=None):
+        """`group`: the communicator versions arrive on (ProcessGroups.publish), apart from this
+        rank's fragment sends: with TCSS trainer 0 publishes before it receives the fragments this
+        rank sent before it receives the version (docs/communication.md)."""
+        self.receiver, self.store, self.src, self.group = receiver, store, trainer_rank, group
         self.version, self.lag, self.layout, self.replica, self.tracer = start_version, lag, layout, replica, tracer
 
     def _receive_next(self, step: int, install: bool = False) -> int:
         """Receive version + 1: into the live weights bucket by bucket (`install`, at a step
         boundary), or into the receiver's idle copy (TCSS, while this rank still samples)."""
         with self.tracer.span("receive_weights", "publish", step, version=self.version + 1):
-            got = self.receiver.receive(src=self.src, install=install)  # rank wait: trainer 0 sends version + 1
+            got = self.receiver.receive(src=self.src, group=self.group, install=install)  # rank wait: trainer 0 sends version + 1
         if got != self.version + 1:  # a real check: python -O removes asserts
             raise PublicationError(f"rank received version {got} from trainer rank {self.src} while holding "
                                    f"version {self.version}: publications must arrive in order")
@@ -322,7 +325,7 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
         nonlocal cost, last_emit
         if facts.disagg:
             for dst, tensors, meta in ctx.intake.route(plan, result.chunks):
-                handles.append(p2p.isend_payload(tensors, meta, dst=dst))
+                handles.append(p2p.isend_payload(tensors, meta, dst=dst, group=ctx.intake.group_to(dst)))
             result = dataclasses.replace(result, chunks=[])  # the trajectories leave the device with their sends
         else:
             local.update({chunk.chunk: chunk for chunk in result.chunks})
@@ -350,12 +353,26 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
                 stream.submit(generator.denoise(plan, fragment), version)
             stream.collect()
         stream.close()
+    due = [(step, handles)]
     if deferred is not None:
         # TCSS: step k's sends complete while step k+1 is generated; the caller drains them later.
         deferred.append((step, handles))
-        handles = [h for s, hs in deferred if s < step for h in hs]
+        due = [(s, hs) for s, hs in deferred if s < step]
         deferred[:] = [(s, hs) for s, hs in deferred if s >= step]
     with tracer.span("send_wait", "comm", step):
-        for h in handles:
-            h.wait()  # drain sends: this step's, or with TCSS the previous step's
+        drain_sends(store, due)  # this step's, or with TCSS the previous step's
     return results, local
+
+
+def drain_sends(store, due: list) -> None:
+    """Wait for the fragment sends of each (step, handles) in `due`. A trainer receives a step's
+    data only once it has begun that step, after its evaluation or checkpoint of the step before,
+    which may take longer than any timeout: so first wait, with no time limit (the run guard's
+    heartbeats name a dead or silent trainer), until every receiver has begun the step
+    (`begin/{step}/{rank}`, runtime/build.py), then wait for the sends, each bounded from there."""
+    for step, handles in due:
+        for dst in sorted({h.dst for h in handles}):
+            while store is not None and not store.ready(f"begin/{step}/{dst}"):
+                time.sleep(0.01)  # rank wait: the trainer's evaluation or checkpoint
+        for h in handles:
+            h.wait()  # rank wait: the trainer takes the fragment

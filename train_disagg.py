@@ -36,10 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         if note:
             runguard.say(note)
     use_cuda = torch.cuda.is_available() and cfg.model.device in ("auto", "cuda")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else None
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if world > 1 or not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo",
+        # device_id: NCCL communicators are made when each group is (new groups split the world's),
+        # and a group's sends and receives run on its own; lazily, the first send between two ranks
+        # would wait for the other's first operation with it (docs/communication.md).
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device,
                                 timeout=timedelta(seconds=cfg.topology.dist_timeout_s))
     return runtime.run(cfg, facts, rank)
 

@@ -544,7 +544,8 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
             if ctx.rank == topo.trainer_ranks[0]:
                 if store is not None:
                     store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
-                sent = publisher.publish_all(out, by_dst, step + 1)
+                # On a communicator apart from the fragments' (docs/communication.md).
+                sent = publisher.publish_all(out, by_dst, step + 1, group=ctx.comms.publish)
             else:
                 publisher.follow_all(out, by_dst)  # FSDP: the same bucket all-gathers as trainer 0's sends
             publisher.keep_version(out, names, step + 1)  # TCSS: the generators' version at a checkpoint

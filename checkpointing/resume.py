@@ -58,9 +58,10 @@ def extra_state(trainer, std_history: dict, done: int) -> dict:
 
 
 def publish_start(facts, rank: int, trainer, publisher: publish.WeightPublisher, publish_names: dict,
-                  start: int, generators_stale: bool, store) -> None:
+                  start: int, generators_stale: bool, store, group=None) -> None:
     """TCSS trainers: keep version `start` (the stale version of checkpoint start+1) and, when the
-    generators resumed one version behind, send it to them (a collective under FSDP)."""
+    generators resumed one version behind, send it to them on `group` (ProcessGroups.publish; a
+    collective under FSDP)."""
     names = sorted({n for group in publish_names.values() for n in group})
     out = trainer.current_version(names)  # as the generators hold it (under FSDP a collective)
     publisher.keep_version(out, names, start)
@@ -71,7 +72,7 @@ def publish_start(facts, rank: int, trainer, publisher: publish.WeightPublisher,
         return
     if generators_stale:
         store.put(f"pub/{start}", 1)
-        publisher.publish_all(out, by_dst, start)
+        publisher.publish_all(out, by_dst, start, group=group)
 
 
 def check_same_weights(adapter, names: list[str], version: int, dtype=None, tensors: dict | None = None) -> None:

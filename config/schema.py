@@ -171,7 +171,9 @@ class TopologyConfig:
                                           "the trainer says they hold, and the trainers train those weights "
                                           "(colocated runs too)", metavar="CODEC")
     dist_timeout_s: int = _f(600, "timeout of every collective, point-to-point and store wait until the first "
-                                  "step is measured (then 5 x the slowest step, at least 60 s, at most this)")
+                                  "step is measured, or 5 x the step the start-up probe predicts if longer (then "
+                                  "5 x the slowest step, at least 60 s; at least this around checkpoints and "
+                                  "evaluations); each wait counts from when it starts")
     heartbeat_timeout_s: float = _f(30.0, "a rank whose heartbeat stops for this long is reported by rank and role, "
                                           "and every rank exits")
     stop_grace_s: float = _f(25.0, "after SIGTERM or SIGINT, seconds to finish the step and write a checkpoint "

@@ -1,14 +1,19 @@
 """GAP's block pipeline inside a generator replica (docs/DESIGN.md, GAP).
 
 A replica of S ranks splits the DiT blocks into S contiguous stages (parallel/schedule.py
-partitions them by measured cost and rank speed; the schedule is data, checked by its validator). Stage 0 also holds embed, stage S-1 also holds
-the head, the SDE step, decode and scoring. Every denoising step of a micro-batch flows stage 0 ->
-S-1 as activations (State.acts); the last stage owns the latent, takes the SDE step and sends the
-new latent back to stage 0. Rotary tables and masks are recomputed on each stage from the
-conditioning (which travels once per micro-batch, with its first step). One executor runs the
-schedule: it posts each receive before computing the action that precedes it and drains its sends
-at the end. Micro-batches are the plan's chunks, so every sample sees the same batch as with S = 1
-and the trajectories are bitwise the same.
+partitions them by measured cost and rank speed; the schedule is data, checked by its validator).
+Stage 0 also holds embed, stage S-1 also holds the head, the SDE step, decode and scoring. Every
+denoising step of a micro-batch flows stage 0 -> S-1 as activations (State.acts); the last stage
+owns the latent, takes the SDE step and sends the new latent back to stage 0. Rotary tables and
+masks are recomputed on each stage from the conditioning (which travels once per micro-batch, with
+its first step). One executor runs the schedule: it posts each receive before computing the action
+that precedes it and drains its sends at the end. Micro-batches are the plan's chunks, so every
+sample sees the same batch as with S = 1 and the trajectories are bitwise the same.
+
+Each link (stage s -> s + 1, and the last stage -> stage 0) is a communicator of its own
+(parallel/topology.py): on NCCL a receive posted early holds back the stage's later sends on the
+same communicator, and with 2 stages stage 0's receive from stage 1 would sit ahead of its send to
+stage 1 (docs/communication.md).
 
 Model-agnostic: the adapter, the encoding and the noise keys come from the rollout.Generator passed
 in, and finished fragments go into its FragmentStream, as a one-stage replica's do.
@@ -23,7 +28,7 @@ import torch
 from torch import Tensor
 
 from rl import sampler
-from parallel import p2p
+from parallel import commhooks, p2p
 from parallel.schedule import Action, gap_schedule, partition_blocks, validate_schedule
 from rl.conditioning import Conditioning, State
 
@@ -88,8 +93,7 @@ def measure_block_costs(adapter, sampling: sampler.SamplingConfig, batch: int,
         for _ in range(repeats):
             t0 = time.perf_counter()
             out = adapter.run_block(i, state)
-            if x.is_cuda:
-                torch.cuda.synchronize()
+            commhooks.synchronize(x.device)  # start-up only: nothing is posted yet
             cost = time.perf_counter() - t0
         costs.append(cost)
         state = out
@@ -117,10 +121,12 @@ def _cond_from(prefix: str, tensors: dict[str, Tensor]) -> Conditioning | None:
 
 
 class PipelinedReplica:
-    """Runs one step's micro-batches of a replica through its stages."""
+    """Runs one step's micro-batches of a replica through its stages. `links`: the communicators
+    this stage receives on and sends on (ProcessGroups.stage_links; None: the default group)."""
 
-    def __init__(self, generator, layout: StageLayout):
+    def __init__(self, generator, layout: StageLayout, links: tuple = (None, None)):
         self.gen, self.layout = generator, layout
+        self.recv_group, self.send_group = links
         self.adapter = generator.adapter
         self.sampling: sampler.SamplingConfig = generator.sampling
         self._validated: set[tuple[int, int]] = set()
@@ -149,7 +155,7 @@ class PipelinedReplica:
             for j in range(i, len(actions)):
                 src = self._source(actions[j])
                 if src is not None:
-                    return j, p2p.post_recv(src, device=self.adapter.device)
+                    return j, p2p.post_recv(src, self.recv_group, device=self.adapter.device)
             return None, None
 
         pending_at, pending = post(0)
@@ -210,7 +216,7 @@ class PipelinedReplica:
                 if a.t == 0:
                     out.update(_cond_payload("cond.", cond))
                     out.update(_cond_payload("neg.", neg))
-                st.sends.append(p2p.isend_framed(out, {"mb": a.mb, "t": a.t}, dst=next_rank))
+                st.sends.append(p2p.isend_framed(out, {"mb": a.mb, "t": a.t}, dst=next_rank, group=self.send_group))
                 return
             v = adapter.head(states[0])
             if cfg.cfg_scale != 1.0:
@@ -221,7 +227,7 @@ class PipelinedReplica:
         st.paths[a.mb][1].append(out.log_prob)
         if a.t + 1 < cfg.num_steps:
             st.sends.append(p2p.isend_framed({"x": out.x_next.contiguous()}, {"mb": a.mb, "t": a.t + 1},
-                                             dst=next_rank))
+                                             dst=next_rank, group=self.send_group))
             return
         lat, lps = st.paths.pop(a.mb)
         st.done[a.mb] = sampler.Trajectory(torch.stack(lat, dim=1), torch.stack(lps, dim=1), sigmas)

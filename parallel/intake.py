@@ -207,12 +207,18 @@ class _Intake:
     """What both intakes share: the inbox, the source of a fragment, the receive."""
 
     def __init__(self, spec: TrainingSpec, trainer_ranks: tuple[int, ...], replica_last_rank: Callable[[int], int],
-                 me: int | None = None, tracer=None):
-        """`me`: this rank's index among the trainers (None on a rank that only routes)."""
-        self.spec, self.trainer_ranks, self.me, self.tracer = spec, trainer_ranks, me, tracer
+                 me: int | None = None, tracer=None, comms=None):
+        """`me`: this rank's index among the trainers (None on a rank that only routes). `comms`: the
+        run's parallel.topology.ProcessGroups, whose `data` say the communicator data to each
+        trainer travels on (None: the default group)."""
+        self.spec, self.trainer_ranks, self.me, self.tracer, self.comms = spec, trainer_ranks, me, tracer, comms
         self.replica_last_rank = replica_last_rank  # replica -> its last stage's rank, which emits
         self.num_trainers = len(trainer_ranks)
         self.inbox: dict = {}
+
+    def group_to(self, dst: int):
+        """The communicator training data to trainer rank `dst` travels on, from any sender."""
+        return self.comms.data.get(dst) if self.comms is not None else None
 
     def static_source(self, plan: StepPlan, fragment: int) -> int:
         """Without TAG a fragment comes from the last stage of the replica the plan assigns."""
@@ -224,7 +230,8 @@ class _Intake:
         if need.key in self.inbox:
             return self.inbox.pop(need.key)
         with _span(self.tracer, "recv", "comm", plan.step, need.fragment):
-            item = self.record.from_payload(*p2p.recv_payload(src, device=CPU))  # rank wait: the generator
+            mine = self.group_to(self.trainer_ranks[self.me])
+            item = self.record.from_payload(*p2p.recv_payload(src, mine, device=CPU))  # rank wait: the generator
         self.check(plan, need, item)
         return item
 
@@ -289,8 +296,9 @@ class TransitionIntake(_Intake):
 
     record = TransitionBatch
 
-    def __init__(self, spec: TrainingSpec, trainer_ranks, replica_last_rank, micro_batch: int, me=None, tracer=None):
-        super().__init__(spec, trainer_ranks, replica_last_rank, me, tracer)
+    def __init__(self, spec: TrainingSpec, trainer_ranks, replica_last_rank, micro_batch: int, me=None, tracer=None,
+                 comms=None):
+        super().__init__(spec, trainer_ranks, replica_last_rank, me, tracer, comms)
         self.micro_batch = micro_batch
 
     def packing(self, plan: StepPlan) -> tsp.Packing:
@@ -356,10 +364,12 @@ class TransitionIntake(_Intake):
                         self.inbox[self.key_of(batch)] = batch
                         continue
                     with _span(self.tracer, "send", "comm", plan.step, f.index):
-                        p2p.send_payload(*batch.to_payload(), dst=self.trainer_ranks[r])  # rank wait: the receiver
+                        dst = self.trainer_ranks[r]
+                        p2p.send_payload(*batch.to_payload(), dst=dst, group=self.group_to(dst))  # rank wait: dst
             elif me in self.packing(plan).trainers_of(f.index):
                 with _span(self.tracer, "recv", "comm", plan.step, f.index):
-                    batch = TransitionBatch.from_payload(*p2p.recv_payload(owner, device=CPU))  # rank wait
+                    batch = TransitionBatch.from_payload(*p2p.recv_payload(owner, self.group_to(rank),
+                                                                           device=CPU))  # rank wait
                 self.inbox[self.key_of(batch)] = batch
 
 
@@ -376,8 +386,8 @@ def _span(tracer, name: str, category: str, step: int, fragment: int):
 
 def make_intake(tsp_on: bool, spec: TrainingSpec, trainer_ranks: tuple[int, ...],
                 replica_last_rank: Callable[[int], int], micro_batch: int, me: int | None = None,
-                tracer=None) -> _Intake:
+                tracer=None, comms=None) -> _Intake:
     """The one place that decides between the two intakes."""
     if tsp_on:
-        return TransitionIntake(spec, trainer_ranks, replica_last_rank, micro_batch, me, tracer)
-    return ChunkIntake(spec, trainer_ranks, replica_last_rank, me, tracer)
+        return TransitionIntake(spec, trainer_ranks, replica_last_rank, micro_batch, me, tracer, comms)
+    return ChunkIntake(spec, trainer_ranks, replica_last_rank, me, tracer, comms)

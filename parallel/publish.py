@@ -37,7 +37,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from parallel import compress, p2p
@@ -207,11 +206,11 @@ def publish_weights(tensors: dict[str, Tensor] | Outgoing, version: int, dst: in
         num_bytes += flat.numel() * flat.element_size()
         if link_bytes_per_s:
             time.sleep(flat.numel() * flat.element_size() / link_bytes_per_s)  # the emulated link's transfer
-        in_flight.append((dist.isend(as_bytes(flat), dst=dst, group=group), flat))
+        in_flight.append((p2p.isend(as_bytes(flat), dst, group, "publish.bucket"), flat))
         if len(in_flight) > 1:
-            p2p.wait(in_flight.popleft()[0], dst, "send to")
+            p2p.wait(in_flight.popleft()[0], "send to")
     while in_flight:
-        p2p.wait(in_flight.popleft()[0], dst, "send to")
+        p2p.wait(in_flight.popleft()[0], "send to")
     changed = None if not previous else sum(previous.get(n) != s for n, s in sums.items())
     return PublishStats(
         version=int(version), dst=dst, num_tensors=len(out.targets), num_buckets=len(buckets),
@@ -386,7 +385,7 @@ class WeightReceiver:
             dtype = dtype_from_name(bucket["dtype"])
             flat = self._bucket_buffer(bucket["numel"] * torch.empty((), dtype=dtype).element_size(), comm)
             flat = flat.view(dtype)
-            p2p.recv(as_bytes(flat), src, group)  # rank wait: one bucket from src
+            p2p.recv(as_bytes(flat), src, group, "publish.bucket")  # rank wait: one bucket from src
             if dest is None:
                 continue
             views, offset = {}, 0

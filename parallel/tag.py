@@ -9,6 +9,10 @@ landed) and only when BTS (parallel/bts.py) predicts a shorter step. Trainer wei
 step are exactly the step's version, generation runs without grad, and accumulated gradients are
 never touched, so a fragment is the same whoever generates it.
 
+What a trainer generates travels to each other trainer on that trainer's own communicator
+(parallel/topology.py): two trainers that both generate send to each other before each receives,
+which on one NCCL communicator would wait for each other (docs/communication.md).
+
 Replicated trainers each decide on their own (`Assistant`). FSDP2 trainers cannot: every forward
 all-gathers over the whole group, so they generate together, and one of them decides for all
 (`GroupAssistant`). A GAP replica claims a round of fragments at a time (`claimed_rounds`). A
@@ -197,7 +201,7 @@ class Assistant:
             if dst == self.ctx.rank:
                 self.intake.accept(tensors, meta)
             else:
-                self.sends.append(p2p.isend_payload(tensors, meta, dst=dst))
+                self.sends.append(p2p.isend_payload(tensors, meta, dst=dst, group=self.intake.group_to(dst)))
         self.board.land(f)
         self.generated += 1
         self.results.append(result)  # its rewards belong to the step's metrics

@@ -22,7 +22,7 @@ from config.validate import RunFacts
 from models import TEXT_ENCODERS, DiTAdapter, autocast, load_model, model_dtypes, resolve_device, resolve_dtype
 from models import set_attention
 from models.lora import apply_lora
-from parallel import compress, publish
+from parallel import commhooks, compress, publish
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
 from parallel.intake import TrainingSpec, make_intake
@@ -35,7 +35,7 @@ from prompts import shapes as buckets
 from prompts.embeds import PromptEmbeddings
 from rewards import RewardSet, reward_model_paths
 from rl import algorithms, sampler
-from rollout import Generator, VersionSync, generator_step
+from rollout import Generator, VersionSync, drain_sends, generator_step
 from runtime import guard as runguard
 from runtime import probe
 from runtime.evaluation import evaluate_on_trainers
@@ -58,6 +58,7 @@ class RankContext:
     records: list  # list[prompts.sets.PromptRecord]: the training prompt set
     intake: object  # parallel.intake.ChunkIntake or TransitionIntake: routing and the trainer's intake
     slowdown: Slowdown  # --debug-slow-rank: wraps every kind of this rank's work
+    comms: ProcessGroups  # the communicators, one per direction of traffic
     rewards: RewardSet | None = None
     """this rank's rewards (a generator's, a scorer's, a TAG trainer's), built before any rank waits"""
 
@@ -122,13 +123,15 @@ class Rank:
     def score(self, plan) -> None:
         """A scorer rank's step: score the fragments sent to it."""
         if self.scorer_rewards is not None:
-            scorer_step(self.ctx, self.scorer_rewards, plan, _image_source(self.ctx, self.store, plan))
+            scorer_step(self.ctx, self.scorer_rewards, plan, _image_source(self.ctx, self.store, plan),
+                        self.groups.images[self.ctx.rank], self.groups.scores)
 
     def train(self, plan, local: dict) -> tuple[dict | None, list]:
         """A trainer's step: train what lands, one update, publish. Returns (its statistics, the
         fragments its TAG helper generated: their rewards count too)."""
         if self.trainer is None:
             return None, []
+        self.store.put(f"begin/{plan.step}/{self.ctx.rank}", 1)  # generators may wait for their sends now
         stats = trainer_step(self.ctx, self.trainer, plan, local, self.publish_names, self.publisher, self.assistant,
                              self.store, self._reward_std(plan.step))
         self._offload()  # a TAG helper encoded prompts
@@ -173,9 +176,7 @@ class Rank:
         guard.set_phase("exit")
         if self.versions is not None:
             self.versions.drain(last, last)  # the trainers publish after every step
-        for _, handles in self.deferred:  # after the drain: the trainers need the publications to get there
-            for h in handles:
-                h.wait()
+        drain_sends(self.store, self.deferred)  # after the drain: the trainers need the publications to get there
         if guard.stopping and self.saved != last and last > start:
             self.save(last)  # a signal stopped the run: the steps it finished are kept
         if guard.stopping:
@@ -187,6 +188,16 @@ class Rank:
             runguard.write_error_file(line)  # torchrun's summary shows why the exit code is 4
             if self.log.logging:
                 runguard.say(line)
+        self._meet_at_exit()
+
+    def _meet_at_exit(self) -> None:
+        """Wait, with no time limit (the heartbeats name a dead or silent rank), until every rank is
+        here: the trainers' last checkpoint and evaluation may outlast any timeout, and the final
+        barrier, posted at once on NCCL, would count its timeout from posting."""
+        self.store.put(f"exit/{self.ctx.rank}", 1)
+        for rank in range(self.topo.world_size):
+            while not self.store.ready(f"exit/{rank}"):
+                time.sleep(0.05)  # rank wait: the trainers' last checkpoint and evaluation
 
     def close(self) -> None:
         self.log.close()
@@ -216,13 +227,15 @@ class Rank:
 def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     """Everything rank `rank` runs its steps with. Collective: every rank calls it."""
     topo, t = facts.topology, cfg.topology
+    commhooks.install()  # DIGENRL_COMM_TRACE: every collective from here on is recorded
     store = StepStore(t.dist_timeout_s)
-    groups = ProcessGroups.create(topo, t.dist_timeout_s)
+    groups = ProcessGroups.create(topo, t.dist_timeout_s, runguard.pending_timeout_s(t.dist_timeout_s),
+                                  exchange=facts.tsp and not facts.disagg)
     guard = runguard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
                               stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
                               groups=_member_groups(topo, rank, groups),
                               start_step=facts.resume.step if facts.resume else 0).start()
-    ctx, shapes = _context(cfg, facts, rank)  # every check that needs the model: nothing written yet
+    ctx, shapes = _context(cfg, facts, rank, groups)  # every check that needs the model: nothing written yet
     trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
         if topo.is_trainer(rank) else None
     cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
@@ -252,7 +265,18 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     if topo.is_scorer(rank):
         ctx.adapter.release_components(["transformer"])  # a scorer runs the rewards only
         r.scorer_rewards = ctx.rewards
+    guard.expect_step(_expected_step_s(r, speeds))
     return r
+
+
+def _expected_step_s(r: Rank, speeds: list) -> float:
+    """A generous prediction of the first step, which its timeouts scale with: every denoising and
+    training forward of the step as if one rank ran them all at the slowest rank's probed speed."""
+    plan, s = r.plan(r.start), r.ctx.sampling
+    probed = [x for x in speeds if x]
+    forwards = (len(plan.chunks) * s.num_steps, sum(len(f) for f in r.ctx.intake.forward_fragments(plan)))
+    per_forward = (max(x["generate_s"] for x in probed), max(x.get("train_s", 0.0) for x in probed))
+    return (2 if s.cfg_scale != 1.0 else 1) * sum(n * t for n, t in zip(forwards, per_forward))
 
 
 def _prepare_folder(cfg: RunConfig, facts: RunFacts, rank: int, store: StepStore) -> dict:
@@ -278,7 +302,7 @@ def _load(cfg: RunConfig, device: torch.device, master: bool, release: tuple[str
         raise ValueError(f"{where}: {e}") from None
 
 
-def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, object]:
+def _context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGroups) -> tuple[RankContext, object]:
     """The model and what every role reads; checks every size and prompt before any rank waits."""
     topo = facts.topology
     device = _device(cfg)
@@ -313,15 +337,16 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     scores = bool(replica) and replica[-1] == rank and not topo.scorer_ranks  # a replica scores on its last stage
     needs_rewards = scores or topo.is_scorer(rank) or (facts.tag and topo.is_trainer(rank))
     rewards = _reward_set(cfg, device) if needs_rewards else None  # a reward model's folder fails before any wait
-    tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
-                    sync=torch.cuda.synchronize if device.type == "cuda" else None)
+    tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,  # timed with device events, never a sync
+                    event=(lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None)
     is_train = topo.is_trainer(rank)
     intake = make_intake(facts.tsp, TrainingSpec.of(cfg, sampling), topo.trainer_ranks,
                          lambda r: topo.replica_ranks(r)[-1], facts.train_micro_batch,
-                         topo.trainer_ranks.index(rank) if is_train else None, tracer)
+                         topo.trainer_ranks.index(rank) if is_train else None, tracer, groups)
     slow = cfg.output.debug_slow_rank
     slowdown = Slowdown(slow[1] if slow and slow[0] == rank else 1.0)
-    return RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown, rewards), shapes
+    return RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown, groups,
+                       rewards), shapes
 
 
 def released_components(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[str, ...]:
@@ -345,15 +370,18 @@ def _build_generator(r: Rank, layouts: dict, version: int) -> None:
     rank = ctx.rank
     if not topo.is_generator(rank):
         return
-    scorer = RemoteScorer(topo.scorer_ranks) if topo.scorer_ranks else LocalScorer(ctx.rewards)
+    scorer = RemoteScorer(topo.scorer_ranks, r.groups.images, r.groups.scores.get(rank)) if topo.scorer_ranks else \
+        LocalScorer(ctx.rewards)
     r.generator = _generator(ctx, scorer, r.trainer)
     if layouts:
-        release_other_blocks(ctx.adapter, layouts[rank].blocks)
-        r.replica = PipelinedReplica(r.generator, layouts[rank])
+        layout = layouts[rank]
+        release_other_blocks(ctx.adapter, layout.blocks)
+        links = r.groups.stage_links(topo.replica_of(rank), layout.stage, layout.num_stages)
+        r.replica = PipelinedReplica(r.generator, layout, links)
     if facts.disagg:
         receiver = publish.WeightReceiver(_params(ctx.adapter, r.publish_names[rank]))
         r.versions = VersionSync(receiver, r.store, topo.trainer_ranks[0], version, 1 if facts.tcss else 0,
-                                 layouts.get(rank), topo.replica_of(rank), ctx.tracer)
+                                 layouts.get(rank), topo.replica_of(rank), ctx.tracer, r.groups.publish)
 
 
 def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
@@ -374,7 +402,7 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
         trainer.start_codec(cfg.topology.publish_compression, all_names, runstate.residual(facts))
     if facts.tcss:  # the generators' version at the next checkpoint; resent at a resume
         runstate.publish_start(facts, rank, trainer, r.publisher, r.publish_names, r.start,
-                               facts.resume is not None and facts.resume.has_stale, r.store)
+                               facts.resume is not None and facts.resume.has_stale, r.store, r.groups.publish)
 
 
 def run_sampling(cfg: RunConfig, adapter: DiTAdapter) -> sampler.SamplingConfig:

@@ -22,9 +22,14 @@ blocking get holds its connection, so the main thread's waits never delay a beat
   SIGTERM or SIGINT 2 s or more after the first exits at once (128 + N), without a checkpoint; one
   within 2 s belongs to the same stop: SLURM and a terminal's Ctrl-C signal every process of the job,
   and torchrun forwards its own copy, so each rank receives the one request twice.
-- Timeouts. After each step, collectives, point-to-point waits and store waits time out after 5 x
-  the slowest step so far (at least 60 s, at most --dist-timeout-s); around scheduled checkpoints
-  and evaluations, and at the end, they go back to --dist-timeout-s.
+- Timeouts. After each step, collectives, point-to-point and store waits time out after 5 x the
+  slowest step so far (at least 60 s); before the first, after --dist-timeout-s or 5 x the step the
+  start-up probe predicts, whichever is longer (`expect_step`); around scheduled checkpoints and
+  evaluations, and at the end, after --dist-timeout-s or the step's timeout, whichever is longer.
+  Each point-to-point wait counts from when it starts (parallel/p2p.py). The NCCL watchdog counts
+  an op from when it was posted, and an op may stay posted through a long evaluation or checkpoint:
+  the point-to-point communicators get `pending_timeout_s` as theirs, a backstop; a dead or silent
+  rank is named by the heartbeats long before.
 - Exits. Every way out that runs code (shutdown, a fault, a second signal) runs the exit hooks
   (`at_exit`: rank 0 releases the run folder's lock, checkpointing/lock.py).
 
@@ -58,6 +63,7 @@ STOP_SILENCE_S = 5.0  # during a stop every rank beats: a silent one is gone
 SILENCE_BEATS = 4  # a peer is silent only when its beat stayed the same this many beats (and a second)
 SECOND_SIGNAL_S = 2.0  # a signal this soon after the first is the same request (torchrun forwards its copy)
 MIN_TIMEOUT_S, TIMEOUT_FACTOR = 60.0, 5.0
+PENDING_S = 6 * 3600.0  # the watchdog backstop of point-to-point communicators (module docstring)
 _ACTIVE: "RunGuard | None" = None
 _EXIT_HOOKS: list = []
 
@@ -98,6 +104,12 @@ def write_error_file(line: str) -> None:
         pass
 
 
+def pending_timeout_s(dist_timeout_s: float) -> float:
+    """The NCCL watchdog timeout of a point-to-point communicator: it counts from posting, and a
+    fragment sent before the trainers' evaluation or checkpoint waits for all of it."""
+    return max(float(dist_timeout_s), PENDING_S)
+
+
 def first_line(exc: BaseException) -> str:
     """'Type: the first line of the message', without a backend's source location and advice."""
     return f"{type(exc).__name__}: {p2p.backend_detail(exc)}"
@@ -121,6 +133,7 @@ class RunGuard:
         self.step, self.phase, self.start_step = start_step, "loading", start_step
         self.stop_at: int | None = None
         self.slowest = 0.0
+        self.expected = 0.0  # the step the start-up probe predicts, until one is measured
         self.timeout_s = self.flat_s
         self.peers = [p for p in range(self.world) if p != rank] if self.world <= 16 else \
             sorted({(rank + 1) % self.world, (rank + 2) % self.world} - {rank})
@@ -200,11 +213,18 @@ class RunGuard:
     def step_done(self, seconds: float) -> None:
         self.slowest = max(self.slowest, seconds)
 
+    def expect_step(self, seconds: float) -> None:
+        """The first step's predicted seconds (the start-up probe): its timeouts scale with it."""
+        self.expected = float(seconds)
+
     def set_timeouts(self, relaxed: bool) -> None:
-        """Adaptive timeouts for the coming step; `relaxed` (a checkpoint or an evaluation is due,
-        or the run ends): --dist-timeout-s."""
-        t = self.flat_s if relaxed or not self.slowest else \
-            min(self.flat_s, max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * self.slowest))
+        """Adaptive timeouts for the coming step (module docstring); `relaxed`: a checkpoint or an
+        evaluation is due, or the run ends."""
+        if self.slowest:
+            t = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * self.slowest)
+            t = max(self.flat_s, t) if relaxed else t
+        else:  # a prediction without the first step's one-off costs never shortens --dist-timeout-s
+            t = max(self.flat_s, TIMEOUT_FACTOR * self.expected)
         if t == self.timeout_s:
             return
         self.timeout_s = t

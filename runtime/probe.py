@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from rl import sampler
 from models import autocast
+from parallel import commhooks
 from prompts import shapes as buckets
 from telemetry.tracing import Slowdown
 
@@ -30,13 +31,11 @@ def _timed(fn, slowdown: Slowdown, device: torch.device, repeats: int = 3) -> fl
     minimum is the least disturbed by other processes sharing the device or the CPU."""
     best = float("inf")
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        commhooks.synchronize(device)  # start-up, before any rank posts a send: nothing else to wait for
         start = time.perf_counter()
         with slowdown():
             fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            commhooks.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 

@@ -31,6 +31,7 @@ from checkpointing.lock import LOCK
 from forked import run_cases
 from runtime.launch import TINY, alive, torchrun, torchrun_background, trained_weights, worker_pids
 from telemetry.metrics import read_metrics
+from traced import assert_nccl_ok, traced
 
 BASE = [*TINY, "--lora-rank", "4", "--log-images-every", "0"]
 FOUR = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]
@@ -224,7 +225,8 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(tmp_path, mode):
     for step in range(2, steps + 1):
         shutil.rmtree(run / "checkpoints" / f"step-{step}")
     hooks = args[args.index("--debug-slow-rank"):][:2] if "--debug-slow-rank" in args else []
-    torchrun(nproc, ["--resume", str(run), "--output-dir", str(run), *hooks])  # test hooks are never carried
+    torchrun(nproc, ["--resume", str(run), "--output-dir", str(run), *hooks], env=traced(run))  # hooks never carried
+    assert_nccl_ok(run, ["data.to", "publish"])  # with TCSS version N is sent again at the start
     _bitwise(trained_weights(str(straight), steps), trained_weights(str(run), steps), mode)
     keys = ("step", "reward/mean", "train/loss", "train/staleness_mean", "train/num_transitions")
     assert [[r[k] for k in keys] for r in _rows(run)] == [[r[k] for k in keys] for r in _rows(straight)]

@@ -10,6 +10,7 @@ import torch
 
 from runtime.probe import check_memory_budget, state_bytes
 from runtime.launch import TINY, torchrun, trained_weights
+from traced import assert_nccl_ok, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel.stepplan import plan_step, replica_speeds
@@ -94,7 +95,8 @@ def test_hetero_modes_train_the_colocated_data(tmp_path):
     weights = {}
     for name, placement in runs.items():
         out = tmp_path / name
-        torchrun(2, [*ARGS, *slow, *placement, "--output-dir", str(out)])
+        torchrun(2, [*ARGS, *slow, *placement, "--output-dir", str(out)], env=traced(out))
+        assert_nccl_ok(out)
         weights[name] = trained_weights(str(out), 2)
         speeds = json.loads((out / "speeds.json").read_text())
         assert speeds[0]["generate_s"] > 2 * speeds[1]["generate_s"], speeds
@@ -119,7 +121,9 @@ def test_sharded_modes_train_the_colocated_data(tmp_path):
     weights = {}
     for name, placement in runs.items():
         out = tmp_path / name
-        torchrun(3, [*ARGS, *budget, *placement, "--output-dir", str(out)])
+        torchrun(3, [*ARGS, *budget, *placement, "--output-dir", str(out)], env=traced(out))
+        assert_nccl_ok(out, collectives=["world:reduce_scatter_single" if "colocated" in name
+                                         else "trainers:reduce_scatter_single"])
         weights[name] = trained_weights(str(out), 2)
         assert read_metrics(str(out / "metrics.jsonl"))[-1]["train/num_allgathers"] > 0
     assert_same_weights(weights["colocated-fsdp3"], weights["gap-fsdp"], "gap-fsdp")

@@ -194,7 +194,9 @@ def test_tensorboard_shows_every_step_once_after_a_resume(tmp_path):
 
 
 def test_timeouts_follow_the_slowest_step():
-    """5 x the slowest step, at least 60 s, at most --dist-timeout-s; the flat value when relaxed."""
+    """5 x the slowest step, at least 60 s (above --dist-timeout-s for long steps: a video step may
+    take longer); before the first step --dist-timeout-s or 5 x the predicted step, whichever is
+    longer; when relaxed, never below --dist-timeout-s."""
     from parallel import p2p
     from parallel.topology import Topology
     from runtime.guard import RunGuard
@@ -221,7 +223,14 @@ def test_timeouts_follow_the_slowest_step():
         guard.set_timeouts(relaxed=True)
         guard.step_done(500.0)
         guard.set_timeouts(relaxed=False)
-        assert store.timeouts == [60.0, 200.0, 600.0]
+        assert store.timeouts == [60.0, 200.0, 600.0, 2500.0]
+        first = RunGuard(Topology.build(2), 0, store, heartbeat_timeout_s=30, stop_grace_s=25, dist_timeout_s=600,
+                         groups=[], start_step=0)
+        first.expect_step(50.0)
+        first.set_timeouts(relaxed=False)  # 5 x 50 s: not below --dist-timeout-s before a step is measured
+        first.expect_step(300.0)
+        first.set_timeouts(relaxed=False)
+        assert store.timeouts[4:] == [1500.0]
     finally:
         p2p.configure(timeout_s=600)
 

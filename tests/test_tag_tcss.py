@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.launch import TINY, torchrun, torchrun_module, trained_weights
+from traced import assert_nccl_ok, merged, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel.stepplan import plan_step
@@ -89,16 +90,18 @@ def test_tag_trains_the_colocated_data(tmp_path, colocated):
     and every fragment of every step is trained exactly once."""
     run = tmp_path / "tag"
     torchrun(3, [*ARGS, "--steps", "3", "--generators", "1", "--trainers", "2", "--tag", "--debug-slow-rank", "0:5",
-                 "--output-dir", str(run)])
+                 "--output-dir", str(run)], env=traced(run))
     _check_tag_run(run, colocated, 3, [0], [1, 2])
+    assert_nccl_ok(run, ["data.to", "publish"])
 
 
 def test_tag_with_fsdp_trainers_trains_the_colocated_data(tmp_path, colocated):
     """FSDP2 trainers generate together, between training forwards, what their leader claims."""
     run = tmp_path / "tag-fsdp"
     torchrun(3, [*ARGS, "--steps", "2", "--generators", "1", "--trainers", "2", "--tag", "--train-sharding", "fsdp",
-                 "--debug-slow-rank", "0:5", "--output-dir", str(run)])
+                 "--debug-slow-rank", "0:5", "--output-dir", str(run)], env=traced(run))
     _check_tag_run(run, colocated, 2, [0], [1, 2])
+    assert_nccl_ok(run, ["data.to", "publish"], ["trainers:all_gather_single"])
     rows = [r for r in read_metrics(str(run / "metrics.jsonl")) if "train/loss" in r]
     assert len({r["train/num_allgathers"] for r in rows}) == 1  # generation's gathers are not counted as training's
 
@@ -112,8 +115,10 @@ def test_tag_with_gap_stages_or_scorers_trains_the_colocated_data(tmp_path, colo
     """A 2-stage GAP replica claims its fragments a round at a time; with a scorer rank, the scorer
     scores what replicas generate and the trainers score their own fragments."""
     run = tmp_path / "tag"
-    torchrun(3, [*ARGS, "--steps", "2", *placement, "--tag", "--debug-slow-rank", "0:5", "--output-dir", str(run)])
+    torchrun(3, [*ARGS, "--steps", "2", *placement, "--tag", "--debug-slow-rank", "0:5", "--output-dir", str(run)],
+             env=traced(run))
     _check_tag_run(run, colocated, 2, generators, trainers)
+    assert_nccl_ok(run, ["gap.r0.s0->s1", "gap.r0.s1->s0"] if not scorers else ["images.to", "scores.to"])
     if scorers:
         scored = {x for spans in _spans(run, scorers, {"score"}).values() for x in spans}
         assert scored == {x for spans in _spans(run, generators, {"generate"}).values() for x in spans}
@@ -127,7 +132,11 @@ def test_fsdp_helper_generation_leaves_gradients_alone():
 @pytest.mark.parametrize("tcss", [False, True])
 def test_staleness_is_at_most_one_and_zero_without_tcss(tmp_path, tcss):
     out = tmp_path / "run"
-    torchrun(2, [*ARGS, "--steps", "4", "--output-dir", str(out), *(["--tcss"] if tcss else [])])
+    torchrun(2, [*ARGS, "--steps", "4", "--output-dir", str(out), *(["--tcss"] if tcss else [])], env=traced(out))
+    assert_nccl_ok(out, ["data.to", "publish"])
+    if tcss:  # on one communicator, as before: the generator sends step k+1's fragments before it receives
+        old = merged(out, ["data.to", "publish"])  # version k+1, which the trainer sends before those
+        assert old.deadlock and old.cycles == [[0, 1]], old.message
     rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "train/loss" in r]
     assert len(rows) == 4
     for r in rows:

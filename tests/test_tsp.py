@@ -8,6 +8,7 @@ import torch
 from rl import algorithms
 from rl.timesteps import trained_timesteps
 from runtime.launch import TINY, torchrun, trained_weights
+from traced import assert_nccl_ok, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel import tsp
@@ -226,10 +227,14 @@ def test_placement_invariance_with_tsp(tmp_path):
             "disagg-1g2t-tsp-fsdp": (3, ["--generators", "1", "--trainers", "2", *tsp_flags,
                                          "--train-sharding", "fsdp"]),
             "colocated-2-tsp": (2, ["--mode", "colocated", *tsp_flags])}
+    traffic = {"colocated-2": [], "disagg-1g2t-tsp": ["data.to"], "disagg-1g2t-tsp-fsdp": ["data.to"],
+               "colocated-2-tsp": ["data.to"]}  # the colocated TSP exchange
     results = {}
     for name, (nproc, placement) in runs.items():
         out = tmp_path / name
-        torchrun(nproc, [*TINY, *naive, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement])
+        torchrun(nproc, [*TINY, *naive, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement],
+                 env=traced(out))
+        assert_nccl_ok(out, traffic[name])
         results[name] = (trained_weights(str(out), 2), read_metrics(str(out / "metrics.jsonl")))
     ref_w, ref_m = results["colocated-2"]
     for name, (w, m) in results.items():
