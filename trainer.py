@@ -25,12 +25,14 @@ from torch.utils.checkpoint import checkpoint
 
 from rl import algorithms
 from rl import sampler
+from rl.advantages import StepEnd, step_end
+from rl.gradients import SplitGradients
 from config.schema import RunConfig
 from models import DiTAdapter, autocast
 from models.lora import trainable_names
 from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
-from parallel import compress
+from parallel import compress, stepfacts
 from parallel.fsdp import copy_full, count_allgathers, full_tensor, shard_modules
 from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
 from parallel.publish import WeightPublisher
@@ -53,7 +55,10 @@ class Transitions:
     cond: Conditioning
     neg: Conditioning | None
     logp_old: Tensor  # (n,)
-    adv: Tensor  # (n,)
+    adv: Tensor  # (n,), or (n, R) with one advantage per reward (--reward-combine losses)
+    weight: Tensor  # (n,) the weight of each policy term: 1, or a correction's (rl.advantages.step_end)
+    counted: Tensor  # (n,) bool: carries its KL term and statistics (False: a correction)
+
 
 class Trainer:
     def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig, group=None,
@@ -69,7 +74,9 @@ class Trainer:
         if not self.lora:
             model.requires_grad_(True)
         self.names = trainable_names(model)
-        self.loss = algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl)
+        algorithm = algorithms.algorithm(cfg.rl.algorithm)
+        self.loss = algorithm.loss(cfg.rl)
+        self.rule = algorithm.advantages(cfg.rl)  # what the end of a step decides (rl.advantages.step_end)
         self.reference = self._make_reference() if self.loss.needs_reference else None
         if sharding == "fsdp":
             shard_modules(model, group)
@@ -87,6 +94,8 @@ class Trainer:
         # Called with the forward's slot (this step's forward count) before every training forward,
         # real or padding: with TAG under FSDP the group's generation windows fall between forwards.
         self.before_forward = None
+        self.items: list | None = None  # this step's chunks or packed batches, kept for its end (begin_step)
+        self.grads = SplitGradients(self.params)  # the KL term's apart while the policy term's scale is unknown
         self.reset_stats()
 
     # ----- set-up ---------------------------------------------------------------------------
@@ -123,9 +132,14 @@ class Trainer:
     def _on_allgather(self) -> None:
         self.num_allgathers += 1
 
-    def begin_step(self) -> None:
-        """Count only the training phase's all-gathers (colocated FSDP generation gathers too)."""
+    def begin_step(self, keep_items: bool = False, scale_later: bool = False) -> None:
+        """Count only the training phase's all-gathers (colocated FSDP generation gathers too).
+        `keep_items`: keep what this step trains for its end; `scale_later`: the policy term's scale
+        is known only at the end (the global std while streaming), so with beta > 0 the KL term's
+        gradient accumulates apart."""
         self.num_allgathers = 0
+        self.items = [] if keep_items else None
+        self.grads.begin(apart=scale_later and self.loss.needs_reference)
 
     # ----- training -------------------------------------------------------------------------
     def _start_forward(self) -> None:
@@ -134,78 +148,89 @@ class Trainer:
             self.before_forward(self.num_forwards)
         self.num_forwards += 1
 
-    def train(self, item: TrainChunk | TransitionBatch) -> None:
-        """Forward + backward of every transition of `item` this trainer trains."""
-        if not torch.isfinite(item.advantages).all():  # from non-finite rewards: the step will be skipped
-            self.nonfinite_advantages += 1
-        if isinstance(item, TransitionBatch):
-            self.train_transitions(item)
-        else:
-            self.train_chunk(item)
-
-    def train_chunk(self, chunk: TrainChunk) -> None:
-        """Every trained transition of a chunk, one timestep per forward."""
-        ids = chunk.sample_ids.tolist()
-        cond = chunk.cond.to(self.device)
-        neg = chunk.neg_cond.to(self.device) if chunk.neg_cond is not None else None
-        spec = self.spec
-        for t in spec.forward_timesteps(chunk.step, tuple(ids)):
-            rows = [j for j, i in enumerate(ids) if t in spec.timesteps(chunk.step, i) and chunk.keep[j]]
-            self._start_forward()
-            if not rows:  # keeps FSDP ranks' forward counts equal
-                self._forward(self._chunk_rows(chunk, [0], t, cond, neg), weight=0.0)
+    def train(self, item: TrainChunk | TransitionBatch, end: StepEnd | None = None) -> None:
+        """Forward + backward of every transition of `item` this trainer trains: a chunk one
+        timestep per forward, a TSP share one packed micro-batch (mixing samples and timesteps) per
+        forward. With `end`, only the transitions of the samples the step's end trains again."""
+        if end is None:
+            if not torch.isfinite(item.advantages).all():  # from non-finite rewards: the step will be skipped
+                self.nonfinite_advantages += 1
+            if self.items is not None:
+                self.items.append(item)
+        cond = item.cond.to(self.device)
+        neg = item.neg_cond.to(self.device) if item.neg_cond is not None else None
+        packed = isinstance(item, TransitionBatch)
+        for key, rows in self._forwards(item, end):
+            if not rows:  # padding keeps FSDP ranks' forward counts equal (the end's: in train_again)
+                if end is None and (not packed or self.sharding == "fsdp"):
+                    self._start_forward()
+                    self._forward(self._transitions(item, key, [(key if packed else 0, 0.0, False)], cond, neg),
+                                  pad=True)
                 continue
-            self._forward(self._chunk_rows(chunk, rows, t, cond, neg))
-            self._count(len(rows), chunk.version)
+            self._start_forward()
+            self._forward(self._transitions(item, key, rows, cond, neg))
+            self._count(sum(c for _, _, c in rows), item.version)
 
-    def _chunk_rows(self, chunk: TrainChunk, rows: list[int], t: int, cond, neg) -> Transitions:
+    train_chunk = train_transitions = train  # the names the tests and helpers know
+
+    def _forwards(self, item, end: StepEnd | None) -> list[tuple[int, list[tuple[int, float, bool]]]]:
+        """(timestep or first row, rows) of every forward `item` needs: per timestep of a chunk,
+        per micro-batch of a TSP share; rows are (row, policy weight, counted), empty where
+        nothing of the forward is trained now (the kept rows, or at the end its samples')."""
+        ids = item.sample_ids.tolist()
+        if isinstance(item, TransitionBatch):
+            return [(lo, [(lo + j, w, c) for j, w, c in self._rows(ids[lo:hi], item.keep[lo:hi], end)])
+                    for lo, hi in item.bounds()]
+        chosen = self._rows(ids, item.keep, end)
+        return [(t, [r for r in chosen if t in self.spec.timesteps(item.step, ids[r[0]])])
+                for t in self.spec.forward_timesteps(item.step, tuple(ids))]
+
+    @staticmethod
+    def _rows(sample_ids: list[int], keep: Tensor, end: StepEnd | None) -> list[tuple[int, float, bool]]:
+        """(row, policy weight, counted) of the rows trained now: the kept ones, or at the step's
+        end those of its samples trained again."""
+        if end is None:
+            return [(j, 1.0, True) for j in range(len(sample_ids)) if keep[j]]
+        return [(j, *end.rows[i]) for j, i in enumerate(sample_ids) if i in end.rows]
+
+    def _transitions(self, item, key: int, rows, cond, neg) -> Transitions:
+        if isinstance(item, TransitionBatch):
+            return self._packed_rows(item, rows, cond, neg)
+        return self._chunk_rows(item, rows, key, cond, neg)
+
+    def _chunk_rows(self, chunk: TrainChunk, rows: list[tuple[int, float, bool]], t: int, cond, neg) -> Transitions:
         dev, n = self.device, len(rows)
         whole = n == len(chunk.sample_ids)  # keep the generation batch intact: bitwise-equal forwards
-        sel = torch.tensor(rows)
+        sel = torch.tensor([j for j, _, _ in rows])
         return Transitions(chunk.latents[sel, t].to(dev), chunk.latents[sel, t + 1].to(dev),
                            chunk.sigmas[t].to(dev).expand(n), chunk.sigmas[t + 1].to(dev).expand(n), [t] * n,
                            cond if whole else cond.select(sel),
                            neg if (neg is None or whole) else neg.select(sel),
-                           chunk.log_probs[sel, t].to(dev), chunk.advantages[sel].to(dev))
+                           chunk.log_probs[sel, t].to(dev), chunk.advantages[sel].to(dev), *_weights(rows, dev))
 
-    def train_transitions(self, batch: TransitionBatch) -> None:
-        """This trainer's packed micro-batches of one fragment (TSP), each mixing samples and
-        timesteps (per-sample sigma vectors; CFG runs the unconditional branch of every transition
-        in the same packed batch)."""
-        cond = batch.cond.to(self.device)
-        neg = batch.neg_cond.to(self.device) if batch.neg_cond is not None else None
-        for lo, hi in batch.bounds():
-            rows = [j for j in range(lo, hi) if batch.keep[j]]
-            if not rows:
-                if self.sharding == "fsdp":  # the other FSDP ranks run this forward's collectives
-                    self._start_forward()
-                    self._forward(self._packed_rows(batch, [lo], cond, neg), weight=0.0)
-                continue
-            self._start_forward()
-            self._forward(self._packed_rows(batch, rows, cond, neg))
-            self._count(len(rows), batch.version)
-
-    def _packed_rows(self, batch: TransitionBatch, rows: list[int], cond, neg) -> Transitions:
+    def _packed_rows(self, batch: TransitionBatch, rows: list[tuple[int, float, bool]], cond, neg) -> Transitions:
         dev = self.device
-        sel = torch.tensor(rows)
+        sel = torch.tensor([j for j, _, _ in rows])
         idx = batch.cond_index[sel].to(dev)
         return Transitions(batch.x_t[sel].to(dev), batch.x_next[sel].to(dev), batch.sigma[sel].to(dev),
                            batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
                            neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
-                           batch.advantages[sel].to(dev))
+                           batch.advantages[sel].to(dev), *_weights(rows, dev))
 
-    def _forward(self, tr: Transitions, weight: float = 1.0) -> None:
-        """One forward + backward of the loss of `tr`. Weight 0 is padding: the same computation
-        and collectives as a real forward (FSDP ranks must run equally many), nothing recorded."""
+    def _forward(self, tr: Transitions, pad: bool = False) -> None:
+        """One forward + backward of the loss of `tr`. Padding runs the same computation and
+        collectives as a real forward (FSDP ranks must run equally many) and records nothing."""
         with self.slowdown():
             with autocast(self.device, self.cfg.model.dtype):
                 v = sampler.guided_velocity(self.adapter, tr.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
-            out = self._score_steps(tr, v, tr.x_next)
-            mean_ref = self._score_steps(tr, self._reference_velocity(tr), tr.x_t).mean \
-                if self.loss.needs_reference else None
-            loss, stats = self.loss(out.log_prob, tr.logp_old, tr.adv, out.mean, mean_ref, out.std)
-            (loss if weight == 1.0 else loss * weight).backward()
-        if weight:
+            out = sampler.score_rows(self.sampling, tr.x_t, v, tr.sigma, tr.sigma_next, tr.timesteps, tr.x_next)
+            mean_ref = sampler.score_rows(self.sampling, tr.x_t, self._reference_velocity(tr), tr.sigma,
+                                          tr.sigma_next, tr.timesteps, tr.x_t).mean if self.loss.needs_reference else None
+            policy, kl, stats = self.loss(out.log_prob, tr.logp_old, tr.adv, weight=tr.weight * (not pad),
+                                          counted=tr.counted & (not pad), mean=out.mean, mean_ref=mean_ref,
+                                          std=out.std, std_dev_t=out.std_dev_t)
+            self.grads.backward(policy, kl)
+        if not pad:
             self.loss_sums += stats
 
     @torch.no_grad()
@@ -222,24 +247,6 @@ class Trainer:
             if lora:
                 self.adapter.transformer.enable_adapters()
 
-    def _score_steps(self, tr: Transitions, v: Tensor, x_next: Tensor) -> sampler.StepOutput:
-        """sampler.sde_step over transitions at different timesteps: one call per distinct noise
-        level (a windowed sampler is deterministic outside its window), rows put back in order."""
-        s = self.sampling
-        levels = [s.noise_level_at(t) for t in tr.timesteps]
-        if len(set(levels)) == 1:
-            return sampler.sde_step(tr.x_t, v, tr.sigma, tr.sigma_next, sde_type=s.sde_type, noise_level=levels[0],
-                                    x_next=x_next)
-        parts, order = [], []
-        for level in sorted(set(levels)):
-            rows = torch.tensor([j for j, l in enumerate(levels) if l == level], device=tr.x_t.device)
-            parts.append(sampler.sde_step(tr.x_t[rows], v[rows], tr.sigma[rows], tr.sigma_next[rows],
-                                          sde_type=s.sde_type, noise_level=level, x_next=x_next[rows]))
-            order.append(rows)
-        inverse = torch.argsort(torch.cat(order))
-        return sampler.StepOutput(*(torch.cat([getattr(p, k) for p in parts])[inverse]
-                                    for k in ("x_next", "log_prob", "mean", "std")))
-
     def pad_forwards(self, count: int, template: TrainChunk | TransitionBatch | None) -> None:
         """FSDP only: run padding forwards until this rank has done `count` forwards this step."""
         while self.num_forwards < count:
@@ -248,9 +255,20 @@ class Trainer:
             self._start_forward()
             cond = template.cond.to(self.device)
             neg = template.neg_cond.to(self.device) if template.neg_cond is not None else None
-            rows = self._packed_rows(template, [0], cond, neg) if isinstance(template, TransitionBatch) \
-                else self._chunk_rows(template, [0], 0, cond, neg)
-            self._forward(rows, weight=0.0)
+            self._forward(self._transitions(template, 0, [(0, 0.0, False)], cond, neg), pad=True)
+
+    def train_again(self, end: StepEnd, template) -> int:
+        """The step's end: the transitions of the samples it trains again, from the items kept this
+        step. FSDP ranks agree on the group's most such forwards first (their forwards are
+        collectives) and pad to it. Returns this rank's count."""
+        count = sum(1 for item in self.items for _, rows in self._forwards(item, end) if rows)
+        target = self.num_forwards + count
+        if self.sharding == "fsdp":
+            target = self.num_forwards + int(self._all_reduce_max(float(count)))  # sync point: all trainers
+        for item in self.items:
+            self.train(item, end)
+        self.pad_forwards(target, template)
+        return count
 
     def _count(self, n: int, version: int) -> None:
         """n transitions trained; their staleness is this update's version minus the generating one
@@ -261,13 +279,16 @@ class Trainer:
         self.counts["staleness_frac_1"] += n * (stale == 1)
         self.max_staleness = max(self.max_staleness, stale)
 
-    def finish_step(self) -> dict[str, float]:
-        """Sum gradients and statistics over trainer ranks, normalize by the batch's transition
-        count, clip, step, update the EMA. Every trainer rank waits here for the others."""
+    def finish_step(self, scale: float = 1.0) -> dict[str, float]:
+        """Scale the policy term's gradient by `scale` (the global std's 1 / (std + eps), 1 otherwise)
+        and add the KL term's; sum gradients and statistics over trainer ranks, normalize by the
+        batch's transition count, clip, step, update the EMA. Every trainer rank waits here for the others."""
+        self.grads.combine(scale)
         names = self.loss.STATS + COUNTS
         host = torch.tensor([float(self.num_transitions)] + [self.counts[k] for k in COUNTS]
                             + [float(self.nonfinite_advantages)], dtype=torch.float64)
-        counts = torch.cat([host[:1], self.loss_sums.cpu(), host[1:]])  # the step's one read of the loss sums
+        sums = self.loss.rescale(self.loss_sums, scale)
+        counts = torch.cat([host[:1], sums.cpu(), host[1:]])  # the step's one read of the loss sums
         if self.group is not None and dist.get_world_size(self.group) > 1:
             counts = counts.to(self._comm_device())
             dist.all_reduce(counts, group=self.group)  # sync point: all trainers
@@ -310,6 +331,7 @@ class Trainer:
                       "train/num_allgathers": float(self.num_allgathers),
                       "train/skipped_steps": float(self.skips.total)})
         self.reset_stats()
+        self.items = None
         return stats
 
     def _all_reduce_max(self, value: float) -> float:
@@ -367,6 +389,12 @@ class Trainer:
 
 
 
+def _weights(rows: list[tuple[int, float, bool]], device) -> tuple[Tensor, Tensor]:
+    """(policy weights (n,) float32, counted (n,) bool) of (row, weight, counted) triples."""
+    return (torch.tensor([w for _, w, _ in rows], dtype=torch.float32, device=device),
+            torch.tensor([c for _, _, c in rows], dtype=torch.bool, device=device))
+
+
 def fsdp_pad_target(plan, facts, intake) -> int:
     """FSDP ranks run collectives inside every forward, so they must run equally many: the forward
     count every trainer pads to (0 without FSDP). Colocated FSDP generation needs equal chunk counts."""
@@ -385,6 +413,19 @@ def fsdp_pad_target(plan, facts, intake) -> int:
     return max(counts)
 
 
+def _step_end(ctx, trainer: Trainer, plan, store, template) -> StepEnd:
+    """What the step's rewards decide once its last fragment is scored (rl.advantages.step_end):
+    read every fragment's facts from the store, train again what they say (streaming only: a
+    whole-step fragment applied it all when it was scored) and return the policy term's scale."""
+    step, whole = plan.step, len(plan.fragments) == 1
+    with ctx.tracer.span("step_end", "train", step):
+        facts = stepfacts.gather(store, step, len(plan.fragments))  # rank wait: the step's last fragment scored
+        end = step_end(trainer.rule, facts, whole_step=whole, seed=ctx.cfg.seed, step=step)
+        if not whole:
+            end.metrics["train/late_forwards"] = float(trainer.train_again(end, template))
+    return end
+
+
 def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[int, list[str]],
                  publisher: WeightPublisher, assistant=None, store=None,
                  reward_std: float | None = None) -> dict[str, float]:
@@ -394,7 +435,8 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     this rank waits for one (under FSDP: the whole group, between forwards)."""
     tracer, topo, facts, intake, step = ctx.tracer, ctx.topo, ctx.facts, ctx.intake, plan.step
     pad_to = fsdp_pad_target(plan, facts, intake)
-    trainer.begin_step()
+    streamed_end = trainer.rule.needs_step_end and len(plan.fragments) > 1  # else its fragment decided it all
+    trainer.begin_step(keep_items=streamed_end, scale_later=streamed_end and trainer.rule.std_mode == "global")
     trainer.current_step = step
     intake.inbox.update(local)
     if not facts.disagg:
@@ -420,10 +462,15 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     if pad_to:
         with tracer.span("pad", "train", step):
             trainer.pad_forwards(pad_to, template)
+    end = _step_end(ctx, trainer, plan, store, template) if trainer.rule.needs_step_end else None
     t0 = time.perf_counter()
     with tracer.span("optimizer", "optimizer", step):
-        stats = trainer.finish_step()  # sync point: all trainers
+        stats = trainer.finish_step(end.scale if end is not None else 1.0)  # sync point: all trainers
     update_s = time.perf_counter() - t0
+    if end is not None:
+        stats.update(end.metrics)
+        if ctx.rank == topo.trainer_ranks[0]:  # every trainer has read the facts before finish_step's all-reduce
+            stepfacts.clear(store, step, len(plan.fragments))
     t0 = time.perf_counter()
     if facts.disagg:
         sent = []

@@ -22,7 +22,10 @@ from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
 from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
 from prompts.sets import load_prompts
-from rl import sampler
+from rl import algorithms, sampler
+from rl.advantages import COMBINES, STD_MODES
+from rl.loss import KL_FORMS
+from rl.timesteps import trained_timesteps
 from rewards import parse_reward_spec, reward_class
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -83,6 +86,12 @@ def check_numbers(cfg) -> None:
     _need(_finite(rl.clip_range) and 0 < rl.clip_range <= 1, "--clip-range", rl.clip_range, "in (0, 1]")
     _need(_finite(rl.adv_clip) and rl.adv_clip > 0, "--adv-clip", rl.adv_clip, "a finite number > 0")
     _need(_finite(rl.beta) and rl.beta >= 0, "--beta", rl.beta, "a finite number >= 0 (0 = no KL term)")
+    _need(0 <= rl.best_of_n <= rl.group_size, "--best-of-n", rl.best_of_n,
+          f"between 0 (all) and --group-size {rl.group_size}")
+    _need(rl.readmit_multiple >= 1, "--readmit-multiple", rl.readmit_multiple, ">= 1 (1 = none)")
+    if rl.readmit_multiple > 1 and not rl.drop_zero_std:
+        raise ValueError(f"--readmit-multiple {rl.readmit_multiple} re-admits samples --drop-zero-std dropped; "
+                         f"give --drop-zero-std too")
     if s.noise_level is not None:
         _need(_finite(s.noise_level) and s.noise_level >= 0, "--noise-level", s.noise_level, "a finite number >= 0")
     if s.guidance is not None:
@@ -107,7 +116,17 @@ def _choice(flag: str, value, choices) -> None:
 def check_choices(cfg) -> None:
     """Every flag with a set of values (the algorithm's name: rl.algorithms)."""
     rl, s, t, o = cfg.rl, cfg.sampling, cfg.topology, cfg.output
-    _choice("--std-mode", rl.std_mode, ("group", "running"))
+    _choice("--std-mode", rl.std_mode, STD_MODES)
+    _choice("--reward-combine", rl.reward_combine, COMBINES)
+    _choice("--kl-form", rl.kl_form, KL_FORMS)
+    if rl.reward_combine != "rewards" and rl.std_mode != "group":
+        raise ValueError(f"--std-mode {rl.std_mode} normalises the combined reward; --reward-combine "
+                         f"{rl.reward_combine} normalises each reward by its group's std: use --std-mode group")
+    if rl.reward_combine == "losses":
+        negative = [spec for spec in rl.reward if parse_reward_spec(spec)[1] < 0]
+        if negative:
+            raise ValueError(f"--reward-combine losses weighs each reward's clipped loss, which needs weights >= 0; "
+                             f"got {negative}")
     _choice("--sde-type", s.sde_type, sampler.SDE_TYPES)
     _choice("--colocated-sharding", t.colocated_sharding, SHARDINGS)
     _choice("--train-sharding", t.train_sharding, SHARDINGS)
@@ -211,6 +230,13 @@ def check_model(cfg) -> None:
         defaults.dance_eta if s.sde_type == "dance" else defaults.noise_level)
     if s.sde_type == "cps" and not 0 <= noise <= 1:
         raise ValueError(f"--noise-level {noise} must be in [0, 1] for --sde-type cps (sin(a pi / 2) of the step)")
+    rl = cfg.rl
+    if rl.beta > 0 and s.sde_type == "cps" and steps - 1 in trained_timesteps(
+            algorithms.algorithm(rl.algorithm).timesteps, steps, rl.timestep_fraction, seed=0, step=0, sample_id=0,
+            window=s.sde_window):
+        raise ValueError(f"--beta {rl.beta} with --sde-type cps trains the last step, whose std is 0, and the KL "
+                         f"divides by it: use --timestep-fraction below 1 or an --sde-window that ends before "
+                         f"step {steps - 1}")
 
 
 def check_prompts(cfg) -> None:

@@ -55,6 +55,9 @@ class SamplingArgs:
                                         "(Flow-GRPO-Fast)", parse=lambda s: _parse_pair(s, ":", int, "--sde-window"),
                                   metavar="START:END")
     same_group_noise: bool = _f(False, "all samples of a group share their initial noise")
+    quantize_timestep: bool = _f(False, "feed the model int(sigma*1000)/1000 as its timestep, in sampling and "
+                                        "training, while the step uses the exact sigma (DanceGRPO; its recipes "
+                                        "set it)")
 
 
 @dataclass
@@ -69,15 +72,29 @@ class RLConfig:
     prompts_per_step: int = _f(8, "B: prompts (groups) per step")
     group_size: int = _f(8, "G: samples per prompt")
     micro_batch: int = _f(8, "samples per forward pass, in generation and in training")
-    algorithm: str = _f("flow_grpo", "RL algorithm: flow_grpo (trains the first frac*K steps in order), dance_grpo "
-                                     "(a random subset of frac*K steps per sample), flow_grpo_fast (SDE and training "
-                                     "only inside --sde-window; old spelling: window)")
+    algorithm: str = _f("flow_grpo", "RL algorithm: flow_grpo (trains the first int(frac*K) steps in order), "
+                                     "dance_grpo (a random int(frac*(K-1)) of the steps before the last per sample; "
+                                     "Bessel std + 1e-8), flow_grpo_fast (SDE and training only inside --sde-window; "
+                                     "old spelling: window)")
     timestep_fraction: float = _f(0.99, "fraction of the K steps trained (Flow-GRPO 0.99, DanceGRPO 0.6)")
     clip_range: float = _f(1e-4, "PPO clip range eps of the importance ratio")
     adv_clip: float = _f(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
     beta: float = _f(0.0, "KL coefficient to the reference policy (0 disables the reference forward)")
-    std_mode: str = _f("group", "advantage std: group (the group's own) or running (running std of previous batches)")
-    drop_zero_std: bool = _f(False, "drop transitions of groups whose rewards are all equal")
+    kl_form: str = _f("flow_grpo", "the KL term: flow_grpo (mean (mu - mu_ref)^2 / (2 std_dev_t^2), Flow-GRPO's, "
+                                   "std_dev_t without sqrt(-dt)) or transition (the exact KL of the two Gaussian "
+                                   "steps: Flow-GRPO's divided by sigma - sigma' for sde)")
+    std_mode: str = _f("group", "advantage std: group (the group's own), global (of the whole step's rewards, exact "
+                                "while streaming: Flow-GRPO's default, which its recipes set) or running (of the "
+                                "previous steps)")
+    reward_combine: str = _f("rewards", "several rewards: rewards (one advantage of their weighted sum), advantages "
+                                        "(the weighted sum of one advantage per reward) or losses (one advantage and "
+                                        "one clipped loss per reward, weighted and summed: DanceGRPO's video run)")
+    drop_zero_std: bool = _f(False, "do not train samples whose advantage is exactly 0, e.g. of groups with all-equal "
+                                    "rewards (Flow-GRPO)")
+    readmit_multiple: int = _f(1, "with --drop-zero-std: re-admit dropped samples, drawn by (seed, step), until the "
+                                  "trained ones are a multiple of M (Flow-GRPO's num_batches_per_epoch); 1 = none")
+    best_of_n: int = _f(0, "train only the ceil(N/2) best and floor(N/2) worst samples of each group by advantage "
+                           "(DanceGRPO's --bestofn); 0 = all")
 
 
 @dataclass

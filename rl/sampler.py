@@ -86,6 +86,9 @@ class StepOutput:
     log_prob: Tensor   # (B,) float32: log p(x_next | x), averaged over non-batch dims
     mean: Tensor       # (B, ...) float32, carries the velocity's gradient
     std: Tensor        # (B,) float32 std of the Gaussian step (0 for a deterministic step)
+    std_dev_t: Tensor  # (B,) float32: the std the peer's step function returns and Flow-GRPO's KL divides
+    #                    by: std_t without sqrt(-dt) for sde (sd3_sde_with_logprob.py:47), the step's std for
+    #                    cps (54809b5:71) and dance (train_grpo_flux.py:148)
 
 
 def _bcast(v: Tensor | float, like: Tensor) -> Tensor:
@@ -119,20 +122,21 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
     s_next = _bcast(sigma_next, x)
     dt = s_next - s
 
+    std_dev_t = None
     if noise_level == 0:
         mean = x + v * dt
         std = torch.zeros_like(s)
-    elif sde_type == "sde":
+    elif sde_type == "sde":  # Flow-GRPO sd3_sde_with_logprob.py:47-50
         # At sigma = 1 use the next sigma in the denominator (Flow-GRPO) to avoid dividing by zero.
-        std_t = noise_level * torch.sqrt(s / (1 - torch.where(s == 1, s_next, s)))
-        mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
-        std = std_t * torch.sqrt(-dt)
-    elif sde_type == "cps":
+        std_dev_t = noise_level * torch.sqrt(s / (1 - torch.where(s == 1, s_next, s)))
+        mean = x * (1 + std_dev_t**2 / (2 * s) * dt) + v * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * dt
+        std = std_dev_t * torch.sqrt(-dt)
+    elif sde_type == "cps":  # Flow-GRPO 54809b5 sd3_sde_with_logprob.py:70-74
         std = s_next * math.sin(noise_level * math.pi / 2)
         x0_hat = x - s * v
         eps_hat = x + (1 - s) * v
         mean = (1 - s_next) * x0_hat + torch.sqrt(s_next**2 - std**2) * eps_hat
-    else:  # dance
+    else:  # dance: DanceGRPO train_grpo_flux.py:141-153
         x0_hat = x - s * v
         score = -(x - (1 - s) * x0_hat) / s**2
         mean = x + dt * v - 0.5 * noise_level**2 * score * dt
@@ -142,15 +146,35 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
         x_next = mean + std * noise.to(device=x.device, dtype=torch.float32)
     x_next = x_next.detach().float()
 
-    deterministic = bool((std == 0).all())
-    if deterministic:
+    if noise_level == 0:  # the ODE step has no density: log-prob 0, whatever the batch holds
         log_prob = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
     elif sde_type == "cps":
-        # CPS's "log-prob" drops the variance and the constants (docs/ALGORITHMS.md).
+        # CPS's "log-prob" drops the variance and the constants (54809b5:86, 89); at sigma' = 0 its
+        # std is 0 and it still scores x' against the mean, as every other row.
         log_prob = _mean_over_sample(-((x_next - mean) ** 2))
-    else:
+    else:  # the Gaussian log-density averaged over the sample (sd3_sde_with_logprob.py:61-68)
         log_prob = _mean_over_sample(-((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI)
-    return StepOutput(x_next=x_next, log_prob=log_prob, mean=mean, std=std.reshape(-1))
+    std = std.reshape(-1)
+    return StepOutput(x_next=x_next, log_prob=log_prob, mean=mean, std=std,
+                      std_dev_t=std if std_dev_t is None else std_dev_t.reshape(-1))
+
+
+def score_rows(cfg: "SamplingConfig", x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, timesteps: list[int],
+               x_next: Tensor) -> StepOutput:
+    """`sde_step` scoring rows at different timesteps (a TSP micro-batch): one call per distinct
+    noise level (a windowed sampler is deterministic outside its window), rows put back in order."""
+    levels = [cfg.noise_level_at(t) for t in timesteps]
+    if len(set(levels)) == 1:
+        return sde_step(x, v, sigma, sigma_next, sde_type=cfg.sde_type, noise_level=levels[0], x_next=x_next)
+    parts, order = [], []
+    for level in sorted(set(levels)):
+        rows = torch.tensor([j for j, l in enumerate(levels) if l == level], device=x.device)
+        parts.append(sde_step(x[rows], v[rows], sigma[rows], sigma_next[rows], sde_type=cfg.sde_type,
+                              noise_level=level, x_next=x_next[rows]))
+        order.append(rows)
+    inverse = torch.argsort(torch.cat(order))
+    return StepOutput(*(torch.cat([getattr(p, k) for p in parts])[inverse]
+                        for k in ("x_next", "log_prob", "mean", "std", "std_dev_t")))
 
 
 # ----- the denoising loop -----------------------------------------------------------------------
@@ -175,6 +199,9 @@ class SamplingConfig:
     num_frames: int | None = None
     sde_window: tuple[int, int] | None = None
     """Flow-GRPO-Fast / MixGRPO: SDE steps only for t in [start, end), ODE elsewhere."""
+    quantize_timestep: bool = False
+    """Feed the model int(sigma * 1000) / 1000 (DanceGRPO train_grpo_flux.py:231, 238); the step
+    itself uses the exact sigma."""
 
     @classmethod
     def for_adapter(cls, adapter: "DiTAdapter", **overrides) -> "SamplingConfig":
@@ -204,6 +231,13 @@ class SamplingConfig:
             if not 0 <= start < end <= self.num_steps:
                 raise ValueError(f"sde window {self.sde_window} must satisfy 0 <= start < end <= {self.num_steps}")
 
+    def model_sigma(self, sigma: Tensor) -> Tensor:
+        """The sigma the model sees: exact, or truncated to thousandths in float32 as DanceGRPO
+        computes int(sigma * 1000) and FLUX receives it divided by 1000."""
+        if not self.quantize_timestep:
+            return sigma
+        return torch.floor(sigma.float() * 1000) / 1000
+
     def noise_level_at(self, t: int) -> float:
         if self.sde_window is None or self.sde_window[0] <= t < self.sde_window[1]:
             return self.noise_level
@@ -228,7 +262,9 @@ def sigmas_for(adapter: "DiTAdapter", cfg: SamplingConfig) -> Tensor:
 def guided_velocity(adapter: "DiTAdapter", x: Tensor, sigma: Tensor, cond: Conditioning,
                     neg_cond: Conditioning | None, cfg: SamplingConfig) -> Tensor:
     """Velocity with the family's guidance: the guidance embedding and/or CFG. Training calls this
-    too, so the log-prob is taken on the same guided velocity with the same scale (docs/ALGORITHMS.md)."""
+    too, so the log-prob is taken on the same guided velocity with the same scale (docs/ALGORITHMS.md).
+    `sigma` is the step's exact sigma; the model sees `cfg.model_sigma(sigma)`."""
+    sigma = cfg.model_sigma(sigma)
     v = adapter.velocity(x, sigma, cond, cfg.guidance)
     if cfg.cfg_scale == 1.0:
         return v

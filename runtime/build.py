@@ -31,7 +31,7 @@ from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
 from prompts import shapes as buckets
 from prompts.sets import eval_records, load_prompts
-from rewards import RewardSet, reward_model_paths
+from rewards import RewardSet, parse_reward_specs, reward_model_paths
 from rl import algorithms, sampler
 from rollout import Generator, VersionSync, generator_step
 from runtime import guard as runguard
@@ -249,7 +249,7 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     sampling = sampler.SamplingConfig.for_adapter(
         adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
         noise_level=s.noise_level, guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed,
-        num_frames=s.num_frames, sde_window=s.sde_window)
+        num_frames=s.num_frames, sde_window=s.sde_window, quantize_timestep=s.quantize_timestep)
     adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails alike everywhere
     records = load_prompts(cfg.rl.prompts)
     shapes = buckets.shape_table(adapter, records, sampling, cfg.rl.prompts)  # before any wait: names a bad line
@@ -275,7 +275,7 @@ def _build_generator(r: Rank, layouts: dict, version: int) -> None:
     if not topo.is_generator(rank):
         return
     scorer = RemoteScorer(topo.scorer_ranks) if topo.scorer_ranks else LocalScorer(_reward_set(ctx.cfg, ctx.device))
-    r.generator = _generator(ctx, scorer)
+    r.generator = _generator(ctx, scorer, r.store)
     if layouts:
         release_other_blocks(ctx.adapter, layouts[rank].blocks)
         r.replica = PipelinedReplica(r.generator, layouts[rank])
@@ -292,7 +292,7 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
     if facts.tag:
         helper = GroupAssistant if facts.train_sharding == "fsdp" else Assistant  # FSDP trainers generate together
         replica_s = sum(speeds[g]["generate_s"] for g in topo.generator_ranks) / len(topo.generator_ranks)
-        r.assistant = helper(ctx, _generator(ctx, LocalScorer(_reward_set(cfg, ctx.device))), r.store,
+        r.assistant = helper(ctx, _generator(ctx, LocalScorer(_reward_set(cfg, ctx.device)), r.store), r.store,
                              facts.num_trainers, topo.trainer_ranks.index(rank),
                              trainer_ratio=speeds[rank]["generate_s"] / replica_s)
     if facts.disagg:  # with TCSS the sending trainer keeps the last two versions for checkpoints
@@ -306,12 +306,14 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
                                facts.resume is not None and facts.resume.has_stale, r.store)
 
 
-def _generator(ctx: RankContext, scorer) -> Generator:
+def _generator(ctx: RankContext, scorer, store: StepStore) -> Generator:
     cfg = ctx.cfg
+    weights = tuple(parse_reward_specs(cfg.rl.reward, reward_model_paths(cfg.rl.reward_model)))
+    rule = algorithms.algorithm(cfg.rl.algorithm).advantages(cfg.rl, weights)
     return Generator(ctx.adapter, ctx.sampling, scorer, ctx.records, seed=cfg.seed,
                      negative_prompt=cfg.sampling.negative_prompt, same_group_noise=cfg.sampling.same_group_noise,
-                     adv_clip=cfg.rl.adv_clip, drop_zero_std=cfg.rl.drop_zero_std,
-                     autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype), slowdown=ctx.slowdown)
+                     rule=rule, store=store, autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype),
+                     slowdown=ctx.slowdown)
 
 
 def _reward_set(cfg: RunConfig, device) -> RewardSet:

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling = sampler.SamplingConfig.for_adapter(
         adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
         noise_level=s.noise_level, guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed,
-        num_frames=s.num_frames, sde_window=s.sde_window)
+        num_frames=s.num_frames, sde_window=s.sde_window, quantize_timestep=s.quantize_timestep)
     adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails before any work
     traj, images = sample_images(adapter, prompts, sampling, batch_size=args.batch_size,
                                  negative_prompt=s.negative_prompt)
