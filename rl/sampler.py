@@ -46,17 +46,24 @@ def flow_scheduler(adapter: "DiTAdapter") -> FlowMatchEulerDiscreteScheduler:
 
 def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, schedule: str,
                 image_seq_len: int | None = None, shift: float | None = None) -> Tensor:
-    """sigmas [K+1] float32 ending in 0, computed by diffusers' scheduler (docs/ALGORITHMS.md, "Timestep schedules").
+    """sigmas [K+1] float32 ending in 0 (docs/ALGORITHMS.md, "Timestep schedules"): diffusers'
+    scheduler's, or DanceGRPO's own.
 
     dynamic: linspace(1, 1/K, K) shifted by mu(image_seq_len) (FLUX, Qwen-Image pipelines);
     static:  the scheduler's own K-step schedule with a static shift (SD3, Wan, HunyuanVideo);
-    dance:   DanceGRPO's linspace(1, 0, K+1) with a static shift.
+    dance:   DanceGRPO's linspace(1, 0, K+1) with a static shift, in float32 as DanceGRPO computes it
+             without a scheduler (train_grpo_flux.py:127-128, 311-313): a float64 shift rounds one
+             sigma of K=50 the other way, and int(sigma * 1000) with it.
     """
     if num_steps < 1:
         raise ValueError(f"number of sampling steps must be >= 1, got {num_steps}")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
     config = dict(scheduler.config)
+    if schedule == "dance":
+        s = float(config.get("shift", 1.0) if shift is None else shift)
+        t = torch.linspace(1, 0, num_steps + 1, dtype=torch.float32)
+        return s * t / (1 + (s - 1) * t)
     if schedule == "dynamic":
         if image_seq_len is None:
             raise ValueError("the dynamic schedule needs image_seq_len")
@@ -69,10 +76,7 @@ def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, sche
         if shift is not None:
             overrides["shift"] = shift
         sched = FlowMatchEulerDiscreteScheduler.from_config({**config, **overrides})
-        if schedule == "static":
-            sched.set_timesteps(num_inference_steps=num_steps)
-        else:
-            sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
+        sched.set_timesteps(num_inference_steps=num_steps)
     sigmas = sched.sigmas.to(torch.float32).cpu()
     if sigmas.shape != (num_steps + 1,) or sigmas[-1] != 0:
         raise RuntimeError(f"the scheduler gave sigmas {sigmas.tolist()} for {num_steps} steps")
