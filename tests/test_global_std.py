@@ -6,6 +6,8 @@ against a batch-synchronous run (one replica generating the whole step as one fr
 import pytest
 import torch
 
+from config.cli import parse_config
+from config.validate import validate
 from rl import advantages
 from rl.advantages import AdvantageRule, best_of_n, fragment_advantages, readmitted, step_end
 from runtime.launch import TINY, torchrun, trained_weights
@@ -91,6 +93,24 @@ def test_streamed_global_advantages_times_the_scale_are_the_synchronous_ones(cli
     torch.testing.assert_close((u * end.scale * weight).float(), sync, rtol=1e-6, atol=1e-7)
     assert end.metrics["train/adv_clamped"] == len(end.rows) == (0 if clip == 5.0 else 2)  # group 0: |A| = 0.63
     assert all(not counted for _, counted in end.rows.values())  # corrections carry no KL, count no transition
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--best-of-n", "9"], "--best-of-n must be between 0 (all) and --group-size 8, got 9"),
+    (["--readmit-multiple", "4"], "--readmit-multiple 4 re-admits samples --drop-zero-std dropped"),
+    (["--readmit-multiple", "0", "--drop-zero-std"], "--readmit-multiple must be >= 1 (1 = none), got 0"),
+    (["--std-mode", "global", "--reward-combine", "losses"], "use --std-mode group"),
+    (["--reward-combine", "losses", "--reward", "jpeg_compressibility:-1"], "needs weights >= 0"),
+    (["--std-mode", "batch"], "unknown --std-mode 'batch'"),
+    (["--kl-form", "exact"], "unknown --kl-form 'exact'"),
+    (["--sde-type", "cps", "--beta", "0.01", "--timestep-fraction", "1.0", "--noise-level", "0.5"],
+     "trains the last step, whose std is 0"),
+])
+def test_options_name_the_bad_value(argv, message):
+    cfg = parse_config(["--preset", "tiny", *argv])
+    cfg.resolve_defaults()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(cfg, 2)
 
 
 # ----- in process: the trainer's gradient ------------------------------------------------------------
