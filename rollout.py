@@ -95,16 +95,20 @@ class Generator:
     def __init__(self, adapter, sampling: sampler.SamplingConfig, scorer, records, *, seed: int,
                  negative_prompt: str = "", same_group_noise: bool = False,
                  rule: advantages.AdvantageRule | None = None, store=None, autocast_ctx=None,
-                 slowdown: Slowdown | None = None):
+                 slowdown: Slowdown | None = None, clean_only: bool = False, policy=None):
         """`scorer`: a parallel.scoring.LocalScorer or RemoteScorer (a RewardSet is scored locally).
         `rule`: how rewards become advantages (default: group std, clamp 5); `store` receives each
         fragment's facts when the rule needs the end of the step. `slowdown` (--debug-slow-rank)
-        wraps all of this rank's generation work."""
+        wraps all of this rank's generation work. `clean_only`: the chunks carry the clean samples
+        only (DiffusionNFT trains no path). `policy`: a context that puts the sampling policy into
+        the model while this generator denoises (a trainer's `sampling_policy`, for ranks that
+        generate with the trainer's model)."""
         self.adapter, self.sampling, self.records = adapter, sampling, records
         self.scorer = scorer if hasattr(scorer, "submit") else LocalScorer(scorer)
         self.seed, self.negative_prompt = seed, negative_prompt
         self.same_group_noise, self.rule, self.store = same_group_noise, rule or advantages.AdvantageRule(), store
         self.autocast = autocast_ctx or contextlib.nullcontext
+        self.clean_only, self.policy = clean_only, policy or contextlib.nullcontext
         self.sigmas = sampler.sigmas_for(adapter, sampling)
         self.shapes: dict = {}  # shape key -> (its SamplingConfig, its sigmas): the dynamic shift depends on it
         self.slowdown = slowdown or Slowdown()
@@ -136,13 +140,15 @@ class Generator:
         """Sample a fragment's K steps at its shape, one chunk (micro-batch) per batch."""
         out = Denoised(fragment, [], [], [])
         cfg, sigmas = self.sampling_for(fragment.shape)
-        for chunk in fragment.chunks:
-            cond, neg = self.chunk_inputs(plan, chunk)
-            with self.autocast(), self.slowdown():
-                out.trajectories.append(sampler.denoise(self.adapter, cond, neg, list(chunk.sample_ids), plan.step,
-                                                        cfg, init_ids=self.init_ids(plan, chunk), sigmas=sigmas))
-            out.conds.append(cond)
-            out.negs.append(neg)
+        with self.policy():
+            for chunk in fragment.chunks:
+                cond, neg = self.chunk_inputs(plan, chunk)
+                with self.autocast(), self.slowdown():
+                    out.trajectories.append(sampler.denoise(self.adapter, cond, neg, list(chunk.sample_ids),
+                                                            plan.step, cfg, init_ids=self.init_ids(plan, chunk),
+                                                            sigmas=sigmas))
+                out.conds.append(cond)
+                out.negs.append(neg)
         return out
 
     @staticmethod
@@ -154,7 +160,7 @@ class Generator:
         """Denoise one sample of an empty prompt and keep nothing: the transformer forwards of a
         chunk, for ranks whose collectives must pair up with another rank's chunk (FSDP TAG)."""
         cond, neg = encode_batch(self.adapter, [""], self.negative_prompt, self.sampling)
-        with self.autocast(), self.slowdown():
+        with self.policy(), self.autocast(), self.slowdown():
             sampler.denoise(self.adapter, cond, neg, [0], step, self.sampling, sigmas=self.sigmas)
 
     def submit(self, plan: StepPlan, denoised: Denoised, version: int) -> Scoring:
@@ -185,9 +191,12 @@ class Generator:
         d = scoring.denoised
         for chunk, traj, cond, neg in zip(fragment.chunks, d.trajectories, d.conds, d.negs):
             sl = slice(start, start + len(chunk.sample_ids))
+            latents, log_probs = traj.latents, traj.log_probs
+            if self.clean_only:  # DiffusionNFT: the clean samples (n, 1, ...), no log-probs (n, 0)
+                latents, log_probs = latents[:, -1:].contiguous(), log_probs[:, :0].contiguous()
             chunks.append(TrainChunk(plan.step, fragment.index, chunk.index, scoring.version,
-                                     torch.tensor(chunk.sample_ids, dtype=torch.int64), traj.latents.cpu(),
-                                     traj.log_probs.cpu(), adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(),
+                                     torch.tensor(chunk.sample_ids, dtype=torch.int64), latents.cpu(),
+                                     log_probs.cpu(), adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(),
                                      cond.to("cpu"), neg.to("cpu") if neg is not None else None))
             start = sl.stop
         rewards = {name: v.float().cpu().tolist() for name, v in scores.items()}

@@ -11,10 +11,16 @@ Without TSP a chunk of samples goes whole to one trainer, which runs one forward
 timestep. With --tsp every trainer receives a `TransitionBatch`: its share of each fragment's
 transitions, packed by `parallel.tsp` into micro-batches that mix samples and timesteps. Which of
 the two a run uses is its intake's choice (parallel/intake.py).
+
+DiffusionNFT (--algorithm nft) trains the same way on clean records: a transition is a (sample,
+sigma) pair whose clean latent the trainer noises itself, against the old policy this trainer keeps
+(rl/old_policy.py), which is also what it publishes for the generators to sample with.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -25,14 +31,15 @@ from torch.utils.checkpoint import checkpoint
 
 from rl import algorithms
 from rl import sampler
-from rl.advantages import StepEnd, step_end
+from rl.advantages import StepEnd
 from rl.gradients import SplitGradients
 from config.schema import RunConfig
 from models import DiTAdapter, autocast
 from models.lora import trainable_names
+from rl import nft, old_policy
 from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
-from parallel import compress, stepfacts
+from parallel import compress, forwards, stepfacts
 from parallel.fsdp import copy_full, count_allgathers, full_tensor, shard_modules
 from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
 from parallel.publish import WeightPublisher
@@ -56,8 +63,10 @@ class Transitions:
     neg: Conditioning | None
     logp_old: Tensor  # (n,)
     adv: Tensor  # (n,), or (n, R) with one advantage per reward (--reward-combine losses)
-    weight: Tensor  # (n,) the weight of each policy term: 1, or a correction's (rl.advantages.step_end)
-    counted: Tensor  # (n,) bool: carries its KL term and statistics (False: a correction)
+    sample_ids: list[int] | None = None  # n sample ids of the step (the keys of forward-process noise)
+    step: int | None = None  # the step the transitions belong to (its window, its noise)
+    weight: Tensor | None = None  # (n,) each policy term's weight: 1 (None), or a correction's (rl.advantages)
+    counted: Tensor | None = None  # (n,) bool: carries its KL term and statistics (None: all; False: a correction)
 
 
 class Trainer:
@@ -87,6 +96,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.learning_rate(), betas=tuple(cfg.optim.adam_betas),
                                            weight_decay=cfg.optim.weight_decay)
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
+        # DiffusionNFT's old policy: what the generators sample with and the loss contrasts against.
+        self.old = old_policy.OldPolicy(self.params, old_policy.schedule(cfg.rl.old_policy_decay),
+                                        cfg.rl.old_policy_interval) if self.loss.forward_process else None
         self.num_updates = 0
         self.skips = SkipTracker(cfg.optim.max_skipped_steps)  # steps with non-finite values (rl/nonfinite.py)
         self.current_step: int | None = None  # the step being trained (its update makes version step+1)
@@ -160,7 +172,7 @@ class Trainer:
         cond = item.cond.to(self.device)
         neg = item.neg_cond.to(self.device) if item.neg_cond is not None else None
         packed = isinstance(item, TransitionBatch)
-        for key, rows in self._forwards(item, end):
+        for key, rows in forwards.forwards(item, self.spec, end):
             if not rows:  # padding keeps FSDP ranks' forward counts equal (the end's: in train_again)
                 if end is None and (not packed or self.sharding == "fsdp"):
                     self._start_forward()
@@ -173,26 +185,6 @@ class Trainer:
 
     train_chunk = train_transitions = train  # the names the tests and helpers know
 
-    def _forwards(self, item, end: StepEnd | None) -> list[tuple[int, list[tuple[int, float, bool]]]]:
-        """(timestep or first row, rows) of every forward `item` needs: per timestep of a chunk,
-        per micro-batch of a TSP share; rows are (row, policy weight, counted), empty where
-        nothing of the forward is trained now (the kept rows, or at the end its samples')."""
-        ids = item.sample_ids.tolist()
-        if isinstance(item, TransitionBatch):
-            return [(lo, [(lo + j, w, c) for j, w, c in self._rows(ids[lo:hi], item.keep[lo:hi], end)])
-                    for lo, hi in item.bounds()]
-        chosen = self._rows(ids, item.keep, end)
-        return [(t, [r for r in chosen if t in self.spec.timesteps(item.step, ids[r[0]])])
-                for t in self.spec.forward_timesteps(item.step, tuple(ids))]
-
-    @staticmethod
-    def _rows(sample_ids: list[int], keep: Tensor, end: StepEnd | None) -> list[tuple[int, float, bool]]:
-        """(row, policy weight, counted) of the rows trained now: the kept ones, or at the step's
-        end those of its samples trained again."""
-        if end is None:
-            return [(j, 1.0, True) for j in range(len(sample_ids)) if keep[j]]
-        return [(j, *end.rows[i]) for j, i in enumerate(sample_ids) if i in end.rows]
-
     def _transitions(self, item, key: int, rows, cond, neg) -> Transitions:
         if isinstance(item, TransitionBatch):
             return self._packed_rows(item, rows, cond, neg)
@@ -202,11 +194,13 @@ class Trainer:
         dev, n = self.device, len(rows)
         whole = n == len(chunk.sample_ids)  # keep the generation batch intact: bitwise-equal forwards
         sel = torch.tensor([j for j, _, _ in rows])
-        return Transitions(chunk.latents[sel, t].to(dev), chunk.latents[sel, t + 1].to(dev),
+        x_t, x_next, logp = chunk.at(sel, t)
+        return Transitions(x_t.to(dev), x_next.to(dev),
                            chunk.sigmas[t].to(dev).expand(n), chunk.sigmas[t + 1].to(dev).expand(n), [t] * n,
                            cond if whole else cond.select(sel),
                            neg if (neg is None or whole) else neg.select(sel),
-                           chunk.log_probs[sel, t].to(dev), chunk.advantages[sel].to(dev), *_weights(rows, dev))
+                           logp.to(dev), chunk.advantages[sel].to(dev), chunk.sample_ids[sel].tolist(), chunk.step,
+                           *forwards.weights(rows, dev))
 
     def _packed_rows(self, batch: TransitionBatch, rows: list[tuple[int, float, bool]], cond, neg) -> Transitions:
         dev = self.device
@@ -215,23 +209,52 @@ class Trainer:
         return Transitions(batch.x_t[sel].to(dev), batch.x_next[sel].to(dev), batch.sigma[sel].to(dev),
                            batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
                            neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
-                           batch.advantages[sel].to(dev), *_weights(rows, dev))
+                           batch.advantages[sel].to(dev), batch.sample_ids[sel].tolist(), batch.step,
+                           *forwards.weights(rows, dev))
 
     def _forward(self, tr: Transitions, pad: bool = False) -> None:
         """One forward + backward of the loss of `tr`. Padding runs the same computation and
         collectives as a real forward (FSDP ranks must run equally many) and records nothing."""
         with self.slowdown():
-            with autocast(self.device, self.cfg.model.dtype):
-                v = sampler.guided_velocity(self.adapter, tr.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
-            out = sampler.score_rows(self.sampling, tr.x_t, v, tr.sigma, tr.sigma_next, tr.timesteps, tr.x_next)
-            mean_ref = sampler.score_rows(self.sampling, tr.x_t, self._reference_velocity(tr), tr.sigma,
-                                          tr.sigma_next, tr.timesteps, tr.x_t).mean if self.loss.needs_reference else None
-            policy, kl, stats = self.loss(out.log_prob, tr.logp_old, tr.adv, weight=tr.weight * (not pad),
-                                          counted=tr.counted & (not pad), mean=out.mean, mean_ref=mean_ref,
-                                          std=out.std, std_dev_t=out.std_dev_t)
+            if self.old is not None:  # every row weighs 1 (the global std, whose corrections weigh otherwise, is refused)
+                policy, stats = self._forward_process_loss(tr)
+                policy, kl = policy * (not pad), None
+            else:
+                with autocast(self.device, self.cfg.model.dtype):
+                    v = sampler.guided_velocity(self.adapter, tr.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
+                out = sampler.score_rows(self.sampling, tr.x_t, v, tr.sigma, tr.sigma_next, tr.timesteps, tr.x_next,
+                                         tr.step)
+                mean_ref = sampler.score_rows(self.sampling, tr.x_t, self._reference_velocity(tr), tr.sigma,
+                                              tr.sigma_next, tr.timesteps, tr.x_t, tr.step).mean \
+                    if self.loss.needs_reference else None
+                none = torch.zeros_like(out.log_prob)
+                policy, kl, stats = self.loss(out.log_prob, tr.logp_old, tr.adv, weight=none if pad else tr.weight,
+                                              counted=none.bool() if pad else tr.counted, mean=out.mean,
+                                              mean_ref=mean_ref, std=out.std, std_dev_t=out.std_dev_t)
             self.grads.backward(policy, kl)
         if not pad:
             self.loss_sums += stats
+
+    def _forward_process_loss(self, tr: Transitions) -> tuple[Tensor, Tensor]:
+        """DiffusionNFT (rl/nft.py): each transition's clean sample x0 noised at its sigma with the
+        noise keyed by (seed, step, sample, t), x_t = (1 - sigma) x0 + sigma eps; the old policy's and
+        the reference's velocities without gradient (before the trained forward: the old policy's
+        exchange writes the parameters in place), then the trained policy's."""
+        x0 = tr.x_t.float()
+        noised = dataclasses.replace(tr, x_t=nft.noised(x0, tr.sigma, tr.sample_ids, tr.timesteps, self.cfg.seed,
+                                                        tr.step))
+        with torch.no_grad(), self.old.swapped(), autocast(self.device, self.cfg.model.dtype):
+            v_old = sampler.guided_velocity(self.adapter, noised.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
+        v_ref = self._reference_velocity(noised) if self.loss.needs_reference else None
+        with autocast(self.device, self.cfg.model.dtype):
+            v = sampler.guided_velocity(self.adapter, noised.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
+        return self.loss(x0, noised.x_t, tr.sigma, v, v_old, tr.adv, v_ref)
+
+    def sampling_policy(self):
+        """The policy the generators sample with, in the parameters for a block (colocated ranks and
+        TAG helpers generate with the trainer's model): DiffusionNFT's old policy, else the trained
+        weights as they are."""
+        return self.old.swapped() if self.old is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def _reference_velocity(self, tr: Transitions) -> Tensor:
@@ -261,7 +284,7 @@ class Trainer:
         """The step's end: the transitions of the samples it trains again, from the items kept this
         step. FSDP ranks agree on the group's most such forwards first (their forwards are
         collectives) and pad to it. Returns this rank's count."""
-        count = sum(1 for item in self.items for _, rows in self._forwards(item, end) if rows)
+        count = sum(1 for item in self.items for _, rows in forwards.forwards(item, self.spec, end) if rows)
         target = self.num_forwards + count
         if self.sharding == "fsdp":
             target = self.num_forwards + int(self._all_reduce_max(float(count)))  # sync point: all trainers
@@ -287,7 +310,7 @@ class Trainer:
         names = self.loss.STATS + COUNTS
         host = torch.tensor([float(self.num_transitions)] + [self.counts[k] for k in COUNTS]
                             + [float(self.nonfinite_advantages)], dtype=torch.float64)
-        sums = self.loss.rescale(self.loss_sums, scale)
+        sums = self.loss.rescale(self.loss_sums, scale) if scale != 1.0 else self.loss_sums
         counts = torch.cat([host[:1], sums.cpu(), host[1:]])  # the step's one read of the loss sums
         if self.group is not None and dist.get_world_size(self.group) > 1:
             counts = counts.to(self._comm_device())
@@ -318,6 +341,8 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.num_updates += 1
+        if self.old is not None and not skip:
+            self.old.after_update(self.num_updates)  # NFT: the soft update, after the optimizer's
         if self.ema is not None and not skip:
             decay = min(self.cfg.optim.ema_decay, (1 + self.num_updates) / (10 + self.num_updates))
             with torch.no_grad():
@@ -364,66 +389,40 @@ class Trainer:
         wanted = set(names or self.names)
         return {n: full_tensor(p.detach()) for n, p in self.adapter.transformer.named_parameters() if n in wanted}
 
+    def _sampling_tensors(self, names: list[str]) -> dict[str, Tensor]:
+        """The (possibly sharded) tensors of the policy the generators sample with, by name."""
+        if self.old is None:
+            params = dict(self.adapter.transformer.named_parameters())
+            return {n: params[n] for n in names}
+        index = {n: i for i, n in enumerate(self.names)}
+        return {n: self.old.tensors[index[n]] for n in names}
+
+    def sampling_weights(self, names: list[str]) -> dict[str, Tensor]:
+        """Unsharded weights of the policy the generators sample with: the trained weights, or
+        DiffusionNFT's old policy (under FSDP a collective)."""
+        return {n: full_tensor(t.detach()) for n, t in self._sampling_tensors(names).items()}
+
     # ----- publication ----------------------------------------------------------------------
     def start_codec(self, spec: str, names: list[str], residual: dict[str, Tensor] | None = None) -> None:
         """Train through the lossy publication codec `spec` (parallel/compress.py) from the weights
         held now, going on from a resumed run's `residual` (a collective under FSDP)."""
-        self.codec = compress.Reconstruction(spec, self.full_weights(names), residual)
+        self.codec = compress.Reconstruction(spec, self.sampling_weights(names), residual)
 
     def make_version(self, names: list[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """The version this update makes, as (wire tensors, the weights receivers rebuild from
-        them); every trainer rank calls it (a collective under FSDP). With a lossy codec the
-        trainer adopts the rebuilt weights, so it trains the policy the generators sample with;
-        what the wire left out waits in the codec's residual."""
-        weights = self.full_weights(names)
+        them): the sampling policy's weights (DiffusionNFT: the old policy's). Every trainer rank
+        calls it (a collective under FSDP). With a lossy codec the trainer adopts the rebuilt
+        weights, so it trains against the policy the generators sample with; what the wire left out
+        waits in the codec's residual."""
+        weights = self.sampling_weights(names)
         if self.codec is None:
             return weights, weights
         wire, held = self.codec.publish(weights)
-        params = dict(self.adapter.transformer.named_parameters())
+        targets = self._sampling_tensors(list(held))
         with torch.no_grad():
             for n, t in held.items():
-                copy_full(params[n], t)
+                copy_full(targets[n], t)
         return wire, held
-
-
-
-
-
-def _weights(rows: list[tuple[int, float, bool]], device) -> tuple[Tensor, Tensor]:
-    """(policy weights (n,) float32, counted (n,) bool) of (row, weight, counted) triples."""
-    return (torch.tensor([w for _, w, _ in rows], dtype=torch.float32, device=device),
-            torch.tensor([c for _, _, c in rows], dtype=torch.bool, device=device))
-
-
-def fsdp_pad_target(plan, facts, intake) -> int:
-    """FSDP ranks run collectives inside every forward, so they must run equally many: the forward
-    count every trainer pads to (0 without FSDP). Colocated FSDP generation needs equal chunk counts."""
-    if facts.train_sharding != "fsdp":
-        return 0
-    counts = [len(f) for f in intake.forward_fragments(plan)]
-    if not facts.disagg:
-        gen = [sum(len(f.chunks) for f in plan.fragments if f.replica == r) for r in range(facts.topology.num_replicas)]
-        if len(set(gen)) > 1:
-            raise ValueError(f"--colocated-sharding fsdp needs every rank to generate equally many chunks, got {gen} "
-                             f"(choose --prompts-per-step, --group-size and --micro-batch so they divide evenly)")
-    if min(counts) == 0:
-        what = "transition (TSP)" if facts.tsp else "chunk"
-        raise ValueError(f"--train-sharding fsdp: trainer(s) {[i for i, c in enumerate(counts) if c == 0]} get no "
-                         f"{what}; use more samples per step or a smaller --micro-batch")
-    return max(counts)
-
-
-def _step_end(ctx, trainer: Trainer, plan, store, template) -> StepEnd:
-    """What the step's rewards decide once its last fragment is scored (rl.advantages.step_end):
-    read every fragment's facts from the store, train again what they say (streaming only: a
-    whole-step fragment applied it all when it was scored) and return the policy term's scale."""
-    step, whole = plan.step, len(plan.fragments) == 1
-    with ctx.tracer.span("step_end", "train", step):
-        facts = stepfacts.gather(store, step, len(plan.fragments))  # rank wait: the step's last fragment scored
-        end = step_end(trainer.rule, facts, whole_step=whole, seed=ctx.cfg.seed, step=step)
-        if not whole:
-            end.metrics["train/late_forwards"] = float(trainer.train_again(end, template))
-    return end
 
 
 def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[int, list[str]],
@@ -434,7 +433,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     publish version k+1 to every generator. With TAG, the `assistant` may generate fragments while
     this rank waits for one (under FSDP: the whole group, between forwards)."""
     tracer, topo, facts, intake, step = ctx.tracer, ctx.topo, ctx.facts, ctx.intake, plan.step
-    pad_to = fsdp_pad_target(plan, facts, intake)
+    pad_to = forwards.fsdp_pad_target(plan, facts, intake)
     streamed_end = trainer.rule.needs_step_end and len(plan.fragments) > 1  # else its fragment decided it all
     trainer.begin_step(keep_items=streamed_end, scale_later=streamed_end and trainer.rule.std_mode == "global")
     trainer.current_step = step
@@ -462,7 +461,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     if pad_to:
         with tracer.span("pad", "train", step):
             trainer.pad_forwards(pad_to, template)
-    end = _step_end(ctx, trainer, plan, store, template) if trainer.rule.needs_step_end else None
+    end = stepfacts.end_step(ctx, trainer, plan, store, template) if trainer.rule.needs_step_end else None
     t0 = time.perf_counter()
     with tracer.span("optimizer", "optimizer", step):
         stats = trainer.finish_step(end.scale if end is not None else 1.0)  # sync point: all trainers

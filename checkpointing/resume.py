@@ -73,11 +73,14 @@ def publish_start(facts, rank: int, trainer, publisher: publish.WeightPublisher,
             publisher.publish({n: weights[n] for n in publish_names[g]}, start, dst=g)
 
 
-def check_same_weights(adapter, names: list[str], version: int) -> None:
+def check_same_weights(adapter, names: list[str], version: int, held: dict | None = None) -> None:
     """Every rank holding the same version holds the same weights (same checkpoint, same seeded
-    LoRA init; TCSS generators resume one version behind the trainers)."""
-    params = dict(adapter.transformer.named_parameters())
-    local = (version, publish.state_checksum({n: full_tensor(params[n].detach()) for n in names}))
+    LoRA init; TCSS generators resume one version behind the trainers). `held`: the whole weights
+    this rank samples with when they are not its parameters' (a DiffusionNFT trainer: the old policy)."""
+    if held is None:
+        params = dict(adapter.transformer.named_parameters())
+        held = {n: full_tensor(params[n].detach()) for n in names}
+    local = (version, publish.state_checksum(held))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)  # sync point
     by_version: dict[int, set] = {}

@@ -55,6 +55,14 @@ class SamplingArgs:
                                         "(Flow-GRPO-Fast)", parse=lambda s: _parse_pair(s, ":", int, "--sde-window"),
                                   metavar="START:END")
     same_group_noise: bool = _f(False, "all samples of a group share their initial noise")
+    ode_solver: str = _f("euler", "deterministic (ODE) steps: euler, or dpm2 (DPM-Solver++(2M), second order after "
+                                  "the last SDE step; DiffusionNFT's rollout, MixGRPO-Flash's post-window solver)")
+    window_size: int = _f(4, "MixGRPO: steps in the sliding SDE / training window (MixGRPO: 4)")
+    window_stride: int = _f(1, "MixGRPO: steps the window moves at each shift (MixGRPO: 1; 0 freezes it)")
+    window_interval: int = _f(25, "MixGRPO: training steps between shifts of the window (MixGRPO: 25, Flash: 20)")
+    window_schedule: str = _f("progressive", "MixGRPO: progressive (moves by the stride every interval, back to 0 "
+                                             "after K-2, MixGRPO's scripts), progressive-clamp (stays at K-2) or "
+                                             "random (a seeded start every step)")
     quantize_timestep: bool = _f(False, "feed the model int(sigma*1000)/1000 as its timestep, in sampling and "
                                         "training, while the step uses the exact sigma (DanceGRPO; its recipes "
                                         "set it)")
@@ -64,8 +72,12 @@ class SamplingArgs:
 class RLConfig:
     prompts: str | None = _f(None, "prompt file (.txt one per line, or .jsonl with a 'prompt' field); "
                                    "default: data/shapes_train.txt")
-    reward: list = _f([], "reward NAME[:WEIGHT], repeatable (default: shapes:1.0)", action="append",
-                  metavar="NAME[:WEIGHT]")
+    reward: list = _f([], "reward NAME[:WEIGHT], or http://HOST:PORT/NAME[:WEIGHT] for a reward scored by a "
+                          "reward service (python -m scripts.reward_server), repeatable (default: shapes:1.0)",
+                  action="append", metavar="NAME[:WEIGHT]")
+    reward_timeout_s: float = _f(60.0, "a reward service must return a fragment's scores within this many seconds "
+                                       "of its sending, retries included (a restart within it loses no sample); "
+                                       "then the run stops, naming the URL and its answer")
     reward_model: list = _f([], "NAME=DIR: local weights folder of a model-based reward, repeatable",
                         action="append", metavar="NAME=DIR")
     steps: int = _f(50, "training steps (one optimizer update each)")
@@ -75,7 +87,9 @@ class RLConfig:
     algorithm: str = _f("flow_grpo", "RL algorithm: flow_grpo (trains the first int(frac*K) steps in order), "
                                      "dance_grpo (a random int(frac*(K-1)) of the steps before the last per sample; "
                                      "Bessel std + 1e-8), flow_grpo_fast (SDE and training only inside --sde-window; "
-                                     "old spelling: window)")
+                                     "old spelling: window), mixgrpo (SDE and training in a window that slides with "
+                                     "the step: --window-*), nft (DiffusionNFT: ODE rollout with the old policy, a "
+                                     "flow-matching loss on the clean samples)")
     timestep_fraction: float = _f(0.99, "fraction of the K steps trained (Flow-GRPO 0.99, DanceGRPO 0.6)")
     clip_range: float = _f(1e-4, "PPO clip range eps of the importance ratio")
     adv_clip: float = _f(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
@@ -95,6 +109,14 @@ class RLConfig:
                                   "trained ones are a multiple of M (Flow-GRPO's num_batches_per_epoch); 1 = none")
     best_of_n: int = _f(0, "train only the ceil(N/2) best and floor(N/2) worst samples of each group by advantage "
                            "(DanceGRPO's --bestofn); 0 = all")
+    nft_beta: float = _f(1.0, "DiffusionNFT: strength beta of the implicit positive and negative policies "
+                              "(NFT: 1.0 for GenEval, PickScore, HPSv2; 0.1 for OCR and the multi-reward run)")
+    old_policy_decay: str = _f("linear_to_0_5", "DiffusionNFT: the old policy's soft update old <- d old + (1-d) "
+                                                "theta after update u: copy (d=0), linear_to_0_5 (d=min(0.001 u, "
+                                                "0.5), NFT's default), delayed_linear_to_0_999 (NFT's OCR run) or "
+                                                "FLAT:UPRATE:UPHOLD (d=0 before FLAT, then "
+                                                "min((u-FLAT) UPRATE, UPHOLD))")
+    old_policy_interval: int = _f(1, "DiffusionNFT: optimizer updates between soft updates of the old policy")
 
 
 @dataclass

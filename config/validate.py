@@ -66,6 +66,10 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
     preflight.check_numbers(cfg)  # every range, in one place
     preflight.check_choices(cfg)
     algo = algorithms.algorithm(rl.algorithm)
+    if algo.sliding_window and s.sde_window is not None:
+        raise ValueError(f"--algorithm {algo.name} slides its own window (--window-size, --window-stride, "
+                         f"--window-interval); --sde-window {s.sde_window[0]}:{s.sde_window[1]} fixes one: use "
+                         f"--algorithm flow_grpo_fast for a fixed window")
     if s.sde_window is not None:
         start, end = s.sde_window
         top = s.sample_steps if s.sample_steps is not None else end

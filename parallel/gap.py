@@ -214,8 +214,8 @@ class PipelinedReplica:
             v = adapter.head(states[0])
             if cfg.cfg_scale != 1.0:
                 v = adapter.combine_cfg(v, adapter.head(states[1]), cfg.cfg_scale)
-        out = sampler.sample_step(st.x_of[a.mb], v, sigmas, a.t, ids, plan.step, cfg)
-        st.x_of[a.mb] = out.x_next
+        out = sampler.sample_step(st.x_of[a.mb], v, sigmas, a.t, ids, plan.step, cfg, st.x0_of.pop(a.mb, None))
+        st.x_of[a.mb], st.x0_of[a.mb] = out.x_next, out.x0
         st.paths[a.mb][0].append(out.x_next)
         st.paths[a.mb][1].append(out.log_prob)
         if a.t + 1 < cfg.num_steps:
@@ -224,7 +224,7 @@ class PipelinedReplica:
             return
         lat, lps = st.paths.pop(a.mb)
         st.done[a.mb] = sampler.Trajectory(torch.stack(lat, dim=1), torch.stack(lps, dim=1), sigmas)
-        del st.x_of[a.mb]
+        del st.x_of[a.mb], st.x0_of[a.mb]
         members = [m for m, (f, _) in enumerate(st.chunks) if f.index == frag.index]
         if all(m in st.done for m in members):
             st.stream.push(self.gen.denoised(frag, [st.done.pop(m) for m in members],
@@ -243,6 +243,7 @@ class _StepState:
     conds: dict = field(default_factory=dict)   # mb -> (cond, neg)
     sides: dict = field(default_factory=dict)   # mb -> (side inputs of cond, of neg)
     x_of: dict = field(default_factory=dict)    # last stage: mb -> current latent
+    x0_of: dict = field(default_factory=dict)   # last stage: mb -> the last step's data prediction (dpm2)
     paths: dict = field(default_factory=dict)   # last stage: mb -> (latents, log_probs)
     done: dict = field(default_factory=dict)    # last stage: mb -> finished Trajectory
     sends: list = field(default_factory=list)

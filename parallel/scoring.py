@@ -4,6 +4,10 @@ Both scorers have one interface: `submit` a decoded fragment, later `wait` for i
 remote one sends the images to scorer rank `fragment % R` and returns at once, so the generator
 can denoise its next fragment while the scorer works; scores come back in submission order.
 The scorer rank computes the weighted combination too, so every placement combines bitwise alike.
+Rewards served over HTTP (rewards/remote.py) are sent at `submit` and collected at `wait`, so a
+local scorer with one lags like a remote one: the generator denoises its next fragment while the
+service scores. A scorer rank sends a fragment to the services before it computes its local
+rewards, and answers the generator before it takes its next fragment.
 """
 from __future__ import annotations
 
@@ -25,17 +29,18 @@ class Ticket:
 
 
 class LocalScorer:
-    """Scores on this rank, at once."""
-
-    remote = False
+    """Scores on this rank: at once, or (rewards served over HTTP) when the services answer."""
 
     def __init__(self, rewards):
         self.rewards = rewards  # a rewards.RewardSet
+        self.remote = rewards.remote  # the services score while this rank denoises the next fragment
 
     def submit(self, step: int, fragment: int, images: Tensor, prompts: list[str], metadata: list[dict]) -> Ticket:
-        return Ticket(step, fragment, self.rewards.score_combined(images, prompts, metadata))
+        return Ticket(step, fragment, handle=self.rewards.submit(images, prompts, metadata))
 
     def wait(self, ticket: Ticket) -> dict[str, Tensor]:
+        if ticket.scores is None:
+            ticket.scores = ticket.handle.result()  # waits for the reward services, if any
         return ticket.scores
 
 

@@ -16,6 +16,7 @@ trainer scores the fragments it generates itself; scorer ranks score the replica
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -158,6 +159,11 @@ class Assistant:
         if not self.tracker.ready or self.board.num_claimed() >= self.board.n:
             return None
         costs = self.tracker.costs(chunks_per_fragment=self.intake.chunks_per_fragment(self.plan))
+        # The tracker learns seconds per trained transition: this step's fragments train their own
+        # counts (a sliding window, MixGRPO, trains fewer steps near the end of the schedule).
+        counts = [self.intake.fragment_transitions(self.plan, f) for f in range(len(self.plan.fragments))]
+        costs = dataclasses.replace(costs, train_fragment_s=costs.train_fragment_s * counts[0],
+                                    train_scale=[n / counts[0] for n in counts])
         decision = decide(self._state(costs), costs, self.num_trainers, claims_per_window=claims_per_window)
         if self.predicted_s is None:
             self.predicted_s = decision.predicted_s
@@ -199,9 +205,10 @@ class Assistant:
     def observe_training(self, seconds: dict[int, float]) -> None:
         """This trainer's seconds of training on each fragment it had a share of, in the unit of
         `Costs.train_fragment_s` (the trainer group's wall time per fragment, as if every trainer
-        took an equal share; the intake converts)."""
+        took an equal share; the intake converts) per trained transition of the fragment."""
         for f, s in seconds.items():
-            self.tracker.observe_train_fragment(self.intake.fragment_seconds(self.plan, f, s))
+            self.tracker.observe_train_fragment(self.intake.fragment_seconds(self.plan, f, s)
+                                                / self.intake.fragment_transitions(self.plan, f))
 
     def end_step(self) -> dict:
         for h in self.sends:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from rl.advantages import STD_EPS, AdvantageRule
 from rl.loss import ClippedPolicyLoss
+from rl.nft import NFTLoss
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,11 @@ class Algorithm:
     """rl.timesteps rule: first, random or window (each trains int(candidates x fraction) steps)"""
     needs_window: bool = False
     """the SDE runs only inside --sde-window (ODE elsewhere), and only the window is trained"""
+    sliding_window: bool = False
+    """the window moves with the training step (MixGRPO: --window-size, --window-stride, ...)"""
+    forward_process: bool = False
+    """trains clean samples noised on the trainers (DiffusionNFT): generators sample with the ODE by
+    default and the old policy, fragments carry clean latents (no trajectory, no log-probability)"""
     std_ddof: int = 0
     """the advantage std: 0 the population std (Flow-GRPO, np.std), 1 Bessel-corrected (DanceGRPO, torch.std)"""
     std_eps: float = STD_EPS
@@ -29,8 +35,10 @@ class Algorithm:
     quantize_timestep: bool = False
     """its authors feed the model int(sigma * 1000) / 1000, which its recipes set with --quantize-timestep"""
 
-    def loss(self, rl) -> ClippedPolicyLoss:
+    def loss(self, rl) -> ClippedPolicyLoss | NFTLoss:
         """The loss object of a run's [rl] config section."""
+        if self.forward_process:
+            return NFTLoss(rl.nft_beta, rl.beta, rl.adv_clip)
         return ClippedPolicyLoss(rl.clip_range, rl.beta, rl.kl_form)
 
     def advantages(self, rl, weights: tuple[tuple[str, float], ...] = ()) -> AdvantageRule:
@@ -47,6 +55,10 @@ ALGORITHMS = {a.name: a for a in (
               std_ddof=1, std_eps=1e-8, quantize_timestep=True),
     Algorithm("flow_grpo_fast", "Flow-GRPO-Fast: SDE and training only inside --sde-window", "window",
               needs_window=True, std_mode="global"),
+    Algorithm("mixgrpo", "MixGRPO: SDE and training only inside a window that slides along the steps", "window",
+              sliding_window=True),
+    Algorithm("nft", "DiffusionNFT: a reward-weighted flow-matching loss on clean samples against the old policy",
+              "subset", forward_process=True),
 )}
 ALIASES = {"window": "flow_grpo_fast"}
 """old spellings, accepted with a warning"""

@@ -18,12 +18,14 @@ from torch import Tensor
 
 from rl.seeding import initial_noise, step_noise
 from rl.conditioning import Conditioning
+from rl.window import WindowSchedule
 
 # Adapters (models.DiTAdapter) are passed in and used through their interface only: the sampler
 # imports no model family.
 
 SDE_TYPES = ("sde", "cps", "dance")
 SCHEDULES = ("dynamic", "static", "dance")
+ODE_SOLVERS = ("euler", "dpm2")
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -93,6 +95,7 @@ class StepOutput:
     std_dev_t: Tensor  # (B,) float32: the std the peer's step function returns and Flow-GRPO's KL divides
     #                    by: std_t without sqrt(-dt) for sde (sd3_sde_with_logprob.py:47), the step's std for
     #                    cps (54809b5:71) and dance (train_grpo_flux.py:148)
+    x0: Tensor | None = None  # (B, ...) float32 x - sigma v, the data prediction a multistep solver keeps
 
 
 def _bcast(v: Tensor | float, like: Tensor) -> Tensor:
@@ -164,10 +167,11 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
 
 
 def score_rows(cfg: "SamplingConfig", x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, timesteps: list[int],
-               x_next: Tensor) -> StepOutput:
-    """`sde_step` scoring rows at different timesteps (a TSP micro-batch): one call per distinct
-    noise level (a windowed sampler is deterministic outside its window), rows put back in order."""
-    levels = [cfg.noise_level_at(t) for t in timesteps]
+               x_next: Tensor, step: int | None = None) -> StepOutput:
+    """`sde_step` scoring rows at different timesteps (a TSP micro-batch) of training step `step`:
+    one call per distinct noise level (a windowed sampler is deterministic outside its window),
+    rows put back in order."""
+    levels = [cfg.noise_level_at(t, step) for t in timesteps]
     if len(set(levels)) == 1:
         return sde_step(x, v, sigma, sigma_next, sde_type=cfg.sde_type, noise_level=levels[0], x_next=x_next)
     parts, order = [], []
@@ -202,7 +206,11 @@ class SamplingConfig:
     seed: int = 0
     num_frames: int | None = None
     sde_window: tuple[int, int] | None = None
-    """Flow-GRPO-Fast / MixGRPO: SDE steps only for t in [start, end), ODE elsewhere."""
+    """Flow-GRPO-Fast: SDE steps only for t in [start, end), ODE elsewhere."""
+    window_schedule: WindowSchedule | None = None
+    """MixGRPO: the window of each training step (rl/window.py), in place of a fixed sde_window."""
+    ode_solver: str = "euler"
+    """deterministic steps: euler, or dpm2 (DPM-Solver++(2M) after the last SDE step; docs/ALGORITHMS.md)"""
     quantize_timestep: bool = False
     """Feed the model int(sigma * 1000) / 1000 (DanceGRPO train_grpo_flux.py:231, 238); the step
     itself uses the exact sigma."""
@@ -230,6 +238,8 @@ class SamplingConfig:
             raise ValueError(f"number of sampling steps must be >= 1, got {self.num_steps}")
         if not (math.isfinite(self.cfg_scale) and self.cfg_scale >= 1):
             raise ValueError(f"cfg scale must be >= 1 (1 disables CFG), got {self.cfg_scale}")
+        if self.ode_solver not in ODE_SOLVERS:
+            raise ValueError(f"unknown ODE solver {self.ode_solver!r}; choose one of {ODE_SOLVERS}")
         if self.sde_window is not None:
             start, end = self.sde_window
             if not 0 <= start < end <= self.num_steps:
@@ -242,10 +252,28 @@ class SamplingConfig:
             return sigma
         return torch.floor(sigma.float() * 1000) / 1000
 
-    def noise_level_at(self, t: int) -> float:
-        if self.sde_window is None or self.sde_window[0] <= t < self.sde_window[1]:
+    def window_at(self, step: int | None) -> tuple[int, int] | None:
+        """The SDE window of training step `step`: the fixed one, or the sliding window's."""
+        if self.window_schedule is None:
+            return self.sde_window
+        if step is None:
+            raise ValueError("a sliding SDE window (MixGRPO) needs the training step")
+        return self.window_schedule.window(step)
+
+    def noise_level_at(self, t: int, step: int | None = None) -> float:
+        window = self.window_at(step)
+        if window is None or window[0] <= t < window[1]:
             return self.noise_level
         return 0.0
+
+    def second_order_at(self, t: int, step: int | None = None) -> bool:
+        """dpm2 takes the multistep second-order update at deterministic step t after the last SDE
+        step, neither the first nor the last step (those stay first order, as NVlabs/DiffusionNFT
+        solver.py dpm_step and MixGRPO's post-window DPM-Solver++ take them)."""
+        if self.ode_solver != "dpm2" or not 0 < t < self.num_steps - 1 or self.noise_level_at(t, step) != 0:
+            return False
+        window = self.window_at(step)
+        return self.noise_level == 0 or window is None or t >= window[1]
 
 
 @dataclass
@@ -284,13 +312,36 @@ def initial_latents(cfg: SamplingConfig, step: int, init_ids: list[int], latent_
     return torch.stack([initial_noise(cfg.seed, step, i, latent_shape) for i in init_ids]).to(device)
 
 
+def dpm2_update(x: Tensor, x0: Tensor, x0_prev: Tensor, sigma_prev: float, sigma: float,
+                sigma_next: float) -> Tensor:
+    """DPM-Solver++(2M), data prediction, midpoint form, on the flow grid (alpha = 1 - sigma,
+    lambda = log(alpha / sigma)): x' = (sigma'/sigma) x - alpha' (e^-h - 1) (x0 + D1 / 2),
+    h = lambda' - lambda, D1 = (x0 - x0_prev) h / (lambda - lambda_prev) (Lu et al. 2022; diffusers'
+    DPMSolverMultistepScheduler with solver_type midpoint). Coefficients in float64."""
+    def lam(s: float) -> float:  # -inf at sigma = 1: the step after it is first order (D1 = 0)
+        return -math.inf if s >= 1.0 else math.log((1.0 - s) / s)
+
+    h = lam(sigma_next) - lam(sigma)
+    r0 = (lam(sigma) - lam(sigma_prev)) / h
+    coef = (1.0 - sigma_next) * math.expm1(-h)
+    return (sigma_next / sigma) * x.float() - coef * (x0 + 0.5 / r0 * (x0 - x0_prev))
+
+
 def sample_step(x: Tensor, v: Tensor, sigmas: Tensor, t: int, sample_ids: list[int], step: int,
-                cfg: SamplingConfig) -> StepOutput:
-    """Denoising step t of a batch: draw each sample's seeded step noise and take the SDE step.
-    The one step of rollout, whether one rank runs the whole DiT or GAP stages share it."""
-    eps = torch.stack([step_noise(cfg.seed, step, i, t, tuple(x.shape[1:])) for i in sample_ids]).to(x.device)
-    return sde_step(x, v, sigmas[t].item(), sigmas[t + 1].item(), sde_type=cfg.sde_type,
-                    noise_level=cfg.noise_level_at(t), noise=eps)
+                cfg: SamplingConfig, x0_prev: Tensor | None = None) -> StepOutput:
+    """Denoising step t of a batch: draw each sample's seeded step noise and take the SDE step (an
+    ODE step outside the step's window: Euler, or with dpm2 the multistep update from `x0_prev`,
+    the previous step's data prediction). The one step of rollout, whether one rank runs the whole
+    DiT or GAP stages share it; the returned x0 is the next step's `x0_prev`."""
+    level = cfg.noise_level_at(t, step)
+    sigma, sigma_next = sigmas[t].item(), sigmas[t + 1].item()
+    eps = (torch.stack([step_noise(cfg.seed, step, i, t, tuple(x.shape[1:])) for i in sample_ids]).to(x.device)
+           if level > 0 else torch.zeros_like(x, dtype=torch.float32))
+    out = sde_step(x, v, sigma, sigma_next, sde_type=cfg.sde_type, noise_level=level, noise=eps)
+    out.x0 = x.float() - sigma * v.float()
+    if x0_prev is not None and cfg.second_order_at(t, step):
+        out.x_next = out.mean = dpm2_update(x, out.x0, x0_prev, sigmas[t - 1].item(), sigma, sigma_next)
+    return out
 
 
 @torch.no_grad()
@@ -305,12 +356,12 @@ def denoise(adapter: "DiTAdapter", cond: Conditioning, neg_cond: Conditioning | 
     sigmas = sigmas_for(adapter, cfg) if sigmas is None else sigmas
     device = adapter.device
     x = initial_latents(cfg, step, sample_ids if init_ids is None else init_ids, latent_shape, device)
-    latents, log_probs = [x], []
+    latents, log_probs, x0 = [x], [], None
     for t in range(cfg.num_steps):
         sigma = sigmas[t].to(device).expand(len(sample_ids))
         v = guided_velocity(adapter, x, sigma, cond, neg_cond, cfg)
-        out = sample_step(x, v, sigmas, t, sample_ids, step, cfg)
-        x = out.x_next
+        out = sample_step(x, v, sigmas, t, sample_ids, step, cfg, x0)
+        x, x0 = out.x_next, out.x0
         latents.append(x)
         log_probs.append(out.log_prob)
     return Trajectory(latents=torch.stack(latents, dim=1), log_probs=torch.stack(log_probs, dim=1), sigmas=sigmas)

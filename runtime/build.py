@@ -16,6 +16,7 @@ import torch.distributed as dist
 from checkpointing import checkpoint
 from checkpointing import folder as runfolder
 from checkpointing import resume as runstate
+from config import preflight
 from config.schema import RunConfig
 from config.validate import RunFacts
 from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, set_attention
@@ -220,7 +221,8 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     begin = runstate.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
     log.std_history = begin.std_history
     all_names = _publish_names(ctx.adapter, facts.lora)
-    runstate.check_same_weights(ctx.adapter, all_names, begin.version)  # every rank starts from its version
+    held = trainer.sampling_weights(all_names) if trainer is not None else None  # NFT trainers: the old policy
+    runstate.check_same_weights(ctx.adapter, all_names, begin.version, held)  # every rank starts from its version
     layouts = _stage_layouts(ctx) if topo.gap_stages > 1 else {}
     shares = replica_speeds({g: speeds[g]["generate_s"] for g in topo.generator_ranks},
                             [topo.replica_ranks(r) for r in range(topo.num_replicas)])
@@ -245,11 +247,7 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     set_attention(adapter, cfg.model.attention)
     if facts.lora:
         apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
-    s = cfg.sampling
-    sampling = sampler.SamplingConfig.for_adapter(
-        adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
-        noise_level=s.noise_level, guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed,
-        num_frames=s.num_frames, sde_window=s.sde_window, quantize_timestep=s.quantize_timestep)
+    sampling = run_sampling(cfg, adapter)
     adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails alike everywhere
     records = load_prompts(cfg.rl.prompts)
     shapes = buckets.shape_table(adapter, records, sampling, cfg.rl.prompts)  # before any wait: names a bad line
@@ -275,7 +273,7 @@ def _build_generator(r: Rank, layouts: dict, version: int) -> None:
     if not topo.is_generator(rank):
         return
     scorer = RemoteScorer(topo.scorer_ranks) if topo.scorer_ranks else LocalScorer(_reward_set(ctx.cfg, ctx.device))
-    r.generator = _generator(ctx, scorer, r.store)
+    r.generator = _generator(ctx, scorer, r.store, r.trainer)
     if layouts:
         release_other_blocks(ctx.adapter, layouts[rank].blocks)
         r.replica = PipelinedReplica(r.generator, layouts[rank])
@@ -292,7 +290,8 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
     if facts.tag:
         helper = GroupAssistant if facts.train_sharding == "fsdp" else Assistant  # FSDP trainers generate together
         replica_s = sum(speeds[g]["generate_s"] for g in topo.generator_ranks) / len(topo.generator_ranks)
-        r.assistant = helper(ctx, _generator(ctx, LocalScorer(_reward_set(cfg, ctx.device)), r.store), r.store,
+        r.assistant = helper(ctx, _generator(ctx, LocalScorer(_reward_set(cfg, ctx.device)), r.store, trainer),
+                             r.store,
                              facts.num_trainers, topo.trainer_ranks.index(rank),
                              trainer_ratio=speeds[rank]["generate_s"] / replica_s)
     if facts.disagg:  # with TCSS the sending trainer keeps the last two versions for checkpoints
@@ -306,18 +305,36 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
                                facts.resume is not None and facts.resume.has_stale, r.store)
 
 
-def _generator(ctx: RankContext, scorer, store: StepStore) -> Generator:
+def run_sampling(cfg: RunConfig, adapter: DiTAdapter) -> sampler.SamplingConfig:
+    """The run's sampler: the flags over the family's defaults, and what the algorithm prescribes
+    (DiffusionNFT samples with the ODE unless --noise-level says otherwise; MixGRPO's window slides)."""
+    s, algo = cfg.sampling, algorithms.algorithm(cfg.rl.algorithm)
+    noise = 0.0 if s.noise_level is None and algo.forward_process else s.noise_level
+    sampling = sampler.SamplingConfig.for_adapter(
+        adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type, noise_level=noise,
+        guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed, num_frames=s.num_frames, sde_window=s.sde_window,
+        ode_solver=s.ode_solver, quantize_timestep=s.quantize_timestep)
+    if algo.sliding_window:
+        sampling.window_schedule = preflight.window_schedule(cfg, sampling.num_steps)
+    return sampling
+
+
+def _generator(ctx: RankContext, scorer, store: StepStore, trainer: Trainer | None) -> Generator:
+    """A rank's generator; on a rank that also trains (colocated, a TAG helper) it samples with the
+    trainer's sampling policy (DiffusionNFT: the old policy)."""
     cfg = ctx.cfg
     weights = tuple(parse_reward_specs(cfg.rl.reward, reward_model_paths(cfg.rl.reward_model)))
     rule = algorithms.algorithm(cfg.rl.algorithm).advantages(cfg.rl, weights)
     return Generator(ctx.adapter, ctx.sampling, scorer, ctx.records, seed=cfg.seed,
                      negative_prompt=cfg.sampling.negative_prompt, same_group_noise=cfg.sampling.same_group_noise,
                      rule=rule, store=store, autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype),
-                     slowdown=ctx.slowdown)
+                     slowdown=ctx.slowdown, clean_only=algorithms.algorithm(cfg.rl.algorithm).forward_process,
+                     policy=trainer.sampling_policy if trainer is not None else None)
 
 
 def _reward_set(cfg: RunConfig, device) -> RewardSet:
-    return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model))
+    return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model),
+                     timeout_s=cfg.rl.reward_timeout_s)
 
 
 def _member_groups(topo: Topology, rank: int, groups: ProcessGroups) -> list:

@@ -28,12 +28,10 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
     `progress`; a sample does not depend on its batch, so the batch size changes no score. The
     images are a tensor [n, 3, H, W] (videos [n, 3, F, H, W]) when they share one shape, else a list
     in record order (metrics.image_grid pads them to the largest)."""
-    ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None)
-    default = buckets.default_shape(sampling)
+    # Euler whatever the rollout's solver or window, so every algorithm is evaluated alike (NFT too)
+    ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None, window_schedule=None, ode_solver="euler")
     keep = len(records) if keep_images is None else min(keep_images, len(records))
-    by_shape: dict = {}
-    for j, r in enumerate(records):
-        by_shape.setdefault(buckets.record_shape(r, default), []).append(j)
+    by_shape = buckets.rows_by_shape(records, sampling)
     images, scores = [None] * keep, {}
     bar = tqdm(total=len(records), desc="evaluate", unit="sample", disable=not progress, dynamic_ncols=True,
                leave=False)
@@ -85,7 +83,8 @@ def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, log
     names = [buckets.shape_name(buckets.record_shape(r, default)) for r in records]
     share = buckets.evaluation_share(names, len(evaluators), evaluators.index(rank))
     rows = [j for j, _ in share]  # record j is sample j: its fixed seed
-    rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model))
+    rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model),
+                        timeout_s=cfg.rl.reward_timeout_s)
     with tracer.span("evaluate", "eval", done):
         scores, images = evaluate(adapter, sampling, [records[j] for j in rows], rewards,
                                   batch_size=cfg.rl.micro_batch, sample_ids=rows,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from config.schema import RunConfig
 from config.validate import RunFacts
 from models.released import count_parameters, meta_adapter
-from rewards import parse_reward_spec
+from rewards import parse_reward_spec, reward_url
 
 GiB = 1024 ** 3
 GPU_MEMORY = {"h100": 81559 * 2 ** 20, "h800": 81559 * 2 ** 20, "a100": 81920 * 2 ** 20, "h200": 143771 * 2 ** 20}
@@ -93,7 +93,7 @@ def estimate(cfg: RunConfig, facts: RunFacts, shape: Shape) -> dict[str, float]:
     weight_bytes = 4 if cfg.model.dtype in ("auto", "float32") else 2
     text_bytes = 4 if cfg.model.dtype == "float32" else 2
     transformer = p["transformer"] * weight_bytes
-    rewards = sum(REWARD_PARAMS.get(parse_reward_spec(spec)[0], 0) for spec in rl.reward)
+    rewards = sum(REWARD_PARAMS.get(parse_reward_spec(spec)[0], 0) for spec in rl.reward if not reward_url(spec))
     frozen = sum(v for k, v in p.items() if k.startswith("text_encoder")) * text_bytes + p["vae"] * 4 + rewards * 4
     branches = 2 if (cfg.sampling.cfg_scale or 1.0) > 1 else 1
     token_bytes = shape.tokens * shape.hidden * rl.micro_batch * branches  # a generation forward's (token, unit)s

@@ -342,9 +342,17 @@ PUBLISHED = {  # std mode, zero-advantage re-admission multiple (None: no filter
     "flow_grpo/sd35_medium.toml": ("global", 4, "rewards", 0),  # train_sd3.py:797-817, num_batches_per_epoch 4
     "flow_grpo/qwen_image.toml": ("global", None, "rewards", 0),
     "flow_grpo/wan2_1_t2v_14b.toml": ("group", 2, "rewards", 0),  # its config: global_std False
+    "flow_grpo/wan2_1_t2v_1_3b.toml": ("group", 2, "rewards", 0),
+    "flow_grpo/sd35_medium_ocr_http.toml": ("global", 4, "rewards", 0),  # general_ocr_sd3
     "dance_grpo/flux_dev.toml": ("group", None, "rewards", 0),
     "dance_grpo/hunyuan_video.toml": ("group", None, "losses", 8),  # train_grpo_hunyuan.py:394-477
 }
+
+
+def test_every_flow_and_dance_grpo_recipe_is_listed():
+    root = os.path.join(os.path.dirname(__file__), "..", "recipes")
+    found = {f"{d}/{f}" for d in ("flow_grpo", "dance_grpo") for f in os.listdir(os.path.join(root, d))}
+    assert found == set(PUBLISHED)
 
 
 @pytest.mark.parametrize("recipe", list(PUBLISHED))

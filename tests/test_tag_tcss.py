@@ -33,13 +33,15 @@ def test_training_seconds_are_observed_in_the_simulators_unit():
     plan = plan_step(0, seed=0, num_prompts=8, prompts_per_step=3, group_size=2, micro_batch=2, num_replicas=1,
                      num_trainers=2, fragment_groups=3)
     assert [c.trainer for c in plan.fragments[0].chunks] == [0, 1, 0]
-    spec = TrainingSpec("flow_grpo", 4, 0.99, 0, None)
+    spec = TrainingSpec("first", 4, 0.99, 0, None)
     for tsp, expected in ((False, 1.2 / 2 * 3 / 2), (True, 1.2)):
         ctx = SimpleNamespace(topo=SimpleNamespace(num_replicas=1))
         helper = Assistant(ctx, None, None, 2, 0)
         helper.plan, helper.intake = plan, make_intake(tsp, spec, (0, 1), lambda r: 0, micro_batch=2, me=0)
         helper.observe_training({0: 1.2})  # trainer 0's seconds on its share of fragment 0
-        assert helper.tracker.values["train_fragment_s"] == pytest.approx(expected)
+        # per trained transition: 6 samples x 3 trained timesteps of 4 (a window may change the count)
+        assert helper.intake.fragment_transitions(plan, 0) == 18
+        assert helper.tracker.values["train_fragment_s"] == pytest.approx(expected / 18)
 
 
 @pytest.fixture(scope="module")
