@@ -1,12 +1,15 @@
 """Checks that need neither a process group nor a loaded model, run by RunConfig.validate on every
-rank before any rank loads a weight or waits on another: every numeric flag against its range, every
-choice, the model folder's files (JSON that parses, safetensors files that are whole), the sample
-size against the model's packing (the families' class attributes and config.json, no weights), the
-prompt files against the rewards' grammars, and the test hooks' environment variables. Each error
-is a ValueError naming the flag, file or variable and the bad value.
+rank before any rank loads a weight or waits on another: every numeric flag against its range (and
+every float within float32's, which the weights and the optimizer compute in), every choice, every
+file the run reads (the model folder's JSON that parses, safetensors files whose headers agree with
+their bytes, no broken link or symlink loop; the reward models' folders), the sample size of the
+run and of every prompt against the model's packing (the families' class attributes and
+config.json, no weights), the prompts against the rewards' grammars, and the test hooks'
+environment variables. Each error is a ValueError naming the flag, file or variable and the bad value.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,18 +24,23 @@ from parallel import compress
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
 from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
-from prompts.sets import load_prompts
+from prompts import shapes as buckets
 from rl import algorithms, old_policy, sampler
 from rl.advantages import COMBINES, STD_MODES
 from rl.loss import KL_FORMS
 from rl.timesteps import trained_timesteps
 from rl.window import WINDOW_SCHEDULES, WindowSchedule
-from rewards import parse_reward_spec, reward_class
+from rewards import parse_reward_spec, reward_class, reward_model_paths
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 FOLDER_JSON = ("model_index.json", "digenrl.json", "config.json", "scheduler_config.json", "tokenizer_config.json",
                "tokenizer.json", "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4028e38
+RAISE_ENV = "DIGENRL_DEBUG_RAISE"  # test hook: RANK:STEP raises on that rank at that step (runtime/guard.py)
+# bytes per element of each safetensors dtype (the format's spec)
+SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                     "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
 
 
 def _finite(x) -> bool:
@@ -44,8 +52,21 @@ def _need(ok: bool, flag: str, value, what: str) -> None:
         raise ValueError(f"{flag} must be {what}, got {value}")
 
 
+def check_float32(cfg) -> None:
+    """Every float flag (and float pair) within float32's range: the weights, the optimizer and the
+    rewards compute in float32, where 1e39 is inf (an --lr of 1e39 overflowed inside AdamW)."""
+    for section in ("model", "sampling", "rl", "optim", "topology", "output"):
+        for f in dataclasses.fields(getattr(cfg, section)):
+            value = getattr(getattr(cfg, section), f.name)
+            values = value if isinstance(value, tuple) else (value,)
+            if any(isinstance(v, float) and math.isfinite(v) and abs(v) > FLOAT32_MAX for v in values):
+                raise ValueError(f"--{f.name.replace('_', '-')} {','.join(map(str, values))} is beyond float32's range "
+                                 f"(|x| <= {FLOAT32_MAX:.4g}), in which the run computes")
+
+
 def check_numbers(cfg) -> None:
     """Every numeric flag against its range, each once (config.validate calls this first)."""
+    check_float32(cfg)
     o, s, rl, t = cfg.optim, cfg.sampling, cfg.rl, cfg.topology
     for name, value in (("--steps", rl.steps), ("--prompts-per-step", rl.prompts_per_step),
                         ("--group-size", rl.group_size), ("--micro-batch", rl.micro_batch),
@@ -81,6 +102,12 @@ def check_numbers(cfg) -> None:
     betas = tuple(o.adam_betas)
     _need(len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas), "--adam-betas",
           ",".join(map(str, betas)), "two numbers in [0, 1)")
+    # AdamW's first update moves a weight by lr / (1 - beta1) and decays it by lr * weight_decay, each a
+    # float32 scalar (torch.optim.AdamW): beyond float32 they overflow at the first step
+    first_step = max(o.lr / (1 - betas[0]), o.lr * o.weight_decay)
+    _need(first_step <= FLOAT32_MAX, "--lr", o.lr, f"small enough that AdamW's first step (lr / (1 - beta1) = "
+          f"{o.lr / (1 - betas[0]):.3g}, lr x weight decay = {o.lr * o.weight_decay:.3g}) stays within float32 "
+          f"({FLOAT32_MAX:.4g})")
     _need(_finite(o.grad_clip) and o.grad_clip > 0, "--grad-clip", o.grad_clip, "a finite number > 0")
     _need(_finite(o.ema_decay) and 0 <= o.ema_decay < 1, "--ema-decay", o.ema_decay, "in [0, 1) (0 = off)")
     if o.lora_alpha is not None:
@@ -170,6 +197,10 @@ def check_environment() -> None:
     kill = os.environ.get(checkpoint.KILL_ENV, "").strip()
     if kill and not kill.isdigit():
         raise ValueError(f"{checkpoint.KILL_ENV}={kill!r} must be a checkpoint step (an integer) or unset")
+    fault = os.environ.get(RAISE_ENV, "").strip()
+    rank, _, step = fault.partition(":")
+    if fault and not (rank.isdigit() and step.isdigit()):
+        raise ValueError(f"{RAISE_ENV}={fault!r} must be RANK:STEP (the rank that raises, at which step) or unset")
 
 
 def _read_json(path: str):
@@ -178,11 +209,15 @@ def _read_json(path: str):
             return json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a symlink loop, a broken link, no permission
+        raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
 
 
 def check_safetensors(path: str) -> None:
-    """A safetensors file is whole: its header parses and the tensors it describes end exactly at
-    the end of the file (a truncated copy fails here, not inside the loader)."""
+    """A safetensors file is whole and agrees with itself: its header parses, every tensor's byte
+    range holds exactly its shape x dtype, and the ranges tile the data with no gap or overlap up
+    to the end of the file (a truncated copy, or a header edited to other shapes, fails here, not
+    inside the loader)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -191,28 +226,54 @@ def check_safetensors(path: str) -> None:
             raise ValueError(f"{path}: truncated or not a safetensors file ({size} bytes)")
         try:
             header = json.loads(f.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+            tensors = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]), k, [int(d) for d in v["shape"]],
+                              v["dtype"]) for k, v in header.items() if k != "__metadata__")
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             raise ValueError(f"{path}: damaged safetensors header ({e})") from None
-    if 8 + n + end != size:
-        raise ValueError(f"{path}: truncated or damaged: its header describes {8 + n + end} bytes, the file has "
+    position = 0
+    for begin, end, name, shape, dtype in tensors:
+        if begin != position:
+            raise ValueError(f"{path}: damaged safetensors header: {name!r} starts at byte {begin}, the tensor before "
+                             f"it ends at {position}")
+        if dtype in SAFETENSORS_BYTES and end - begin != math.prod(shape) * SAFETENSORS_BYTES[dtype]:
+            raise ValueError(f"{path}: damaged safetensors header: {name!r} is {dtype} {list(shape)}, "
+                             f"{math.prod(shape) * SAFETENSORS_BYTES[dtype]} bytes, but its range holds {end - begin}")
+        position = end
+    if 8 + n + position != size:
+        raise ValueError(f"{path}: truncated or damaged: its header describes {8 + n + position} bytes, the file has "
                          f"{size}")
 
 
 def check_folder_files(path: str) -> None:
-    """Every JSON file a diffusers folder reads parses; every safetensors file is whole."""
+    """Every file of a weights folder can be reached (a link that leads nowhere or loops is named;
+    os.walk does not follow links to folders), every JSON file it reads parses, every safetensors
+    file is whole."""
     for folder, _, names in os.walk(path):
         for name in sorted(names):
             full = os.path.join(folder, name)
+            try:
+                os.stat(full)
+            except OSError as e:
+                raise ValueError(f"{full}: cannot be read ({e.strerror})") from None
             if name in FOLDER_JSON:
                 _read_json(full)
             elif name.endswith(".safetensors"):
                 check_safetensors(full)
 
 
-def check_model(cfg) -> None:
-    """The model family, its folder, and the sample size, steps and noise against its defaults and
-    size factors, all without loading a weight."""
+def check_reward_models(cfg) -> None:
+    """Every --reward-model folder exists and its files are sound (the reward names what it lacks
+    when it loads, still before any rank waits)."""
+    for name, folder in reward_model_paths(cfg.rl.reward_model).items():
+        if not os.path.isdir(folder):
+            raise ValueError(f"--reward-model {name}={folder}: no such folder")
+        check_folder_files(folder)
+
+
+def check_model(cfg, prompts=()) -> None:
+    """The model family, its folder, and the sample size (the run's and every prompt's of
+    `prompts`, (file, record) pairs), steps and noise against its defaults and size factors, all
+    without loading a weight."""
     m, s = cfg.model, cfg.sampling
     cls = adapter_class(m.model)
     if m.model_path:
@@ -237,6 +298,7 @@ def check_model(cfg) -> None:
         cls.check_size(geometry, height, width, frames)
     except ValueError as e:
         raise ValueError(f"--height/--width/--num-frames: {e}") from None
+    _check_prompt_shapes(cls, geometry, (height, width, frames), prompts)
     steps = s.sample_steps if s.sample_steps is not None else defaults.num_steps
     if s.sde_window is not None and not s.sde_window[1] <= steps:
         raise ValueError(f"--sde-window {s.sde_window[0]}:{s.sde_window[1]} ends after the {steps} sampling steps")
@@ -271,15 +333,31 @@ def check_window(window: WindowSchedule, steps: int) -> None:
                          f"--sample-steps")
 
 
-def check_prompts(cfg) -> None:
+def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
+    """Each distinct shape a .jsonl prompt gives itself ((file, record) pairs), as the loaded
+    model's check would (prompts.shapes.check_shapes), from the size factors alone."""
+    seen = {default}
+    for path, r in prompts:
+        shape = buckets.record_shape(r, default)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        where = f"{path}:{r.line}"
+        if "frames" in r.metadata and not cls.video:
+            raise ValueError(f"{where}: 'frames' {r.metadata['frames']} given for {cls.family!r}, an image model")
+        try:
+            cls.check_size(geometry, *shape)
+        except ValueError as e:
+            raise ValueError(f"{where}: prompt shape {buckets.shape_name(shape)}: {e}") from None
+
+
+def check_prompts(cfg, prompt_sets) -> None:
     """Every training (and evaluated) prompt is one each reward can score: a grammar reward such as
-    shapes fails here, naming the file, line and prompt, not at step 0."""
+    shapes fails here, naming the file, line and prompt, not at step 0. `prompt_sets`: (path,
+    records) as the run read them."""
     checkers = [reward_class(parse_reward_spec(spec)[0]) for spec in cfg.rl.reward]
-    files = [(cfg.rl.prompts, None)]
-    if cfg.output.eval_every:
-        files.append((cfg.output.eval_prompts, cfg.output.eval_num_prompts))
-    for path, limit in files:
-        for n, record in enumerate(load_prompts(path)[:limit], 1):
+    for path, records in prompt_sets:
+        for n, record in enumerate(records, 1):
             for cls in checkers:
                 try:
                     cls.check_prompt(record.prompt)
@@ -287,9 +365,13 @@ def check_prompts(cfg) -> None:
                     raise ValueError(f"prompt file {path!r}, prompt {n}: {e}") from None
 
 
-def check_run(cfg) -> None:
-    """What config.validate checks after the flags: the environment, the model folder and sizes,
-    the prompt files' grammar."""
+def check_run(cfg, prompt_sets, weights: bool = True) -> None:
+    """What config.validate checks after the flags: the environment, the model folder and sizes
+    (every prompt's shape among them), the reward models' folders (unless not `weights`), the
+    prompts' grammar. `prompt_sets`: [(path, records)] of the training and evaluation prompts as
+    read once."""
     check_environment()
-    check_model(cfg)
-    check_prompts(cfg)
+    check_model(cfg, [(path, r) for path, records in prompt_sets for r in records])
+    if weights:
+        check_reward_models(cfg)
+    check_prompts(cfg, prompt_sets)

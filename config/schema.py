@@ -1,12 +1,16 @@
 """The run configuration: one tree of dataclasses. Each field's `help` is its --help text; every
-field is a flag (`--prompts-per-step`), the resolved tree is written to DIR/config.json."""
+field is a flag (`--prompts-per-step`), the resolved tree is written to DIR/config.json.
+
+config.json describes a run, never an action: the fields marked `carried=False` (where a run goes,
+whether it resumes or overwrites, the test hooks) are not read back from a --config file or a
+checkpoint, so relaunching a run's config.json starts a new run where the command line says."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 
+from checkpointing.files import write_json_atomic
 from config import files as configfile
 from models import model_names
 from rl import algorithms
@@ -21,7 +25,9 @@ LORA_LR, FULL_LR = 3e-4, 1e-5  # docs/ALGORITHMS.md: LoRA 3e-4, full fine-tuning
 
 def _f(default, help: str, **kw):
     """A config field: `help` is its --help text, `parse` (optional) turns the flag's string into
-    the field's typed value, `action="append"` makes it repeatable, `metavar` names its value."""
+    the field's typed value, `action="append"` makes it repeatable, `metavar` names its value,
+    `carried=False` keeps a --config file from setting it (`one_command=True` also keeps it out of
+    config.json: it is what one command does, not what the run is)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -181,10 +187,17 @@ class TopologyConfig:
 
 @dataclass
 class OutputConfig:
-    output_dir: str = _f("runs/default", "run folder: config.json, metrics.jsonl, tb/, trace/, checkpoints/")
-    resume: str | None = _f(None, "a run folder: continue from its newest valid checkpoint")
+    output_dir: str = _f("runs/default", "run folder: config.json, metrics.jsonl, tb/, trace/, checkpoints/; "
+                                         "never taken from --config", carried=False)
+    resume: str | None = _f(None, "a run folder: continue from its newest valid checkpoint, with that checkpoint's "
+                                  "config (flags override it; a change of what the weights mean is refused)",
+                            carried=False, one_command=True)
+    resume_anyway: bool = _f(False, "resume although the checkpoint comes from another run, or its seed, prompts or "
+                                    "training settings differ from this command's (each difference is named and "
+                                    "recorded in config.json's run.resumes)", carried=False, one_command=True)
     overwrite: bool = _f(False, "start over in an --output-dir that holds a run: remove its run files first (a run "
-                                "refuses such a folder otherwise)")
+                                "refuses such a folder otherwise, and a folder a live run holds always)",
+                         carried=False, one_command=True)
     save_every: int | None = _f(None, "save a checkpoint every N steps (default: every --steps/10, so an interrupted "
                                       "run loses at most a tenth of its steps; 0 = only at the end)")
     keep_checkpoints: int = _f(3, "keep the newest K checkpoints (0 = all); a checkpoint folder holding a file named "
@@ -199,10 +212,10 @@ class OutputConfig:
     trace: bool = _f(True, "write a Chrome trace per rank to DIR/trace/rank{R}.json")
     debug_link_bandwidth: float | None = _f(None, "MBPS: test-only, emulate a link of this many MB/s between "
                                                   "trainers and generators (publication waits each bucket's "
-                                                  "transfer time)", metavar="MBPS")
+                                                  "transfer time)", metavar="MBPS", carried=False)
     debug_slow_rank: tuple | None = _f(None, "R:FACTOR: test-only, rank R sleeps to run FACTOR x slower",
                                        parse=lambda s: _parse_pair(s, ":", (int, float), "--debug-slow-rank"),
-                                       metavar="R:FACTOR")
+                                       metavar="R:FACTOR", carried=False)
 
 
 @dataclass
@@ -218,11 +231,20 @@ class RunConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def save(self, path: str) -> None:
-        """config.json: the resolved tree, and the commit and package versions that ran it."""
+    def describe(self) -> dict:
+        """What config.json and a checkpoint record of the run: the tree without the actions of one
+        command (--resume, --resume-anyway, --overwrite)."""
+        tree = self.to_dict()
+        for section, name in ACTIONS:
+            tree[section].pop(name)
+        return tree
+
+    def save(self, path: str, run: dict | None = None) -> None:
+        """config.json, atomically: the resolved tree, the commit and package versions that ran it,
+        and `run` (its id, prompt digests and resumes: checkpointing/folder.py)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({**self.to_dict(), configfile.PROVENANCE: configfile.provenance()}, f, indent=2)
+        record = {**self.describe(), configfile.PROVENANCE: configfile.provenance()}
+        write_json_atomic(path, {**record, configfile.RUN: run} if run is not None else record)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
@@ -284,3 +306,14 @@ SECTIONS = {"model": ModelConfig, "sampling": SamplingArgs, "rl": RLConfig, "opt
              "topology": TopologyConfig, "output": OutputConfig}
 FLAGS = {"--" + f.name.replace("_", "-"): (section, f.name) for section, cls in SECTIONS.items()
           for f in dataclasses.fields(cls)}
+NOT_CARRIED = frozenset((section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+                        if f.metadata.get("carried") is False)
+"""(section, field) that a --config file or a resumed checkpoint never sets"""
+ACTIONS = tuple((section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+                if f.metadata.get("one_command"))
+"""(section, field) that config.json leaves out: what one command does"""
+
+
+def flag_of(key: str) -> str:
+    """'optim.lr' -> '--lr', 'seed' -> '--seed'."""
+    return "--" + key.rpartition(".")[2].replace("_", "-")

@@ -31,7 +31,6 @@ from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
 from prompts import shapes as buckets
-from prompts.sets import eval_records, load_prompts
 from rewards import RewardSet, parse_reward_specs, reward_model_paths
 from rl import algorithms, sampler
 from rollout import Generator, VersionSync, generator_step
@@ -57,6 +56,8 @@ class RankContext:
     records: list  # list[prompts.sets.PromptRecord]: the training prompt set
     intake: object  # parallel.intake.ChunkIntake or TransitionIntake: routing and the trainer's intake
     slowdown: Slowdown  # --debug-slow-rank: wraps every kind of this rank's work
+    rewards: RewardSet | None = None
+    """this rank's rewards (a generator's, a scorer's, a TAG trainer's), built before any rank waits"""
 
     @property
     def topo(self) -> Topology:
@@ -90,6 +91,8 @@ class Rank:
     """TCSS: (step, sends) still in flight"""
     saved: int = 0
     """the last step a checkpoint holds"""
+    run: dict = field(default_factory=dict)
+    """the run record (checkpointing/runrecord.py) that config.json and every checkpoint carry"""
 
     @property
     def cfg(self) -> RunConfig:
@@ -144,7 +147,7 @@ class Rank:
                                       lora, write=self.ctx.rank == self.topo.trainer_ranks[0],
                                       extra=runstate.extra_state(self.trainer, self.log.std_history, done),
                                       stale=self.publisher.kept(done - 1) if self.ctx.facts.tcss else None,
-                                      config=c.to_dict(), keep=c.output.keep_checkpoints,
+                                      config={**c.describe(), "run": self.run}, keep=c.output.keep_checkpoints,
                                       export_dtype=c.output.export_dtype)
         self.saved = done
 
@@ -153,7 +156,7 @@ class Rank:
         self.guard.set_phase("evaluation")
         c = self.ctx
         evaluate_on_trainers(c.cfg, c.adapter, c.sampling, c.topo, c.rank, done, self.log.logger, c.tracer,
-                             self.groups.trainers)
+                             self.groups.trainers, records=list(c.facts.eval_records))
 
     def finish(self) -> None:
         """After the last step (or a signal): the publications still addressed to generators are
@@ -207,10 +210,9 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
                               stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
                               groups=_member_groups(topo, rank, groups),
                               start_step=facts.resume.step if facts.resume else 0).start()
-    if rank == 0:
-        runfolder.prepare(cfg, facts.resume, say=runguard.say)  # before any other rank writes there
-    ctx, shapes = _context(cfg, facts, rank)
+    ctx, shapes = _context(cfg, facts, rank)  # every check that needs the model: nothing written yet
     speeds = probe.gather_speeds(ctx, cfg.output.output_dir, shapes)  # sync point: before FSDP shards the model
+    run = _prepare_folder(cfg, facts, rank, store)  # sync point: every rank passed its checks, the folder is ready
     if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
         shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
@@ -228,13 +230,34 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
                             [topo.replica_ranks(r) for r in range(topo.num_replicas)])
     publish_names = {g: _stage_names(ctx.adapter, all_names, layouts.get(g)) for g in topo.generator_ranks}
     r = Rank(ctx, store, groups, guard, log, begin.step, shares, shapes, publish_names, trainer=trainer,
-             saved=begin.step)
+             saved=begin.step, run=run)
     _build_generator(r, layouts, begin.version)
     if trainer is not None:
         _build_trainer_side(r, speeds, all_names)
     if topo.is_scorer(rank):
-        r.scorer_rewards = _reward_set(cfg, ctx.device)
+        r.scorer_rewards = ctx.rewards
     return r
+
+
+def _prepare_folder(cfg: RunConfig, facts: RunFacts, rank: int, store: StepStore) -> dict:
+    """Rank 0 clears or cuts back the run folder and writes config.json once every rank has loaded
+    and passed its checks (a user error found on the way leaves nothing behind); every rank then
+    reads the run record its checkpoints carry."""
+    if rank == 0:
+        run = runfolder.prepare(cfg, facts.resume, facts.digests, say=runguard.say)
+        store.put("run/record", run)
+    dist.barrier()  # sync point: the folder is ready before any rank writes into it
+    return store.get("run/record")
+
+
+def _load(cfg: RunConfig, device: torch.device) -> DiTAdapter:
+    """The base model; weights that do not fit the folder's config are a user error naming the folder."""
+    try:
+        return load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
+                          dtype=model_dtypes(cfg.model.dtype, device), device=device)
+    except ValueError as e:
+        where = f"--model-path {cfg.model.model_path}" if cfg.model.model_path else f"--preset {cfg.model.preset}"
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, object]:
@@ -242,19 +265,23 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
     topo = facts.topology
     device = _device(cfg)
     torch.manual_seed(cfg.seed)
-    adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
-                         dtype=model_dtypes(cfg.model.dtype, device), device=device)
+    adapter = _load(cfg, device)
+    if topo.gap_stages > len(adapter.blocks):
+        raise ValueError(f"--gap-stages {topo.gap_stages}: the model has {len(adapter.blocks)} DiT blocks, fewer than "
+                         f"the stages that would split them")
     set_attention(adapter, cfg.model.attention)
     if facts.lora:
         apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
     sampling = run_sampling(cfg, adapter)
     adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails alike everywhere
-    records = load_prompts(cfg.rl.prompts)
+    records = list(facts.prompts.records)  # as read before anything loaded
     shapes = buckets.shape_table(adapter, records, sampling, cfg.rl.prompts)  # before any wait: names a bad line
     if cfg.output.eval_every:
-        buckets.check_shapes(adapter, eval_records(cfg.output.eval_prompts, cfg.output.eval_num_prompts), sampling,
-                             cfg.output.eval_prompts)
+        buckets.check_shapes(adapter, facts.eval_records, sampling, cfg.output.eval_prompts)
     probe.check_memory_budget(cfg.topology.memory_budget_gb, adapter.transformer, facts)  # same on every rank
+    needs_rewards = (topo.is_generator(rank) and not topo.scorer_ranks) or topo.is_scorer(rank) or \
+        (facts.tag and topo.is_trainer(rank))
+    rewards = _reward_set(cfg, device) if needs_rewards else None  # a reward model's folder fails before any wait
     tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
                     sync=torch.cuda.synchronize if device.type == "cuda" else None)
     is_train = topo.is_trainer(rank)
@@ -263,7 +290,7 @@ def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, o
                          topo.trainer_ranks.index(rank) if is_train else None, tracer)
     slow = cfg.output.debug_slow_rank
     slowdown = Slowdown(slow[1] if slow and slow[0] == rank else 1.0)
-    return RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown), shapes
+    return RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown, rewards), shapes
 
 
 def _build_generator(r: Rank, layouts: dict, version: int) -> None:
@@ -272,7 +299,7 @@ def _build_generator(r: Rank, layouts: dict, version: int) -> None:
     rank = ctx.rank
     if not topo.is_generator(rank):
         return
-    scorer = RemoteScorer(topo.scorer_ranks) if topo.scorer_ranks else LocalScorer(_reward_set(ctx.cfg, ctx.device))
+    scorer = RemoteScorer(topo.scorer_ranks) if topo.scorer_ranks else LocalScorer(ctx.rewards)
     r.generator = _generator(ctx, scorer, r.store, r.trainer)
     if layouts:
         release_other_blocks(ctx.adapter, layouts[rank].blocks)
@@ -290,8 +317,7 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
     if facts.tag:
         helper = GroupAssistant if facts.train_sharding == "fsdp" else Assistant  # FSDP trainers generate together
         replica_s = sum(speeds[g]["generate_s"] for g in topo.generator_ranks) / len(topo.generator_ranks)
-        r.assistant = helper(ctx, _generator(ctx, LocalScorer(_reward_set(cfg, ctx.device)), r.store, trainer),
-                             r.store,
+        r.assistant = helper(ctx, _generator(ctx, LocalScorer(ctx.rewards), r.store, trainer), r.store,
                              facts.num_trainers, topo.trainer_ranks.index(rank),
                              trainer_ratio=speeds[rank]["generate_s"] / replica_s)
     if facts.disagg:  # with TCSS the sending trainer keeps the last two versions for checkpoints

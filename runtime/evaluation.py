@@ -69,13 +69,16 @@ def summarize(scores: dict[str, list[float]], shape_names: list[str] | None = No
     return out
 
 
-def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, logger, tracer, group) -> None:
+def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, logger, tracer, group,
+                         records=None) -> None:
     """During training: trainer ranks hold the newest version (k+1 right after update k) and the
     whole model, so they evaluate. The held-out prompts of each shape are split evenly over them
     (equal counts, so FSDP ranks run equally many forwards); results are gathered on the first
-    trainer, which logs. Other ranks return at once."""
+    trainer, which logs. Other ranks return at once. `records`: the held-out records as the run
+    read them before anything loaded (else the file is read now)."""
     out = cfg.output
-    records = eval_records(out.eval_prompts, out.eval_num_prompts, out.eval_samples_per_prompt)
+    if records is None:
+        records = eval_records(out.eval_prompts, out.eval_num_prompts, out.eval_samples_per_prompt)
     evaluators = list(topo.trainer_ranks)
     if rank not in evaluators:
         return

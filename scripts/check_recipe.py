@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights" for spec in cfg.rl.reward]
     cfg.rl.prompts = cfg.output.eval_prompts = os.path.join(DATA_DIR, "shapes_train.txt")
     cfg.resolve_defaults()
-    facts = validate(cfg, recipe["gpus"])
+    facts = validate(cfg, recipe["gpus"], weights=False)
     gpu = args.gpu or recipe["gpu"]
     shape = model_shape(recipe["model_config"], cfg)
     topo = facts.topology

@@ -6,7 +6,6 @@ import json
 import os
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 

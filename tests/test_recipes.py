@@ -244,9 +244,10 @@ def test_split_runs_the_released_transformers_on_meta(adapters):
 
 @pytest.fixture
 def no_model_folder(monkeypatch):
-    """The recipes name a weights folder this machine does not have (/w/model): the preflight's
+    """The recipes name weights folders this machine does not have (/w/model): the preflight's
     folder and size checks are left out here; tests/test_bad_inputs.py covers them."""
-    monkeypatch.setattr(preflight, "check_model", lambda cfg: None)
+    monkeypatch.setattr(preflight, "check_model", lambda cfg, prompts=(): None)
+    monkeypatch.setattr(preflight, "check_reward_models", lambda cfg: None)
 
 
 def test_every_recipe_fits_the_gpus_it_names(adapters, no_model_folder):
