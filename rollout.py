@@ -20,7 +20,7 @@ from torch import Tensor
 from rl import advantages
 from prompts import shapes as buckets
 from rl import sampler
-from parallel import p2p
+from parallel import p2p, stepfacts
 from parallel.intake import TrainChunk
 from parallel.stepplan import Chunk, Fragment, StepPlan
 from parallel.publish import PublicationError
@@ -95,18 +95,20 @@ class Generator:
     version. A GAP stage uses its encoding and noise keys and streams what its last stage denoised."""
 
     def __init__(self, adapter, sampling: sampler.SamplingConfig, scorer, records, *, seed: int,
-                 negative_prompt: str = "", same_group_noise: bool = False, adv_clip: float = 5.0,
-                 drop_zero_std: bool = False, autocast_ctx=None, slowdown: Slowdown | None = None,
-                 clean_only: bool = False, policy=None):
+                 negative_prompt: str = "", same_group_noise: bool = False,
+                 rule: advantages.AdvantageRule | None = None, store=None, autocast_ctx=None,
+                 slowdown: Slowdown | None = None, clean_only: bool = False, policy=None):
         """`scorer`: a parallel.scoring.LocalScorer or RemoteScorer (a RewardSet is scored locally).
-        `slowdown` (--debug-slow-rank) wraps all of this rank's generation work. `clean_only`: the
-        chunks carry the clean samples only (DiffusionNFT trains no path). `policy`: a context that
-        puts the sampling policy into the model while this generator denoises (a trainer's
-        `sampling_policy`, for ranks that generate with the trainer's model)."""
+        `rule`: how rewards become advantages (default: group std, clamp 5); `store` receives each
+        fragment's facts when the rule needs the end of the step. `slowdown` (--debug-slow-rank)
+        wraps all of this rank's generation work. `clean_only`: the chunks carry the clean samples
+        only (DiffusionNFT trains no path). `policy`: a context that puts the sampling policy into
+        the model while this generator denoises (a trainer's `sampling_policy`, for ranks that
+        generate with the trainer's model)."""
         self.adapter, self.sampling, self.records = adapter, sampling, records
         self.scorer = scorer if hasattr(scorer, "wait") else LocalScorer(scorer)  # a RewardSet has `submit` too
         self.seed, self.negative_prompt = seed, negative_prompt
-        self.same_group_noise, self.adv_clip, self.drop_zero_std = same_group_noise, adv_clip, drop_zero_std
+        self.same_group_noise, self.rule, self.store = same_group_noise, rule or advantages.AdvantageRule(), store
         self.autocast = autocast_ctx or contextlib.nullcontext
         self.clean_only, self.policy = clean_only, policy or contextlib.nullcontext
         self.sigmas = sampler.sigmas_for(adapter, sampling)
@@ -174,15 +176,19 @@ class Generator:
         return Scoring(denoised, version, images, ticket)
 
     def complete(self, plan: StepPlan, scoring: Scoring, reward_std: float | None) -> "FragmentResult":
-        """Wait for a fragment's scores, compute its group advantages and cut it into chunks."""
+        """Wait for a fragment's scores, compute its group advantages and cut it into chunks; put
+        the facts the end of the step reads on the store (parallel/stepfacts.py)."""
         fragment = scoring.denoised.fragment
         scores = self.scorer.wait(scoring.ticket)
-        combined = scores.pop("combined")
         ids = list(fragment.sample_ids)
         group_ids = torch.tensor([i // plan.group_size for i in ids])
-        adv = advantages.group_advantages(combined, group_ids, adv_clip=self.adv_clip, std=reward_std)
+        out = advantages.fragment_advantages(self.rule, scores, group_ids, ids, std=reward_std,
+                                             whole_step=len(plan.fragments) == 1, seed=self.seed, step=plan.step)
+        if self.rule.needs_step_end:
+            stepfacts.publish(self.store, plan.step, fragment.index, out.facts)
+        combined = scores.pop("combined")
         zero_std = advantages.zero_std_groups(combined, group_ids)
-        keep = ~zero_std if self.drop_zero_std else torch.ones_like(zero_std)
+        adv, keep = out.advantages, out.keep
         chunks, start = [], 0
         d = scoring.denoised
         for chunk, traj, cond, neg in zip(fragment.chunks, d.trajectories, d.conds, d.negs):

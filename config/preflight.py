@@ -26,8 +26,10 @@ from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
 from prompts import embeds
 from prompts import shapes as buckets
-from rl import sampler
-from rl import old_policy
+from rl import algorithms, old_policy, sampler
+from rl.advantages import COMBINES, STD_MODES
+from rl.loss import KL_FORMS
+from rl.timesteps import trained_timesteps
 from rl.window import WINDOW_SCHEDULES, WindowSchedule
 from rewards import parse_reward_spec, reward_class, reward_model_paths
 
@@ -115,6 +117,12 @@ def check_numbers(cfg) -> None:
     _need(_finite(rl.clip_range) and 0 < rl.clip_range <= 1, "--clip-range", rl.clip_range, "in (0, 1]")
     _need(_finite(rl.adv_clip) and rl.adv_clip > 0, "--adv-clip", rl.adv_clip, "a finite number > 0")
     _need(_finite(rl.beta) and rl.beta >= 0, "--beta", rl.beta, "a finite number >= 0 (0 = no KL term)")
+    _need(0 <= rl.best_of_n <= rl.group_size, "--best-of-n", rl.best_of_n,
+          f"between 0 (all) and --group-size {rl.group_size}")
+    _need(rl.readmit_multiple >= 1, "--readmit-multiple", rl.readmit_multiple, ">= 1 (1 = none)")
+    if rl.readmit_multiple > 1 and not rl.drop_zero_std:
+        raise ValueError(f"--readmit-multiple {rl.readmit_multiple} re-admits samples --drop-zero-std dropped; "
+                         f"give --drop-zero-std too")
     if s.noise_level is not None:
         _need(_finite(s.noise_level) and s.noise_level >= 0, "--noise-level", s.noise_level, "a finite number >= 0")
     if s.guidance is not None:
@@ -144,7 +152,20 @@ def _choice(flag: str, value, choices) -> None:
 def check_choices(cfg) -> None:
     """Every flag with a set of values (the algorithm's name: rl.algorithms)."""
     rl, s, t, o = cfg.rl, cfg.sampling, cfg.topology, cfg.output
-    _choice("--std-mode", rl.std_mode, ("group", "running"))
+    _choice("--std-mode", rl.std_mode, STD_MODES)
+    _choice("--reward-combine", rl.reward_combine, COMBINES)
+    _choice("--kl-form", rl.kl_form, KL_FORMS)
+    if rl.std_mode == "global" and algorithms.algorithm(rl.algorithm).forward_process:
+        raise ValueError(f"--std-mode global scales the gradient of a loss that is linear in the advantages' scale; "
+                         f"--algorithm {rl.algorithm}'s loss is not: use --std-mode group or running")
+    if rl.reward_combine != "rewards" and rl.std_mode != "group":
+        raise ValueError(f"--std-mode {rl.std_mode} normalises the combined reward; --reward-combine "
+                         f"{rl.reward_combine} normalises each reward by its group's std: use --std-mode group")
+    if rl.reward_combine == "losses":
+        negative = [spec for spec in rl.reward if parse_reward_spec(spec)[1] < 0]
+        if negative:
+            raise ValueError(f"--reward-combine losses weighs each reward's clipped loss, which needs weights >= 0; "
+                             f"got {negative}")
     _choice("--sde-type", s.sde_type, sampler.SDE_TYPES)
     _choice("--colocated-sharding", t.colocated_sharding, SHARDINGS)
     _choice("--train-sharding", t.train_sharding, SHARDINGS)
@@ -290,6 +311,12 @@ def check_model(cfg, prompts=()) -> None:
         defaults.dance_eta if s.sde_type == "dance" else defaults.noise_level)
     if s.sde_type == "cps" and not 0 <= noise <= 1:
         raise ValueError(f"--noise-level {noise} must be in [0, 1] for --sde-type cps (sin(a pi / 2) of the step)")
+    rl, algo = cfg.rl, algorithms.algorithm(cfg.rl.algorithm)
+    if rl.beta > 0 and s.sde_type == "cps" and not algo.sliding_window and steps - 1 in trained_timesteps(
+            algo.timesteps, steps, rl.timestep_fraction, seed=0, step=0, sample_id=0, window=s.sde_window):
+        raise ValueError(f"--beta {rl.beta} with --sde-type cps trains the last step, whose std is 0, and the KL "
+                         f"divides by it: use --timestep-fraction below 1 or an --sde-window that ends before "
+                         f"step {steps - 1}")
 
 
 def window_schedule(cfg, num_steps: int) -> WindowSchedule:

@@ -77,6 +77,9 @@ class SamplingArgs:
     window_schedule: str = _f("progressive", "MixGRPO: progressive (moves by the stride every interval, back to 0 "
                                              "after K-2, MixGRPO's scripts), progressive-clamp (stays at K-2) or "
                                              "random (a seeded start every step)")
+    quantize_timestep: bool = _f(False, "feed the model int(sigma*1000)/1000 as its timestep, in sampling and "
+                                        "training, while the step uses the exact sigma (DanceGRPO; its recipes "
+                                        "set it)")
 
 
 @dataclass
@@ -97,17 +100,31 @@ class RLConfig:
     prompts_per_step: int = _f(8, "B: prompts (groups) per step")
     group_size: int = _f(8, "G: samples per prompt")
     micro_batch: int = _f(8, "samples per forward pass, in generation and in training")
-    algorithm: str = _f("flow_grpo", "RL algorithm: flow_grpo (trains the first frac*K steps in order), dance_grpo "
-                                     "(a random subset of frac*K steps per sample), flow_grpo_fast (SDE and training "
-                                     "only inside --sde-window; old spelling: window), mixgrpo (SDE and training in "
-                                     "a window that slides with the step: --window-*), nft (DiffusionNFT: ODE "
-                                     "rollout with the old policy, a flow-matching loss on the clean samples)")
+    algorithm: str = _f("flow_grpo", "RL algorithm: flow_grpo (trains the first int(frac*K) steps in order), "
+                                     "dance_grpo (a random int(frac*(K-1)) of the steps before the last per sample; "
+                                     "Bessel std + 1e-8), flow_grpo_fast (SDE and training only inside --sde-window; "
+                                     "old spelling: window), mixgrpo (SDE and training in a window that slides with "
+                                     "the step: --window-*), nft (DiffusionNFT: ODE rollout with the old policy, a "
+                                     "flow-matching loss on the clean samples)")
     timestep_fraction: float = _f(0.99, "fraction of the K steps trained (Flow-GRPO 0.99, DanceGRPO 0.6)")
     clip_range: float = _f(1e-4, "PPO clip range eps of the importance ratio")
     adv_clip: float = _f(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
     beta: float = _f(0.0, "KL coefficient to the reference policy (0 disables the reference forward)")
-    std_mode: str = _f("group", "advantage std: group (the group's own) or running (running std of previous batches)")
-    drop_zero_std: bool = _f(False, "drop transitions of groups whose rewards are all equal")
+    kl_form: str = _f("flow_grpo", "the KL term: flow_grpo (mean (mu - mu_ref)^2 / (2 std_dev_t^2), Flow-GRPO's, "
+                                   "std_dev_t without sqrt(-dt)) or transition (the exact KL of the two Gaussian "
+                                   "steps: Flow-GRPO's divided by sigma - sigma' for sde)")
+    std_mode: str = _f("group", "advantage std: group (the group's own), global (of the whole step's rewards, exact "
+                                "while streaming: Flow-GRPO's default, which its recipes set) or running (of the "
+                                "previous steps)")
+    reward_combine: str = _f("rewards", "several rewards: rewards (one advantage of their weighted sum), advantages "
+                                        "(the weighted sum of one advantage per reward) or losses (one advantage and "
+                                        "one clipped loss per reward, weighted and summed: DanceGRPO's video run)")
+    drop_zero_std: bool = _f(False, "do not train samples whose advantage is exactly 0, e.g. of groups with all-equal "
+                                    "rewards (Flow-GRPO)")
+    readmit_multiple: int = _f(1, "with --drop-zero-std: re-admit dropped samples, drawn by (seed, step), until the "
+                                  "trained ones are a multiple of M (Flow-GRPO's num_batches_per_epoch); 1 = none")
+    best_of_n: int = _f(0, "train only the ceil(N/2) best and floor(N/2) worst samples of each group by advantage "
+                           "(DanceGRPO's --bestofn); 0 = all")
     nft_beta: float = _f(1.0, "DiffusionNFT: strength beta of the implicit positive and negative policies "
                               "(NFT: 1.0 for GenEval, PickScore, HPSv2; 0.1 for OCR and the multi-reward run)")
     old_policy_decay: str = _f("linear_to_0_5", "DiffusionNFT: the old policy's soft update old <- d old + (1-d) "

@@ -197,7 +197,7 @@ class PipelinedReplica:
                     st.x_of[a.mb] = x0
                     st.paths[a.mb] = ([x0], [])
         cond, neg = st.conds[a.mb]
-        sigma = sigmas[a.t].to(dev).expand(len(ids))
+        sigma = cfg.model_sigma(sigmas[a.t].to(dev).expand(len(ids)))  # what the model sees (quantised or not)
         with self.gen.autocast(), torch.no_grad():
             if lay.first:
                 x = x0 if a.t == 0 else msg["x"]  # the latent comes back from the last stage

@@ -48,17 +48,24 @@ def flow_scheduler(adapter: "DiTAdapter") -> FlowMatchEulerDiscreteScheduler:
 
 def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, schedule: str,
                 image_seq_len: int | None = None, shift: float | None = None) -> Tensor:
-    """sigmas [K+1] float32 ending in 0, computed by diffusers' scheduler (docs/ALGORITHMS.md, "Timestep schedules").
+    """sigmas [K+1] float32 ending in 0 (docs/ALGORITHMS.md, "Timestep schedules"): diffusers'
+    scheduler's, or DanceGRPO's own.
 
     dynamic: linspace(1, 1/K, K) shifted by mu(image_seq_len) (FLUX, Qwen-Image pipelines);
     static:  the scheduler's own K-step schedule with a static shift (SD3, Wan, HunyuanVideo);
-    dance:   DanceGRPO's linspace(1, 0, K+1) with a static shift.
+    dance:   DanceGRPO's linspace(1, 0, K+1) with a static shift, in float32 as DanceGRPO computes it
+             without a scheduler (train_grpo_flux.py:127-128, 311-313): a float64 shift rounds one
+             sigma of K=50 the other way, and int(sigma * 1000) with it.
     """
     if num_steps < 1:
         raise ValueError(f"number of sampling steps must be >= 1, got {num_steps}")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
     config = dict(scheduler.config)
+    if schedule == "dance":
+        s = float(config.get("shift", 1.0) if shift is None else shift)
+        t = torch.linspace(1, 0, num_steps + 1, dtype=torch.float32)
+        return s * t / (1 + (s - 1) * t)
     if schedule == "dynamic":
         if image_seq_len is None:
             raise ValueError("the dynamic schedule needs image_seq_len")
@@ -71,10 +78,7 @@ def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, sche
         if shift is not None:
             overrides["shift"] = shift
         sched = FlowMatchEulerDiscreteScheduler.from_config({**config, **overrides})
-        if schedule == "static":
-            sched.set_timesteps(num_inference_steps=num_steps)
-        else:
-            sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
+        sched.set_timesteps(num_inference_steps=num_steps)
     sigmas = sched.sigmas.to(torch.float32).cpu()
     if sigmas.shape != (num_steps + 1,) or sigmas[-1] != 0:
         raise RuntimeError(f"the scheduler gave sigmas {sigmas.tolist()} for {num_steps} steps")
@@ -88,6 +92,9 @@ class StepOutput:
     log_prob: Tensor   # (B,) float32: log p(x_next | x), averaged over non-batch dims
     mean: Tensor       # (B, ...) float32, carries the velocity's gradient
     std: Tensor        # (B,) float32 std of the Gaussian step (0 for a deterministic step)
+    std_dev_t: Tensor  # (B,) float32: the std the peer's step function returns and Flow-GRPO's KL divides
+    #                    by: std_t without sqrt(-dt) for sde (sd3_sde_with_logprob.py:47), the step's std for
+    #                    cps (54809b5:71) and dance (train_grpo_flux.py:148)
     x0: Tensor | None = None  # (B, ...) float32 x - sigma v, the data prediction a multistep solver keeps
 
 
@@ -133,20 +140,21 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
     s_next = _bcast(sigma_next, x)
     dt = s_next - s
 
+    std_dev_t = None
     if noise_level == 0:
         mean = x + v * dt
         std = torch.zeros_like(s)
-    elif sde_type == "sde":
+    elif sde_type == "sde":  # Flow-GRPO sd3_sde_with_logprob.py:47-50
         # At sigma = 1 use the next sigma in the denominator (Flow-GRPO) to avoid dividing by zero.
-        std_t = noise_level * torch.sqrt(s / (1 - torch.where(s == 1, s_next, s)))
-        mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
-        std = std_t * torch.sqrt(-dt)
-    elif sde_type == "cps":
+        std_dev_t = noise_level * torch.sqrt(s / (1 - torch.where(s == 1, s_next, s)))
+        mean = x * (1 + std_dev_t**2 / (2 * s) * dt) + v * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * dt
+        std = std_dev_t * torch.sqrt(-dt)
+    elif sde_type == "cps":  # Flow-GRPO 54809b5 sd3_sde_with_logprob.py:70-74
         std = s_next * math.sin(noise_level * math.pi / 2)
         x0_hat = x - s * v
         eps_hat = x + (1 - s) * v
         mean = (1 - s_next) * x0_hat + torch.sqrt(s_next**2 - std**2) * eps_hat
-    else:  # dance
+    else:  # dance: DanceGRPO train_grpo_flux.py:141-153
         x0_hat = x - s * v
         score = -(x - (1 - s) * x0_hat) / s**2
         mean = x + dt * v - 0.5 * noise_level**2 * score * dt
@@ -156,17 +164,36 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
         x_next = mean + std * noise.to(device=x.device, dtype=torch.float32)
     x_next = x_next.detach().float()
 
-    # A deterministic row (std 0: an ODE step, or CPS's last step) has log-prob 0, decided per row on
-    # the device: a host check of the batch would wait for the forward at every denoising step.
-    live = std > 0
-    safe = torch.where(live, std, torch.ones_like(std))  # no 0 / 0 in the formula, nor in its gradient
-    if sde_type == "cps":
-        # CPS's "log-prob" drops the variance and the constants (docs/ALGORITHMS.md).
+    if noise_level == 0:  # the ODE step has no density: log-prob 0, whatever the batch holds
+        log_prob = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
+    elif sde_type == "cps":
+        # CPS's "log-prob" drops the variance and the constants (54809b5:86, 89); at sigma' = 0 its
+        # std is 0 and it still scores x' against the mean, as every other row.
         log_prob = _mean_over_sample(-((x_next - mean) ** 2))
-    else:
-        log_prob = _mean_over_sample(-((x_next - mean) ** 2) / (2 * safe**2) - torch.log(safe) - LOG_SQRT_2PI)
-    log_prob = torch.where(live.reshape(-1), log_prob, torch.zeros_like(log_prob))
-    return StepOutput(x_next=x_next, log_prob=log_prob, mean=mean, std=std.reshape(-1))
+    else:  # the Gaussian log-density averaged over the sample (sd3_sde_with_logprob.py:61-68)
+        log_prob = _mean_over_sample(-((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI)
+    std = std.reshape(-1)
+    return StepOutput(x_next=x_next, log_prob=log_prob, mean=mean, std=std,
+                      std_dev_t=std if std_dev_t is None else std_dev_t.reshape(-1))
+
+
+def score_rows(cfg: "SamplingConfig", x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, timesteps: list[int],
+               x_next: Tensor, step: int | None = None) -> StepOutput:
+    """`sde_step` scoring rows at different timesteps (a TSP micro-batch) of training step `step`:
+    one call per distinct noise level (a windowed sampler is deterministic outside its window),
+    rows put back in order."""
+    levels = [cfg.noise_level_at(t, step) for t in timesteps]
+    if len(set(levels)) == 1:
+        return sde_step(x, v, sigma, sigma_next, sde_type=cfg.sde_type, noise_level=levels[0], x_next=x_next)
+    parts, order = [], []
+    for level in sorted(set(levels)):
+        rows = to_device(torch.tensor([j for j, l in enumerate(levels) if l == level]), x.device)
+        parts.append(sde_step(x[rows], v[rows], sigma[rows], sigma_next[rows], sde_type=cfg.sde_type,
+                              noise_level=level, x_next=x_next[rows]))
+        order.append(rows)
+    inverse = torch.argsort(torch.cat(order))
+    return StepOutput(*(torch.cat([getattr(p, k) for p in parts])[inverse]
+                        for k in ("x_next", "log_prob", "mean", "std", "std_dev_t")))
 
 
 # ----- the denoising loop -----------------------------------------------------------------------
@@ -195,6 +222,9 @@ class SamplingConfig:
     """MixGRPO: the window of each training step (rl/window.py), in place of a fixed sde_window."""
     ode_solver: str = "euler"
     """deterministic steps: euler, or dpm2 (DPM-Solver++(2M) after the last SDE step; docs/ALGORITHMS.md)"""
+    quantize_timestep: bool = False
+    """Feed the model int(sigma * 1000) / 1000 (DanceGRPO train_grpo_flux.py:231, 238); the step
+    itself uses the exact sigma."""
 
     @classmethod
     def for_adapter(cls, adapter: "DiTAdapter", **overrides) -> "SamplingConfig":
@@ -225,6 +255,13 @@ class SamplingConfig:
             start, end = self.sde_window
             if not 0 <= start < end <= self.num_steps:
                 raise ValueError(f"sde window {self.sde_window} must satisfy 0 <= start < end <= {self.num_steps}")
+
+    def model_sigma(self, sigma: Tensor) -> Tensor:
+        """The sigma the model sees: exact, or truncated to thousandths in float32 as DanceGRPO
+        computes int(sigma * 1000) and FLUX receives it divided by 1000."""
+        if not self.quantize_timestep:
+            return sigma
+        return torch.floor(sigma.float() * 1000) / 1000
 
     def window_at(self, step: int | None) -> tuple[int, int] | None:
         """The SDE window of training step `step`: the fixed one, or the sliding window's."""
@@ -268,7 +305,9 @@ def sigmas_for(adapter: "DiTAdapter", cfg: SamplingConfig) -> Tensor:
 def guided_velocity(adapter: "DiTAdapter", x: Tensor, sigma: Tensor, cond: Conditioning,
                     neg_cond: Conditioning | None, cfg: SamplingConfig) -> Tensor:
     """Velocity with the family's guidance: the guidance embedding and/or CFG. Training calls this
-    too, so the log-prob is taken on the same guided velocity with the same scale (docs/ALGORITHMS.md)."""
+    too, so the log-prob is taken on the same guided velocity with the same scale (docs/ALGORITHMS.md).
+    `sigma` is the step's exact sigma; the model sees `cfg.model_sigma(sigma)`."""
+    sigma = cfg.model_sigma(sigma)
     v = adapter.velocity(x, sigma, cond, cfg.guidance)
     if cfg.cfg_scale == 1.0:
         return v

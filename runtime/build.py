@@ -33,7 +33,7 @@ from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
 from prompts import shapes as buckets
 from prompts.embeds import PromptEmbeddings
-from rewards import RewardSet, reward_model_paths
+from rewards import RewardSet, parse_reward_specs, reward_model_paths
 from rl import algorithms, sampler
 from rollout import Generator, VersionSync, drain_sends, generator_step
 from runtime import guard as runguard
@@ -372,7 +372,7 @@ def _build_generator(r: Rank, layouts: dict, version: int) -> None:
         return
     scorer = RemoteScorer(topo.scorer_ranks, r.groups.images, r.groups.scores.get(rank)) if topo.scorer_ranks else \
         LocalScorer(ctx.rewards)
-    r.generator = _generator(ctx, scorer, r.trainer)
+    r.generator = _generator(ctx, scorer, r.store, r.trainer)
     if layouts:
         layout = layouts[rank]
         release_other_blocks(ctx.adapter, layout.blocks)
@@ -391,7 +391,7 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
     if facts.tag:
         helper = GroupAssistant if facts.train_sharding == "fsdp" else Assistant  # FSDP trainers generate together
         replica_s = sum(speeds[g]["generate_s"] for g in topo.generator_ranks) / len(topo.generator_ranks)
-        r.assistant = helper(ctx, _generator(ctx, LocalScorer(ctx.rewards), trainer), r.store,
+        r.assistant = helper(ctx, _generator(ctx, LocalScorer(ctx.rewards), r.store, trainer), r.store,
                              facts.num_trainers, topo.trainer_ranks.index(rank),
                              trainer_ratio=speeds[rank]["generate_s"] / replica_s)
     if facts.disagg:  # with TCSS the sending trainer keeps the last two versions for checkpoints
@@ -413,21 +413,22 @@ def run_sampling(cfg: RunConfig, adapter: DiTAdapter) -> sampler.SamplingConfig:
     sampling = sampler.SamplingConfig.for_adapter(
         adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type, noise_level=noise,
         guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed, num_frames=s.num_frames, sde_window=s.sde_window,
-        ode_solver=s.ode_solver)
+        ode_solver=s.ode_solver, quantize_timestep=s.quantize_timestep)
     if algo.sliding_window:
         sampling.window_schedule = preflight.window_schedule(cfg, sampling.num_steps)
     return sampling
 
 
-def _generator(ctx: RankContext, scorer, trainer: Trainer | None) -> Generator:
+def _generator(ctx: RankContext, scorer, store: StepStore, trainer: Trainer | None) -> Generator:
     """A rank's generator; on a rank that also trains (colocated, a TAG helper) it samples with the
     trainer's sampling policy (DiffusionNFT: the old policy)."""
     cfg = ctx.cfg
+    weights = tuple(parse_reward_specs(cfg.rl.reward, reward_model_paths(cfg.rl.reward_model)))
+    rule = algorithms.algorithm(cfg.rl.algorithm).advantages(cfg.rl, weights)
     return Generator(ctx.adapter, ctx.sampling, scorer, ctx.records, seed=cfg.seed,
                      negative_prompt=cfg.sampling.negative_prompt, same_group_noise=cfg.sampling.same_group_noise,
-                     adv_clip=cfg.rl.adv_clip, drop_zero_std=cfg.rl.drop_zero_std,
-                     autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype), slowdown=ctx.slowdown,
-                     clean_only=algorithms.algorithm(cfg.rl.algorithm).forward_process,
+                     rule=rule, store=store, autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype),
+                     slowdown=ctx.slowdown, clean_only=algorithms.algorithm(cfg.rl.algorithm).forward_process,
                      policy=trainer.sampling_policy if trainer is not None else None)
 
 

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling = sampler.SamplingConfig.for_adapter(
         adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
         noise_level=s.noise_level, guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed,
-        num_frames=s.num_frames, sde_window=s.sde_window)
+        num_frames=s.num_frames, sde_window=s.sde_window, quantize_timestep=s.quantize_timestep)
     shapes.check_shapes(adapter, records, sampling, args.prompts or "--prompt")  # a bad shape fails before any work
     parts = []
     for shape, rows in shapes.rows_by_shape(records, sampling).items():
