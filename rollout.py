@@ -9,6 +9,7 @@ fragments into a stream.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from torch import Tensor
 from rl import advantages
 from prompts import shapes as buckets
 from rl import sampler
-from parallel import p2p
+from parallel import p2p, stepfacts
 from parallel.intake import TrainChunk
 from parallel.stepplan import Chunk, Fragment, StepPlan
 from parallel.publish import PublicationError
@@ -80,7 +81,8 @@ class Scoring:
 class FragmentResult:
     """A generated, decoded and scored fragment: its training chunks and what the logs need."""
 
-    chunks: list[TrainChunk]  # in plan order
+    fragment: int
+    chunks: list[TrainChunk]  # in plan order (emptied once sent: the sends hold their packed copies)
     sample_ids: list[int]
     rewards: dict[str, list[float]]  # per reward name, and "combined"
     zero_std: list[bool]
@@ -93,15 +95,22 @@ class Generator:
     version. A GAP stage uses its encoding and noise keys and streams what its last stage denoised."""
 
     def __init__(self, adapter, sampling: sampler.SamplingConfig, scorer, records, *, seed: int,
-                 negative_prompt: str = "", same_group_noise: bool = False, adv_clip: float = 5.0,
-                 drop_zero_std: bool = False, autocast_ctx=None, slowdown: Slowdown | None = None):
+                 negative_prompt: str = "", same_group_noise: bool = False,
+                 rule: advantages.AdvantageRule | None = None, store=None, autocast_ctx=None,
+                 slowdown: Slowdown | None = None, clean_only: bool = False, policy=None):
         """`scorer`: a parallel.scoring.LocalScorer or RemoteScorer (a RewardSet is scored locally).
-        `slowdown` (--debug-slow-rank) wraps all of this rank's generation work."""
+        `rule`: how rewards become advantages (default: group std, clamp 5); `store` receives each
+        fragment's facts when the rule needs the end of the step. `slowdown` (--debug-slow-rank)
+        wraps all of this rank's generation work. `clean_only`: the chunks carry the clean samples
+        only (DiffusionNFT trains no path). `policy`: a context that puts the sampling policy into
+        the model while this generator denoises (a trainer's `sampling_policy`, for ranks that
+        generate with the trainer's model)."""
         self.adapter, self.sampling, self.records = adapter, sampling, records
-        self.scorer = scorer if hasattr(scorer, "submit") else LocalScorer(scorer)
+        self.scorer = scorer if hasattr(scorer, "wait") else LocalScorer(scorer)  # a RewardSet has `submit` too
         self.seed, self.negative_prompt = seed, negative_prompt
-        self.same_group_noise, self.adv_clip, self.drop_zero_std = same_group_noise, adv_clip, drop_zero_std
+        self.same_group_noise, self.rule, self.store = same_group_noise, rule or advantages.AdvantageRule(), store
         self.autocast = autocast_ctx or contextlib.nullcontext
+        self.clean_only, self.policy = clean_only, policy or contextlib.nullcontext
         self.sigmas = sampler.sigmas_for(adapter, sampling)
         self.shapes: dict = {}  # shape key -> (its SamplingConfig, its sigmas): the dynamic shift depends on it
         self.slowdown = slowdown or Slowdown()
@@ -133,13 +142,15 @@ class Generator:
         """Sample a fragment's K steps at its shape, one chunk (micro-batch) per batch."""
         out = Denoised(fragment, [], [], [])
         cfg, sigmas = self.sampling_for(fragment.shape)
-        for chunk in fragment.chunks:
-            cond, neg = self.chunk_inputs(plan, chunk)
-            with self.autocast(), self.slowdown():
-                out.trajectories.append(sampler.denoise(self.adapter, cond, neg, list(chunk.sample_ids), plan.step,
-                                                        cfg, init_ids=self.init_ids(plan, chunk), sigmas=sigmas))
-            out.conds.append(cond)
-            out.negs.append(neg)
+        with self.policy():
+            for chunk in fragment.chunks:
+                cond, neg = self.chunk_inputs(plan, chunk)
+                with self.autocast(), self.slowdown():
+                    out.trajectories.append(sampler.denoise(self.adapter, cond, neg, list(chunk.sample_ids),
+                                                            plan.step, cfg, init_ids=self.init_ids(plan, chunk),
+                                                            sigmas=sigmas))
+                out.conds.append(cond)
+                out.negs.append(neg)
         return out
 
     @staticmethod
@@ -151,7 +162,7 @@ class Generator:
         """Denoise one sample of an empty prompt and keep nothing: the transformer forwards of a
         chunk, for ranks whose collectives must pair up with another rank's chunk (FSDP TAG)."""
         cond, neg = encode_batch(self.adapter, [""], self.negative_prompt, self.sampling)
-        with self.autocast(), self.slowdown():
+        with self.policy(), self.autocast(), self.slowdown():
             sampler.denoise(self.adapter, cond, neg, [0], step, self.sampling, sigmas=self.sigmas)
 
     def submit(self, plan: StepPlan, denoised: Denoised, version: int) -> Scoring:
@@ -165,28 +176,36 @@ class Generator:
         return Scoring(denoised, version, images, ticket)
 
     def complete(self, plan: StepPlan, scoring: Scoring, reward_std: float | None) -> "FragmentResult":
-        """Wait for a fragment's scores, compute its group advantages and cut it into chunks."""
+        """Wait for a fragment's scores, compute its group advantages and cut it into chunks; put
+        the facts the end of the step reads on the store (parallel/stepfacts.py)."""
         fragment = scoring.denoised.fragment
         scores = self.scorer.wait(scoring.ticket)
-        combined = scores.pop("combined")
         ids = list(fragment.sample_ids)
         group_ids = torch.tensor([i // plan.group_size for i in ids])
-        adv = advantages.group_advantages(combined, group_ids, adv_clip=self.adv_clip, std=reward_std)
+        out = advantages.fragment_advantages(self.rule, scores, group_ids, ids, std=reward_std,
+                                             whole_step=len(plan.fragments) == 1, seed=self.seed, step=plan.step)
+        if self.rule.needs_step_end:
+            stepfacts.publish(self.store, plan.step, fragment.index, out.facts)
+        combined = scores.pop("combined")
         zero_std = advantages.zero_std_groups(combined, group_ids)
-        keep = ~zero_std if self.drop_zero_std else torch.ones_like(zero_std)
+        adv, keep = out.advantages, out.keep
         chunks, start = [], 0
         d = scoring.denoised
         for chunk, traj, cond, neg in zip(fragment.chunks, d.trajectories, d.conds, d.negs):
             sl = slice(start, start + len(chunk.sample_ids))
+            latents, log_probs = traj.latents, traj.log_probs
+            if self.clean_only:  # DiffusionNFT: the clean samples (n, 1, ...), no log-probs (n, 0)
+                latents, log_probs = latents[:, -1:].contiguous(), log_probs[:, :0].contiguous()
+            # The trajectories and conditioning stay on the device until they are sent (or, colocated,
+            # trained); the per-sample metadata is small and read on the host.
             chunks.append(TrainChunk(plan.step, fragment.index, chunk.index, scoring.version,
-                                     torch.tensor(chunk.sample_ids, dtype=torch.int64), traj.latents.cpu(),
-                                     traj.log_probs.cpu(), adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(),
-                                     cond.to("cpu"), neg.to("cpu") if neg is not None else None))
+                                     torch.tensor(chunk.sample_ids, dtype=torch.int64), latents, log_probs,
+                                     adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(), cond, neg))
             start = sl.stop
         rewards = {name: v.float().cpu().tolist() for name, v in scores.items()}
         rewards["combined"] = combined.tolist()
         prompts = [r.prompt for r in self.records_of(plan, ids)]
-        return FragmentResult(chunks, ids, rewards, zero_std.tolist(), scoring.images, prompts)
+        return FragmentResult(fragment.index, chunks, ids, rewards, zero_std.tolist(), scoring.images, prompts)
 
     def stream(self, plan: StepPlan, reward_std: float | None, emit: Callable, tracer=None) -> "FragmentStream":
         return FragmentStream(self, plan, reward_std, emit, tracer)
@@ -244,22 +263,29 @@ class VersionSync:
     stage 0 picks the version of a step and the other stages install exactly that one."""
 
     def __init__(self, receiver, store, trainer_rank: int, start_version: int, lag: int, layout=None,
-                 replica: int | None = None, tracer=None):
-        self.receiver, self.store, self.src = receiver, store, trainer_rank
+                 replica: int | None = None, tracer=None, group=None):
+        """`group`: the communicator versions arrive on (ProcessGroups.publish), apart from this
+        rank's fragment sends: with TCSS trainer 0 publishes before it receives the fragments this
+        rank sent before it receives the version (docs/communication.md)."""
+        self.receiver, self.store, self.src, self.group = receiver, store, trainer_rank, group
         self.version, self.lag, self.layout, self.replica, self.tracer = start_version, lag, layout, replica, tracer
 
-    def _receive_next(self, step: int) -> None:
+    def _receive_next(self, step: int, install: bool = False) -> int:
+        """Receive version + 1: into the live weights bucket by bucket (`install`, at a step
+        boundary), or into the receiver's idle copy (TCSS, while this rank still samples)."""
         with self.tracer.span("receive_weights", "publish", step, version=self.version + 1):
-            got = self.receiver.receive(src=self.src)  # rank wait: trainer 0 sends version + 1
+            got = self.receiver.receive(src=self.src, group=self.group, install=install)  # rank wait: trainer 0 sends version + 1
         if got != self.version + 1:  # a real check: python -O removes asserts
             raise PublicationError(f"rank received version {got} from trainer rank {self.src} while holding "
                                    f"version {self.version}: publications must arrive in order")
+        return got
 
     def _install_next(self, step: int) -> None:
         if self.receiver.staged_version is None:
-            self._receive_next(step)
+            self.version = self._receive_next(step, install=True)  # verified against the trainer's checksum
+            return
         with self.tracer.span("install", "publish", step, version=self.version + 1):
-            self.version = self.receiver.install()  # verified against the trainer's checksum
+            self.version = self.receiver.install()  # the idle copy goes live, verified
 
     def at_step_start(self, step: int) -> int:
         need = max(step - self.lag, self.version)
@@ -303,14 +329,15 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
 
     def emit(result: FragmentResult) -> None:
         nonlocal cost, last_emit
-        results.append(result)
         if facts.disagg:
             for dst, tensors, meta in ctx.intake.route(plan, result.chunks):
-                handles.append(p2p.isend_payload(tensors, meta, dst=dst))
+                handles.append(p2p.isend_payload(tensors, meta, dst=dst, group=ctx.intake.group_to(dst)))
+            result = dataclasses.replace(result, chunks=[])  # the trajectories leave the device with their sends
         else:
             local.update({chunk.chunk: chunk for chunk in result.chunks})
+        results.append(result)
         if board is not None:  # TAG: mark the fragment landed, share this replica's time per fragment
-            board.land(result.chunks[0].fragment)
+            board.land(result.fragment)
             now = time.time()
             cost = now - last_emit if cost is None else 0.7 * cost + 0.3 * (now - last_emit)
             last_emit = now
@@ -332,12 +359,26 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
                 stream.submit(generator.denoise(plan, fragment), version)
             stream.collect()
         stream.close()
+    due = [(step, handles)]
     if deferred is not None:
         # TCSS: step k's sends complete while step k+1 is generated; the caller drains them later.
         deferred.append((step, handles))
-        handles = [h for s, hs in deferred if s < step for h in hs]
+        due = [(s, hs) for s, hs in deferred if s < step]
         deferred[:] = [(s, hs) for s, hs in deferred if s >= step]
     with tracer.span("send_wait", "comm", step):
-        for h in handles:
-            h.wait()  # drain sends: this step's, or with TCSS the previous step's
+        drain_sends(store, due)  # this step's, or with TCSS the previous step's
     return results, local
+
+
+def drain_sends(store, due: list) -> None:
+    """Wait for the fragment sends of each (step, handles) in `due`. A trainer receives a step's
+    data only once it has begun that step, after its evaluation or checkpoint of the step before,
+    which may take longer than any timeout: so first wait, with no time limit (the run guard's
+    heartbeats name a dead or silent trainer), until every receiver has begun the step
+    (`begin/{step}/{rank}`, runtime/build.py), then wait for the sends, each bounded from there."""
+    for step, handles in due:
+        for dst in sorted({h.dst for h in handles}):
+            while store is not None and not store.ready(f"begin/{step}/{dst}"):
+                time.sleep(0.01)  # rank wait: the trainer's evaluation or checkpoint
+        for h in handles:
+            h.wait()  # rank wait: the trainer takes the fragment

@@ -18,21 +18,32 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from checkpointing import lock
 from runtime import guard as runguard
 from runtime import loop as runtime
 from config.cli import parse_config
 from config.validate import validate
+
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv, __doc__.strip().splitlines()[0])
     cfg.resolve_defaults()
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     facts = validate(cfg, world)  # every user error, on every rank, before anything loads or any rank waits
+    if rank == 0:  # the run folder is this run's from here on, until the process ends (checkpointing/lock.py)
+        runguard.at_exit(lock.release)
+        note = lock.acquire(cfg.output.output_dir)
+        if note:
+            runguard.say(note)
     use_cuda = torch.cuda.is_available() and cfg.model.device in ("auto", "cuda")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else None
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if world > 1 or not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo",
+        # device_id: NCCL communicators are made when each group is (new groups split the world's),
+        # and a group's sends and receives run on its own; lazily, the first send between two ranks
+        # would wait for the other's first operation with it (docs/communication.md).
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device,
                                 timeout=timedelta(seconds=cfg.topology.dist_timeout_s))
     return runtime.run(cfg, facts, rank)
 
@@ -46,7 +57,7 @@ def shutdown(code: int) -> None:
             try:
                 dist.barrier()  # sync point: every rank has finished its last step
             except Exception as e:  # noqa: BLE001 - a peer failed at the very end: not a clean exit
-                cause = guard.diagnose(1.0) if guard is not None else None
+                cause = guard.diagnose() if guard is not None else None
                 runguard.say(f"error: {cause or runguard.first_line(e)}; the final barrier failed")
                 code = runguard.EXIT_ABORT
         if guard is not None:
@@ -55,6 +66,7 @@ def shutdown(code: int) -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+    runguard.run_exit_hooks()  # rank 0: the run folder's lock
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

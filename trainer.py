@@ -11,10 +11,16 @@ Without TSP a chunk of samples goes whole to one trainer, which runs one forward
 timestep. With --tsp every trainer receives a `TransitionBatch`: its share of each fragment's
 transitions, packed by `parallel.tsp` into micro-batches that mix samples and timesteps. Which of
 the two a run uses is its intake's choice (parallel/intake.py).
+
+DiffusionNFT (--algorithm nft) trains the same way on clean records: a transition is a (sample,
+sigma) pair whose clean latent the trainer noises itself, against the old policy this trainer keeps
+(rl/old_policy.py), which is also what it publishes for the generators to sample with.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -25,15 +31,18 @@ from torch.utils.checkpoint import checkpoint
 
 from rl import algorithms
 from rl import sampler
+from rl.advantages import StepEnd
+from rl.gradients import SplitGradients
 from config.schema import RunConfig
-from models import DiTAdapter, autocast
+from models import DiTAdapter, autocast, resolve_dtype
 from models.lora import trainable_names
+from rl import nft, old_policy
 from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
-from parallel import compress
-from parallel.fsdp import copy_full, count_allgathers, full_tensor, shard_modules
+from parallel import compress, forwards, stepfacts
+from parallel.fsdp import count_allgathers, full_tensor, local_part, own_group, shard_modules
 from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
-from parallel.publish import WeightPublisher
+from parallel.publish import Outgoing, WeightPublisher
 from telemetry.tracing import Slowdown
 
 COUNTS = ("staleness_mean", "staleness_frac_1")
@@ -53,7 +62,12 @@ class Transitions:
     cond: Conditioning
     neg: Conditioning | None
     logp_old: Tensor  # (n,)
-    adv: Tensor  # (n,)
+    adv: Tensor  # (n,), or (n, R) with one advantage per reward (--reward-combine losses)
+    sample_ids: list[int] | None = None  # n sample ids of the step (the keys of forward-process noise)
+    step: int | None = None  # the step the transitions belong to (its window, its noise)
+    weight: Tensor | None = None  # (n,) each policy term's weight: 1 (None), or a correction's (rl.advantages)
+    counted: Tensor | None = None  # (n,) bool: carries its KL term and statistics (None: all; False: a correction)
+
 
 class Trainer:
     def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig, group=None,
@@ -69,17 +83,36 @@ class Trainer:
         if not self.lora:
             model.requires_grad_(True)
         self.names = trainable_names(model)
-        self.loss = algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl)
+        if any(p.dtype != torch.float32 for p in self.trained_params()):
+            raise RuntimeError("trained weights must be float32 (models.model_dtypes(master=True), models.lora)")
+        # Every forward computes in the compute dtype: the generators hold the weights in it, and
+        # inputs are cast to it alike everywhere (DiTAdapter.compute_dtype).
+        self.compute_dtype = resolve_dtype(cfg.model.dtype, self.device)
+        adapter.compute_dtype = self.compute_dtype
+        algorithm = algorithms.algorithm(cfg.rl.algorithm)
+        self.loss = algorithm.loss(cfg.rl)
+        self.rule = algorithm.advantages(cfg.rl)  # what the end of a step decides (rl.advantages.step_end)
         self.reference = self._make_reference() if self.loss.needs_reference else None
-        if sharding == "fsdp":
-            shard_modules(model, group)
-            count_allgathers(model, group, self._on_allgather)
+        # Mixed precision as FSDP2 does it (float32 weights, each unit cast to the compute dtype for
+        # its forward, float32 gradients): over the trainer group, or for a replicated trainer over
+        # this rank alone, so that every forward computes with exactly the weights generators hold.
+        mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
+        engine = group if sharding == "fsdp" else (own_group() if mixed is not None else None)
+        if engine is not None:
+            adapter.enclosing = shard_modules(model, engine, mixed)  # one root: all-gathers overlap compute
+            count_allgathers(model, engine, self._on_allgather)
         if cfg.optim.grad_checkpointing:
             self._checkpoint_blocks()
-        self.params = [p for _, p in model.named_parameters() if p.requires_grad]
+        self.params = self.trained_params()
+        # Fused AdamW on CUDA: one kernel over all parameters, no foreach temporaries (a float32
+        # copy per parameter group: +11 GiB for FLUX full fine-tuning); the default elsewhere.
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.learning_rate(), betas=tuple(cfg.optim.adam_betas),
-                                           weight_decay=cfg.optim.weight_decay)
+                                           weight_decay=cfg.optim.weight_decay,
+                                           fused=True if self.device.type == "cuda" else None)
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
+        # DiffusionNFT's old policy: what the generators sample with and the loss contrasts against.
+        self.old = old_policy.OldPolicy(self.params, old_policy.schedule(cfg.rl.old_policy_decay),
+                                        cfg.rl.old_policy_interval) if self.loss.forward_process else None
         self.num_updates = 0
         self.skips = SkipTracker(cfg.optim.max_skipped_steps)  # steps with non-finite values (rl/nonfinite.py)
         self.current_step: int | None = None  # the step being trained (its update makes version step+1)
@@ -87,15 +120,23 @@ class Trainer:
         # Called with the forward's slot (this step's forward count) before every training forward,
         # real or padding: with TAG under FSDP the group's generation windows fall between forwards.
         self.before_forward = None
+        self.items: list | None = None  # this step's chunks or packed batches, kept for its end (begin_step)
+        self.grads = SplitGradients(self.params)  # the KL term's apart while the policy term's scale is unknown
         self.reset_stats()
 
     # ----- set-up ---------------------------------------------------------------------------
+    def trained_params(self) -> list[Tensor]:
+        return [p for p in self.adapter.transformer.parameters() if p.requires_grad]
+
     def _make_reference(self) -> DiTAdapter | None:
+        """The frozen reference policy of the KL term: LoRA's base, or a copy of the initial weights
+        in the compute dtype (frozen weights are held as generators hold them)."""
         if self.lora:
             return None  # the reference is the same model with its LoRA disabled
         ref = copy.copy(self.adapter)
-        ref.transformer = copy.deepcopy(self.adapter.transformer).requires_grad_(False)
+        ref.transformer = copy.deepcopy(self.adapter.transformer).requires_grad_(False).to(self.compute_dtype)
         ref.blocks = ref._block_list()
+        ref.enclosing = None
         return ref
 
     def _checkpoint_blocks(self) -> None:
@@ -112,7 +153,7 @@ class Trainer:
         self.num_transitions = 0
         self.num_forwards = 0
         self.num_allgathers = 0
-        self.nonfinite_advantages = 0
+        self.nonfinite_advantages = torch.zeros((), dtype=torch.int64, device=self.device)  # items with any
 
     @property
     def sums(self) -> dict[str, float]:
@@ -123,9 +164,14 @@ class Trainer:
     def _on_allgather(self) -> None:
         self.num_allgathers += 1
 
-    def begin_step(self) -> None:
-        """Count only the training phase's all-gathers (colocated FSDP generation gathers too)."""
+    def begin_step(self, keep_items: bool = False, scale_later: bool = False) -> None:
+        """Count only the training phase's all-gathers (colocated FSDP generation gathers too).
+        `keep_items`: keep what this step trains for its end; `scale_later`: the policy term's scale
+        is known only at the end (the global std while streaming), so with beta > 0 the KL term's
+        gradient accumulates apart."""
         self.num_allgathers = 0
+        self.items = [] if keep_items else None
+        self.grads.begin(apart=scale_later and self.loss.needs_reference)
 
     # ----- training -------------------------------------------------------------------------
     def _start_forward(self) -> None:
@@ -134,79 +180,105 @@ class Trainer:
             self.before_forward(self.num_forwards)
         self.num_forwards += 1
 
-    def train(self, item: TrainChunk | TransitionBatch) -> None:
-        """Forward + backward of every transition of `item` this trainer trains."""
-        if not torch.isfinite(item.advantages).all():  # from non-finite rewards: the step will be skipped
-            self.nonfinite_advantages += 1
-        if isinstance(item, TransitionBatch):
-            self.train_transitions(item)
-        else:
-            self.train_chunk(item)
-
-    def train_chunk(self, chunk: TrainChunk) -> None:
-        """Every trained transition of a chunk, one timestep per forward."""
-        ids = chunk.sample_ids.tolist()
-        cond = chunk.cond.to(self.device)
-        neg = chunk.neg_cond.to(self.device) if chunk.neg_cond is not None else None
-        spec = self.spec
-        for t in spec.forward_timesteps(chunk.step, tuple(ids)):
-            rows = [j for j, i in enumerate(ids) if t in spec.timesteps(chunk.step, i) and chunk.keep[j]]
-            self._start_forward()
-            if not rows:  # keeps FSDP ranks' forward counts equal
-                self._forward(self._chunk_rows(chunk, [0], t, cond, neg), weight=0.0)
-                continue
-            self._forward(self._chunk_rows(chunk, rows, t, cond, neg))
-            self._count(len(rows), chunk.version)
-
-    def _chunk_rows(self, chunk: TrainChunk, rows: list[int], t: int, cond, neg) -> Transitions:
-        dev, n = self.device, len(rows)
-        whole = n == len(chunk.sample_ids)  # keep the generation batch intact: bitwise-equal forwards
-        sel = torch.tensor(rows)
-        return Transitions(chunk.latents[sel, t].to(dev), chunk.latents[sel, t + 1].to(dev),
-                           chunk.sigmas[t].to(dev).expand(n), chunk.sigmas[t + 1].to(dev).expand(n), [t] * n,
-                           cond if whole else cond.select(sel),
-                           neg if (neg is None or whole) else neg.select(sel),
-                           chunk.log_probs[sel, t].to(dev), chunk.advantages[sel].to(dev))
-
-    def train_transitions(self, batch: TransitionBatch) -> None:
-        """This trainer's packed micro-batches of one fragment (TSP), each mixing samples and
-        timesteps (per-sample sigma vectors; CFG runs the unconditional branch of every transition
-        in the same packed batch)."""
-        cond = batch.cond.to(self.device)
-        neg = batch.neg_cond.to(self.device) if batch.neg_cond is not None else None
-        for lo, hi in batch.bounds():
-            rows = [j for j in range(lo, hi) if batch.keep[j]]
-            if not rows:
-                if self.sharding == "fsdp":  # the other FSDP ranks run this forward's collectives
+    def train(self, item: TrainChunk | TransitionBatch, end: StepEnd | None = None) -> None:
+        """Forward + backward of every transition of `item` this trainer trains: a chunk one
+        timestep per forward, a TSP share one packed micro-batch (mixing samples and timesteps) per
+        forward. With `end`, only the transitions of the samples the step's end trains again."""
+        if end is None:
+            # Non-finite rewards make the step skip; counted on the device, read once per step.
+            self.nonfinite_advantages += (~torch.isfinite(item.advantages)).any().to(self.device)
+            if self.items is not None:
+                self.items.append(item)
+        cond = item.cond.to(self.device)
+        neg = item.neg_cond.to(self.device) if item.neg_cond is not None else None
+        packed = isinstance(item, TransitionBatch)
+        for key, rows in forwards.forwards(item, self.spec, end):
+            if not rows:  # padding keeps FSDP ranks' forward counts equal (the end's: in train_again)
+                if end is None and (not packed or self.sharding == "fsdp"):
                     self._start_forward()
-                    self._forward(self._packed_rows(batch, [lo], cond, neg), weight=0.0)
+                    self._forward(self._transitions(item, key, [(key if packed else 0, 0.0, False)], cond, neg),
+                                  pad=True)
                 continue
             self._start_forward()
-            self._forward(self._packed_rows(batch, rows, cond, neg))
-            self._count(len(rows), batch.version)
+            self._forward(self._transitions(item, key, rows, cond, neg))
+            self._count(sum(c for _, _, c in rows), item.version)
 
-    def _packed_rows(self, batch: TransitionBatch, rows: list[int], cond, neg) -> Transitions:
-        dev = self.device
-        sel = torch.tensor(rows)
+    train_chunk = train_transitions = train  # the names the tests and helpers know
+
+    def _transitions(self, item, key: int, rows, cond, neg) -> Transitions:
+        if isinstance(item, TransitionBatch):
+            return self._packed_rows(item, rows, cond, neg)
+        return self._chunk_rows(item, rows, key, cond, neg)
+
+    def _chunk_rows(self, chunk: TrainChunk, rows: list[tuple[int, float, bool]], t: int, cond, neg) -> Transitions:
+        """The rows of a chunk at timestep t. The chunk's tensors stay where they arrived (the device,
+        on NCCL): they are indexed there; its small metadata (ids, sigmas, advantages) is on the host."""
+        dev, n, js = self.device, len(rows), [j for j, _, _ in rows]
+        whole = n == len(chunk.sample_ids)  # keep the generation batch intact: bitwise-equal forwards
+        x_t, x_next, logp = chunk.at(_index(js, chunk.latents.device), t)
+        host = torch.tensor(js)
+        return Transitions(x_t.to(dev), x_next.to(dev),
+                           chunk.sigmas[t].to(dev).expand(n), chunk.sigmas[t + 1].to(dev).expand(n), [t] * n,
+                           cond if whole else cond.select(_index(js, dev)),
+                           neg if (neg is None or whole) else neg.select(_index(js, dev)),
+                           logp.to(dev), chunk.advantages[host].to(dev), chunk.sample_ids[host].tolist(), chunk.step,
+                           *forwards.weights(rows, dev))
+
+    def _packed_rows(self, batch: TransitionBatch, rows: list[tuple[int, float, bool]], cond, neg) -> Transitions:
+        """The rows of a packed micro-batch: its latents indexed where they arrived, its metadata
+        (ids, sigmas, timesteps, advantages) on the host."""
+        dev, js = self.device, [j for j, _, _ in rows]
+        sel, device_sel = torch.tensor(js), _index(js, batch.x_t.device)
         idx = batch.cond_index[sel].to(dev)
-        return Transitions(batch.x_t[sel].to(dev), batch.x_next[sel].to(dev), batch.sigma[sel].to(dev),
+        return Transitions(batch.x_t[device_sel].to(dev), batch.x_next[device_sel].to(dev), batch.sigma[sel].to(dev),
                            batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
                            neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
-                           batch.advantages[sel].to(dev))
+                           batch.advantages[sel].to(dev), batch.sample_ids[sel].tolist(), batch.step,
+                           *forwards.weights(rows, dev))
 
-    def _forward(self, tr: Transitions, weight: float = 1.0) -> None:
-        """One forward + backward of the loss of `tr`. Weight 0 is padding: the same computation
-        and collectives as a real forward (FSDP ranks must run equally many), nothing recorded."""
+    def _forward(self, tr: Transitions, pad: bool = False) -> None:
+        """One forward + backward of the loss of `tr`. Padding runs the same computation and
+        collectives as a real forward (FSDP ranks must run equally many) and records nothing."""
         with self.slowdown():
-            with autocast(self.device, self.cfg.model.dtype):
-                v = sampler.guided_velocity(self.adapter, tr.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
-            out = self._score_steps(tr, v, tr.x_next)
-            mean_ref = self._score_steps(tr, self._reference_velocity(tr), tr.x_t).mean \
-                if self.loss.needs_reference else None
-            loss, stats = self.loss(out.log_prob, tr.logp_old, tr.adv, out.mean, mean_ref, out.std)
-            (loss if weight == 1.0 else loss * weight).backward()
-        if weight:
+            if self.old is not None:  # every row weighs 1 (the global std, whose corrections weigh otherwise, is refused)
+                policy, stats = self._forward_process_loss(tr)
+                policy, kl = policy * (not pad), None
+            else:
+                with autocast(self.device, self.cfg.model.dtype):
+                    v = sampler.guided_velocity(self.adapter, tr.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
+                out = sampler.score_rows(self.sampling, tr.x_t, v, tr.sigma, tr.sigma_next, tr.timesteps, tr.x_next,
+                                         tr.step)
+                mean_ref = sampler.score_rows(self.sampling, tr.x_t, self._reference_velocity(tr), tr.sigma,
+                                              tr.sigma_next, tr.timesteps, tr.x_t, tr.step).mean \
+                    if self.loss.needs_reference else None
+                none = torch.zeros_like(out.log_prob)
+                policy, kl, stats = self.loss(out.log_prob, tr.logp_old, tr.adv, weight=none if pad else tr.weight,
+                                              counted=none.bool() if pad else tr.counted, mean=out.mean,
+                                              mean_ref=mean_ref, std=out.std, std_dev_t=out.std_dev_t)
+            self.grads.backward(policy, kl)
+        if not pad:
             self.loss_sums += stats
+
+    def _forward_process_loss(self, tr: Transitions) -> tuple[Tensor, Tensor]:
+        """DiffusionNFT (rl/nft.py): each transition's clean sample x0 noised at its sigma with the
+        noise keyed by (seed, step, sample, t), x_t = (1 - sigma) x0 + sigma eps; the old policy's and
+        the reference's velocities without gradient (before the trained forward: the old policy's
+        exchange writes the parameters in place), then the trained policy's."""
+        x0 = tr.x_t.float()
+        noised = dataclasses.replace(tr, x_t=nft.noised(x0, tr.sigma, tr.sample_ids, tr.timesteps, self.cfg.seed,
+                                                        tr.step))
+        with torch.no_grad(), self.old.swapped(), autocast(self.device, self.cfg.model.dtype):
+            v_old = sampler.guided_velocity(self.adapter, noised.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
+        v_ref = self._reference_velocity(noised) if self.loss.needs_reference else None
+        with autocast(self.device, self.cfg.model.dtype):
+            v = sampler.guided_velocity(self.adapter, noised.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
+        return self.loss(x0, noised.x_t, tr.sigma, v, v_old, tr.adv, v_ref)
+
+    def sampling_policy(self):
+        """The policy the generators sample with, in the parameters for a block (colocated ranks and
+        TAG helpers generate with the trainer's model): DiffusionNFT's old policy, else the trained
+        weights as they are."""
+        return self.old.swapped() if self.old is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def _reference_velocity(self, tr: Transitions) -> Tensor:
@@ -222,24 +294,6 @@ class Trainer:
             if lora:
                 self.adapter.transformer.enable_adapters()
 
-    def _score_steps(self, tr: Transitions, v: Tensor, x_next: Tensor) -> sampler.StepOutput:
-        """sampler.sde_step over transitions at different timesteps: one call per distinct noise
-        level (a windowed sampler is deterministic outside its window), rows put back in order."""
-        s = self.sampling
-        levels = [s.noise_level_at(t) for t in tr.timesteps]
-        if len(set(levels)) == 1:
-            return sampler.sde_step(tr.x_t, v, tr.sigma, tr.sigma_next, sde_type=s.sde_type, noise_level=levels[0],
-                                    x_next=x_next)
-        parts, order = [], []
-        for level in sorted(set(levels)):
-            rows = torch.tensor([j for j, l in enumerate(levels) if l == level], device=tr.x_t.device)
-            parts.append(sampler.sde_step(tr.x_t[rows], v[rows], tr.sigma[rows], tr.sigma_next[rows],
-                                          sde_type=s.sde_type, noise_level=level, x_next=x_next[rows]))
-            order.append(rows)
-        inverse = torch.argsort(torch.cat(order))
-        return sampler.StepOutput(*(torch.cat([getattr(p, k) for p in parts])[inverse]
-                                    for k in ("x_next", "log_prob", "mean", "std")))
-
     def pad_forwards(self, count: int, template: TrainChunk | TransitionBatch | None) -> None:
         """FSDP only: run padding forwards until this rank has done `count` forwards this step."""
         while self.num_forwards < count:
@@ -248,9 +302,20 @@ class Trainer:
             self._start_forward()
             cond = template.cond.to(self.device)
             neg = template.neg_cond.to(self.device) if template.neg_cond is not None else None
-            rows = self._packed_rows(template, [0], cond, neg) if isinstance(template, TransitionBatch) \
-                else self._chunk_rows(template, [0], 0, cond, neg)
-            self._forward(rows, weight=0.0)
+            self._forward(self._transitions(template, 0, [(0, 0.0, False)], cond, neg), pad=True)
+
+    def train_again(self, end: StepEnd, template) -> int:
+        """The step's end: the transitions of the samples it trains again, from the items kept this
+        step. FSDP ranks agree on the group's most such forwards first (their forwards are
+        collectives) and pad to it. Returns this rank's count."""
+        count = sum(1 for item in self.items for _, rows in forwards.forwards(item, self.spec, end) if rows)
+        target = self.num_forwards + count
+        if self.sharding == "fsdp":
+            target = self.num_forwards + int(self._all_reduce_max(float(count)))  # sync point: all trainers
+        for item in self.items:
+            self.train(item, end)
+        self.pad_forwards(target, template)
+        return count
 
     def _count(self, n: int, version: int) -> None:
         """n transitions trained; their staleness is this update's version minus the generating one
@@ -261,13 +326,16 @@ class Trainer:
         self.counts["staleness_frac_1"] += n * (stale == 1)
         self.max_staleness = max(self.max_staleness, stale)
 
-    def finish_step(self) -> dict[str, float]:
-        """Sum gradients and statistics over trainer ranks, normalize by the batch's transition
-        count, clip, step, update the EMA. Every trainer rank waits here for the others."""
+    def finish_step(self, scale: float = 1.0) -> dict[str, float]:
+        """Scale the policy term's gradient by `scale` (the global std's 1 / (std + eps), 1 otherwise)
+        and add the KL term's; sum gradients and statistics over trainer ranks, normalize by the
+        batch's transition count, clip, step, update the EMA. Every trainer rank waits here for the others."""
+        self.grads.combine(scale)
         names = self.loss.STATS + COUNTS
-        host = torch.tensor([float(self.num_transitions)] + [self.counts[k] for k in COUNTS]
-                            + [float(self.nonfinite_advantages)], dtype=torch.float64)
-        counts = torch.cat([host[:1], self.loss_sums.cpu(), host[1:]])  # the step's one read of the loss sums
+        host = torch.tensor([float(self.num_transitions)] + [self.counts[k] for k in COUNTS], dtype=torch.float64)
+        sums = self.loss.rescale(self.loss_sums, scale) if scale != 1.0 else self.loss_sums
+        on_device = torch.cat([sums, self.nonfinite_advantages.reshape(1).double()]).cpu()  # the step's one read
+        counts = torch.cat([host[:1], on_device[:-1], host[1:], on_device[-1:]])
         if self.group is not None and dist.get_world_size(self.group) > 1:
             counts = counts.to(self._comm_device())
             dist.all_reduce(counts, group=self.group)  # sync point: all trainers
@@ -297,6 +365,8 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.num_updates += 1
+        if self.old is not None and not skip:
+            self.old.after_update(self.num_updates)  # NFT: the soft update, after the optimizer's
         if self.ema is not None and not skip:
             decay = min(self.cfg.optim.ema_decay, (1 + self.num_updates) / (10 + self.num_updates))
             with torch.no_grad():
@@ -310,6 +380,7 @@ class Trainer:
                       "train/num_allgathers": float(self.num_allgathers),
                       "train/skipped_steps": float(self.skips.total)})
         self.reset_stats()
+        self.items = None
         return stats
 
     def _all_reduce_max(self, value: float) -> float:
@@ -327,63 +398,71 @@ class Trainer:
         """Replicated data parallel: one flat all-reduce (sum) of all gradients."""
         if self.group is None or dist.get_world_size(self.group) == 1:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [local_part(p.grad)[0] for p in self.params]  # whole: a replicated trainer's own FSDP is one rank
         flat = torch.cat([g.reshape(-1) for g in grads]).to(self._comm_device())
         dist.all_reduce(flat, group=self.group)  # sync point: all trainers
         offset = 0
-        for p, g in zip(self.params, grads):
+        for g in grads:
             n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(g).to(g.device).clone()
+            g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
 
     # ----- weights out ----------------------------------------------------------------------
-    def full_weights(self, names: list[str] | None = None) -> dict[str, Tensor]:
-        """Unsharded trained weights (under FSDP a collective: every trainer rank must call it)."""
+    def weights(self, names: list[str] | None = None) -> dict[str, Tensor]:
+        """The trained weights by name, as this rank holds them (under FSDP: its shards)."""
         wanted = set(names or self.names)
-        return {n: full_tensor(p.detach()) for n, p in self.adapter.transformer.named_parameters() if n in wanted}
+        return {n: p for n, p in self.adapter.transformer.named_parameters() if n in wanted}
+
+    def sampling_tensors(self, names: list[str]) -> dict[str, Tensor]:
+        """The tensors of the policy the generators sample with, by name, as this rank holds them
+        (under FSDP its shards): the trained weights, or DiffusionNFT's old policy."""
+        if self.old is None:
+            params = dict(self.adapter.transformer.named_parameters())
+            return {n: params[n] for n in names}
+        index = {n: i for i, n in enumerate(self.names)}
+        return {n: self.old.tensors[index[n]] for n in names}
 
     # ----- publication ----------------------------------------------------------------------
     def start_codec(self, spec: str, names: list[str], residual: dict[str, Tensor] | None = None) -> None:
         """Train through the lossy publication codec `spec` (parallel/compress.py) from the weights
-        held now, going on from a resumed run's `residual` (a collective under FSDP)."""
-        self.codec = compress.Reconstruction(spec, self.full_weights(names), residual)
+        held now, going on from a resumed run's `residual`. The codec's state is sharded as the
+        weights are, in the dtype the generators hold (the compute dtype)."""
+        self.codec = compress.Reconstruction(spec, self.sampling_tensors(names), residual, self.compute_dtype)
 
-    def make_version(self, names: list[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """The version this update makes, as (wire tensors, the weights receivers rebuild from
-        them); every trainer rank calls it (a collective under FSDP). With a lossy codec the
-        trainer adopts the rebuilt weights, so it trains the policy the generators sample with;
-        what the wire left out waits in the codec's residual."""
-        weights = self.full_weights(names)
+    def current_version(self, names: list[str]) -> Outgoing:
+        """The version the generators hold of the weights `names`, as they hold it: the sampling
+        policy's weights (the trained ones; DiffusionNFT: the old policy) cast to the compute dtype,
+        or a lossy codec's reconstruction. Every trainer rank calls it (under FSDP a collective:
+        checksums)."""
         if self.codec is None:
-            return weights, weights
-        wire, held = self.codec.publish(weights)
-        params = dict(self.adapter.transformer.named_parameters())
+            return Outgoing.of(self.sampling_tensors(names), dtype=self.compute_dtype)
+        return Outgoing.of({n: self.codec.held[n] for n in names})
+
+    def make_version(self, names: list[str]) -> Outgoing:
+        """The version this update makes, for publication (every trainer rank calls it; under FSDP
+        a collective). Without a lossy codec, the sampling policy's weights in the compute dtype,
+        cast and gathered a bucket at a time as they are sent. With one, the codec encodes this
+        rank's shards and the trainer adopts what receivers rebuild, so it trains against the policy
+        the generators sample with; what the wire left out waits in the codec's residual."""
+        if self.codec is None:
+            return self.current_version(names)
+        targets = self.sampling_tensors(names)
+        wire, held = self.codec.publish(targets)
         with torch.no_grad():
             for n, t in held.items():
-                copy_full(params[n], t)
-        return wire, held
+                local_part(targets[n])[0].copy_(local_part(t)[0])
+        return Outgoing.of(wire, held, self.codec.spec)
 
 
-
-
-
-def fsdp_pad_target(plan, facts, intake) -> int:
-    """FSDP ranks run collectives inside every forward, so they must run equally many: the forward
-    count every trainer pads to (0 without FSDP). Colocated FSDP generation needs equal chunk counts."""
-    if facts.train_sharding != "fsdp":
-        return 0
-    counts = [len(f) for f in intake.forward_fragments(plan)]
-    if not facts.disagg:
-        gen = [sum(len(f.chunks) for f in plan.fragments if f.replica == r) for r in range(facts.topology.num_replicas)]
-        if len(set(gen)) > 1:
-            raise ValueError(f"--colocated-sharding fsdp needs every rank to generate equally many chunks, got {gen} "
-                             f"(choose --prompts-per-step, --group-size and --micro-batch so they divide evenly)")
-    if min(counts) == 0:
-        what = "transition (TSP)" if facts.tsp else "chunk"
-        raise ValueError(f"--train-sharding fsdp: trainer(s) {[i for i, c in enumerate(counts) if c == 0]} get no "
-                         f"{what}; use more samples per step or a smaller --micro-batch")
-    return max(counts)
-
+def _index(rows: list[int], device: torch.device) -> slice | Tensor:
+    """An index of `rows` for tensors on `device`: a slice when the rows are consecutive (the usual
+    case: a whole chunk, a packed micro-batch), else an index tensor copied without a device wait."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return sampler.to_device(torch.tensor(rows), device)
 
 def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[int, list[str]],
                  publisher: WeightPublisher, assistant=None, store=None,
@@ -393,8 +472,9 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     publish version k+1 to every generator. With TAG, the `assistant` may generate fragments while
     this rank waits for one (under FSDP: the whole group, between forwards)."""
     tracer, topo, facts, intake, step = ctx.tracer, ctx.topo, ctx.facts, ctx.intake, plan.step
-    pad_to = fsdp_pad_target(plan, facts, intake)
-    trainer.begin_step()
+    pad_to = forwards.fsdp_pad_target(plan, facts, intake)
+    streamed_end = trainer.rule.needs_step_end and len(plan.fragments) > 1  # else its fragment decided it all
+    trainer.begin_step(keep_items=streamed_end, scale_later=streamed_end and trainer.rule.std_mode == "global")
     trainer.current_step = step
     intake.inbox.update(local)
     if not facts.disagg:
@@ -420,20 +500,31 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     if pad_to:
         with tracer.span("pad", "train", step):
             trainer.pad_forwards(pad_to, template)
+    end = stepfacts.end_step(ctx, trainer, plan, store, template) if trainer.rule.needs_step_end else None
     t0 = time.perf_counter()
     with tracer.span("optimizer", "optimizer", step):
-        stats = trainer.finish_step()  # sync point: all trainers
+        stats = trainer.finish_step(end.scale if end is not None else 1.0)  # sync point: all trainers
     update_s = time.perf_counter() - t0
+    if end is not None:
+        stats.update(end.metrics)
+        if ctx.rank == topo.trainer_ranks[0]:  # every trainer has read the facts before finish_step's all-reduce
+            stepfacts.clear(store, step, len(plan.fragments))
     t0 = time.perf_counter()
     if facts.disagg:
         sent = []
         with tracer.span("publish", "publish", step):
-            wire, held = trainer.make_version(sorted({n for names in publish_names.values() for n in names}))
+            names = sorted({n for names in publish_names.values() for n in names})
+            out = trainer.make_version(names)  # sync point under FSDP: the version's checksums, from shards
+            # Each generator (stage) gets only the weights it holds, encoded once for all of them.
+            by_dst = {g: publish_names[g] for g in topo.generator_ranks}
             if ctx.rank == topo.trainer_ranks[0]:
                 if store is not None:
                     store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
-                # Each generator (stage) gets only the weights it holds, encoded once for all of them.
-                sent = publisher.publish_all(wire, held, {g: publish_names[g] for g in topo.generator_ranks}, step + 1)
+                # On a communicator apart from the fragments' (docs/communication.md).
+                sent = publisher.publish_all(out, by_dst, step + 1, group=ctx.comms.publish)
+            else:
+                publisher.follow_all(out, by_dst)  # FSDP: the same bucket all-gathers as trainer 0's sends
+            publisher.keep_version(out, names, step + 1)  # TCSS: the generators' version at a checkpoint
         stats["publish/bytes"] = float(sum(s.num_bytes for s in sent))
         stats["publish/seconds"] = time.perf_counter() - t0
     elif trainer.codec is not None:

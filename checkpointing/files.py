@@ -5,9 +5,11 @@ size and SHA-256, plus what the writer adds: step, run config) is written and fs
 folder is renamed to `step-N/` and the parent folder fsync'd. A crash at any moment leaves either
 the previous checkpoints untouched and a `.tmp` folder that nothing loads, or the complete new one.
 
-Loading trusts nothing: `find_valid` verifies the manifest of each `step-N/`, newest first, and
-returns the newest that passes with the list of those it skipped and why. Pure file-system code:
-no torch, no process group.
+Loading trusts nothing: `find_valid` verifies the manifest of each `step-N/`, newest first (its
+files' sizes and hashes, and that it records step N: a folder copied in under another step's name
+is not that step), and returns the newest that passes with the list of those it skipped and why.
+A process verifies a folder once while its files stay unchanged (the command line and validation
+both look for the checkpoint a resume continues). Pure file-system code: no torch, no process group.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ FORMAT = 2  # 2: the run state in state/ (sharded safetensors), the export in --
 PIN_FILE = "KEEP"  # a checkpoint folder holding a file of this name is never pruned
 _STEP_DIR = re.compile(r"step-(\d+)")
 _CHUNK = 1 << 20
+_VERIFIED: dict[str, tuple[tuple, dict]] = {}  # folder -> (its files' stat signature, verified manifest)
 
 
 def sha256_file(path: str) -> str:
@@ -120,6 +123,15 @@ def write_atomic(final: str, write_files, meta: dict, before_manifest=None) -> N
     commit(final, meta, before_manifest)
 
 
+def _signature(path: str, files) -> tuple | None:
+    """(name, size, mtime, inode) of the manifest and every file it lists; None if one is missing."""
+    try:
+        return tuple((rel, st.st_size, st.st_mtime_ns, st.st_ino)
+                     for rel in (MANIFEST, *sorted(files)) for st in [os.stat(os.path.join(path, rel))])
+    except OSError:
+        return None
+
+
 def read_manifest(path: str) -> dict:
     """The manifest of a checkpoint folder, verified: every file it lists exists with its size and
     SHA-256. ValueError naming the first problem otherwise."""
@@ -130,8 +142,12 @@ def read_manifest(path: str) -> dict:
         with open(file) as f:
             manifest = json.load(f)
         files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OSError) as e:
         raise ValueError(f"{MANIFEST} is damaged ({e})") from None
+    cached = _VERIFIED.get(os.path.abspath(path))
+    signature = _signature(path, files) if isinstance(files, dict) else None
+    if cached is not None and signature is not None and cached[0] == signature:
+        return json.loads(json.dumps(cached[1]))  # a copy: callers may change theirs
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{MANIFEST} has format {manifest.get('format')!r}, this version reads {FORMAT}")
     for rel, entry in files.items():
@@ -143,6 +159,8 @@ def read_manifest(path: str) -> dict:
             raise ValueError(f"{rel} has {size} bytes, the manifest says {entry['bytes']}")
         if sha256_file(full) != entry["sha256"]:
             raise ValueError(f"{rel} does not match its SHA-256 in the manifest")
+    if signature is not None:
+        _VERIFIED[os.path.abspath(path)] = (signature, json.loads(json.dumps(manifest)))
     return manifest
 
 
@@ -185,6 +203,10 @@ def find_valid(root: str) -> Found:
             manifest = read_manifest(path)
         except ValueError as e:
             skipped.append((path, str(e)))
+            continue
+        if manifest.get("step") != step:
+            skipped.append((path, f"its {MANIFEST} records step {manifest.get('step')}, not {step}: a copy of another "
+                                  f"checkpoint under this name"))
             continue
         return Found(path, step, manifest, skipped)
     return Found(None, None, None, skipped)

@@ -1,17 +1,24 @@
 """One run per folder, never mixed (README, "Reliability").
 
+- Before anything loads, every rank checks the output folder: a file where a folder should be,
+  a folder it cannot create or write into (a probe file), a path too long for the deepest file
+  the run writes there, and the folder's lock (checkpointing/lock.py: a live run's folder is
+  refused, --overwrite and --resume included).
 - A run refuses an --output-dir that already holds a run's files (RUN_ENTRIES), unless --resume
   continues the run in that very folder or --overwrite removes them first. Other files (a SLURM
   log, a launcher's stdout) neither count nor get removed.
 - --resume takes the newest checkpoint whose manifest verifies (checkpoint_files.find_valid), names
-  the ones it passed over, checks that the checkpoint was trained with the same model, LoRA and
-  algorithm (everything that changes what its weights mean) and that --steps leaves work to do.
+  the ones it passed over, and checks it against the command and the run it came from
+  (checkpointing/runrecord.py), and that --steps leaves work to do.
 - Continuing in the same folder cuts the run back to the checkpoint: metrics.jsonl keeps the rows
-  up to it (the later ones move to discarded/), newer checkpoints, unfinished writes and later
-  sample grids move to discarded/ too, and TensorBoard purges the later events (telemetry/metrics.py).
+  up to it (the later ones move to discarded/), newer checkpoints, unfinished writes, later
+  sample grids and the previous config.json move to discarded/ too, and TensorBoard purges the
+  later events (telemetry/metrics.py).
 
-`check` runs inside RunConfig.validate on every rank, before anything loads; `prepare` runs once,
-on rank 0, before any other rank writes into the folder.
+`check` runs inside config.validate on every rank, before anything loads; rank 0 takes the lock
+right after it (train_disagg.py), and `prepare` runs on rank 0 once every rank has loaded its
+model and passed the checks that need it, before any rank writes into the folder: a run that
+fails on a user error leaves no config.json behind, and the corrected command runs as is.
 """
 from __future__ import annotations
 
@@ -19,18 +26,18 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 
-from checkpointing import checkpoint
+from checkpointing import checkpoint, lock
 from checkpointing import files as checkpoint_files
+from checkpointing import runrecord
 
 RUN_ENTRIES = ("config.json", "metrics.jsonl", "tb", "trace", "checkpoints", "samples", "eval", "discarded")
-# (section, field, flag): settings that change what a checkpoint's weights mean
-WEIGHT_MEANING = (("model", "model", "--model"), ("model", "model_path", "--model-path"),
-                  ("model", "preset", "--preset"), ("optim", "lora_rank", "--lora-rank"),
-                  ("optim", "lora_alpha", "--lora-alpha"), ("optim", "lora_targets", "--lora-targets"),
-                  ("rl", "algorithm", "--algorithm"), ("sampling", "sde_type", "--sde-type"))
+DEEPEST = os.path.join("discarded", "20990101-000000-resume-at-step-{steps}", "checkpoints", "step-{steps}.tmp", "ema",
+                       "transformer", "diffusion_pytorch_model-00001-of-00064.safetensors.index.json")
+"""longer than any path the run writes under its folder (a checkpoint's export shards, moved aside)"""
 
 
 @dataclass(frozen=True)
@@ -43,28 +50,8 @@ class ResumePoint:
     same_folder: bool  # the run continues in the folder it resumes from
     config: dict  # the checkpoint's run config
     has_stale: bool  # written with --tcss: holds the generators' version step - 1
-
-
-def _meaning(cfg: dict, section: str, name: str):
-    value = cfg.get(section, {}).get(name)
-    if name == "lora_alpha" and value is None:
-        rank = cfg.get("optim", {}).get("lora_rank", 0)
-        return 2 * rank if rank else None
-    if name == "model_path" and value:
-        return os.path.realpath(value)
-    if name == "preset" and cfg.get("model", {}).get("model_path"):
-        return None  # a model folder: the preset plays no part
-    return value
-
-
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """The settings that change the weights' meaning and differ: ['--lora-rank 4 (this run: 8)', ...]."""
-    out = []
-    for section, name, flag in WEIGHT_MEANING:
-        a, b = _meaning(saved, section, name), _meaning(current, section, name)
-        if a != b:
-            out.append(f"{flag} {a} (this run: {b})")
-    return out
+    changed: dict  # {setting: [the checkpoint's, this run's]}: what config.json's history records
+    anyway: tuple[str, ...] = ()  # the differences --resume-anyway let through
 
 
 def _entries(folder: str) -> list[str]:
@@ -75,30 +62,59 @@ def _same(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def check(cfg) -> ResumePoint | None:
-    """Every error about the run folder and --resume, before anything loads (ValueError naming it)."""
+def check_writable(out: str, steps: int) -> None:
+    """The run can create `out` and write into it, and its deepest path fits the file system:
+    ValueError naming the folder and the reason otherwise. Creates nothing but a probe file
+    (removed at once) in `out` or its nearest existing parent."""
+    existing, missing = out, []
+    while not os.path.lexists(existing):
+        parent = os.path.dirname(existing.rstrip("/")) or "."
+        missing.append(os.path.basename(existing.rstrip("/")))
+        existing = parent
+    if not os.path.isdir(existing):
+        raise ValueError(f"--output-dir {out!r}: {existing!r} is {'a file' if os.path.exists(existing) else 'a broken link'}, "
+                         f"not a folder")
+    name_max, path_max = _limit(existing, "PC_NAME_MAX", 255), _limit(existing, "PC_PATH_MAX", 4096)
+    for name in missing:
+        if len(name.encode()) > name_max:
+            raise ValueError(f"--output-dir {out!r}: the folder name {name[:32]!r}... has {len(name.encode())} bytes; "
+                             f"this file system allows {name_max}")
+    deepest = os.path.join(out, DEEPEST.format(steps=steps))
+    if len(deepest.encode()) >= path_max:
+        raise ValueError(f"--output-dir {out!r} is too long ({len(out.encode())} bytes): the run writes paths of up to "
+                         f"{len(deepest.encode())} bytes under it, and this file system takes {path_max - 1}")
+    probe = os.path.join(existing, f".digenrl-write-probe-{socket.gethostname()}-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            os.write(fd, b"probe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--output-dir {out!r}: cannot write into {existing!r} ({e.strerror}): a read-only file "
+                         f"system, a full disk or no permission") from None
+
+
+def _limit(path: str, name: str, default: int) -> int:
+    try:
+        return os.pathconf(path, name)
+    except (OSError, ValueError):
+        return default
+
+
+def check(cfg, prompts_sha256: str | None = None, not_carried=frozenset()) -> ResumePoint | None:
+    """Every error about the run folder and --resume, before anything loads (ValueError naming it).
+    `prompts_sha256`: the training prompts as this run read them; `not_carried`: settings a resume
+    neither compares nor records (where the run goes, the test hooks)."""
     o = cfg.output
     out = o.output_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--output-dir {out!r} is a file, not a folder")
-    resume = None
-    if o.resume:
-        if not os.path.isdir(o.resume):
-            raise ValueError(f"--resume {o.resume!r} is not a folder")
-        found = checkpoint.find_checkpoint(o.resume)
-        if found.path is None:
-            why = f": skipped {found.skipped_text()}" if found.skipped else " (no checkpoints/step-N folder)"
-            raise ValueError(f"--resume {o.resume!r} holds no valid checkpoint{why}")
-        saved = found.manifest.get("config") or {}
-        differences = config_differences(saved, cfg.to_dict())
-        if differences:
-            raise ValueError(f"--resume {found.path}: the checkpoint was trained with " + ", ".join(differences)
-                             + "; these change what its weights mean")
-        if cfg.rl.steps <= found.step:
-            raise ValueError(f"--steps {cfg.rl.steps} is not above the step of the checkpoint {found.path} "
-                             f"({found.step}): there is nothing to train; raise --steps")
-        resume = ResumePoint(found.path, found.step, tuple(found.skipped), _same(o.resume, out), saved,
-                             checkpoint.STALE_FILE in found.manifest.get("files", {}))
+    check_writable(out, cfg.rl.steps)
+    lock.check(out, o.overwrite)  # a live run's folder: refused on every rank alike
+    resume = _resume_point(cfg, prompts_sha256, not_carried) if o.resume else None
     held = [e for e in _entries(out) if e in RUN_ENTRIES]  # a launcher's logs beside them do not count
     if held and not o.overwrite and not (resume and resume.same_folder):
         listed = ", ".join(held[:5]) + (" ..." if len(held) > 5 else "")
@@ -110,9 +126,39 @@ def check(cfg) -> ResumePoint | None:
     return resume
 
 
-def prepare(cfg, resume: ResumePoint | None, say=print) -> None:
-    """Rank 0, before any rank writes: clear (--overwrite) or cut back (resume in place), then
-    write config.json."""
+def _resume_point(cfg, prompts_sha256: str | None, not_carried) -> ResumePoint:
+    """The checkpoint --resume continues from, checked against the command and its own run."""
+    o = cfg.output
+    if not os.path.isdir(o.resume):
+        raise ValueError(f"--resume {o.resume!r} is not a folder")
+    found = checkpoint.find_checkpoint(o.resume)
+    if found.path is None:
+        why = f": skipped {found.skipped_text()}" if found.skipped else " (no checkpoints/step-N folder)"
+        raise ValueError(f"--resume {o.resume!r} holds no valid checkpoint{why}")
+    saved, current = found.manifest.get("config") or {}, cfg.to_dict()
+    differences = runrecord.config_differences(saved, current)
+    if differences:
+        raise ValueError(f"--resume {found.path}: the checkpoint was trained with " + ", ".join(differences)
+                         + "; these change what its weights mean")
+    if cfg.rl.steps <= found.step:
+        raise ValueError(f"--steps {cfg.rl.steps} is not above the step of the checkpoint {found.path} "
+                         f"({found.step}): there is nothing to train; raise --steps")
+    changed = runrecord.changes(saved, current, not_carried)
+    anyway = runrecord.needs_anyway(changed, saved.get("run") or {}, prompts_sha256)
+    other = runrecord.foreign(o.resume, saved)
+    if (anyway or other) and not getattr(o, "resume_anyway", False):
+        why = [f"it was not written by the run in {o.resume} ({'; '.join(other)})"] if other else []
+        why += [f"this run changes {', '.join(anyway)}"] if anyway else []
+        raise ValueError(f"--resume {found.path}: {' and '.join(why)}; resume with --resume-anyway to go on with "
+                         f"this run's settings (config.json records the change at step {found.step})")
+    return ResumePoint(found.path, found.step, tuple(found.skipped), _same(o.resume, o.output_dir), saved,
+                       checkpoint.STALE_FILE in found.manifest.get("files", {}), changed, tuple(other + anyway))
+
+
+def prepare(cfg, resume: ResumePoint | None, digests: dict, say=print) -> dict:
+    """Rank 0, once every rank has loaded and passed its checks, before any rank writes: clear
+    (--overwrite) or cut back (resume in place), then write config.json with the run record
+    (runrecord: the id, the prompt files' digests, the history of resumes), which it returns."""
     out = cfg.output.output_dir
     os.makedirs(out, exist_ok=True)
     if cfg.output.overwrite:
@@ -124,11 +170,18 @@ def prepare(cfg, resume: ResumePoint | None, say=print) -> None:
             say(f"--overwrite: removed {', '.join(removed)} from {out}")
     elif resume is not None and resume.same_folder:
         cut_back(out, resume.step, say)
-    if resume is not None:
+    if resume is None:
+        record = runrecord.new_record(digests)
+    else:
         for path, why in resume.skipped:
             say(f"resume: skipped {path}: {why}")
+        for why in resume.anyway:
+            say(f"resume: --resume-anyway: {why}")
         say(f"resume: continuing from {resume.path} (step {resume.step})")
-    checkpoint_files.write_json_atomic(os.path.join(out, "config.json"), cfg.to_dict())
+        record = runrecord.continued_record(resume.config.get("run") or {}, digests, resume.step, resume.path,
+                                            resume.changed, list(resume.anyway))
+    cfg.save(os.path.join(out, "config.json"), record)
+    return record
 
 
 def is_eval_row(row: dict) -> bool:
@@ -190,6 +243,8 @@ def cut_back(out: str, step: int, say=print) -> str | None:
             if m and int(m.group(1)) >= first_dropped:
                 move(os.path.join(folder, name), os.path.join(tag, name))
     if moved:
+        if os.path.isfile(os.path.join(out, "config.json")):  # the run's description before this resume
+            shutil.copy2(os.path.join(out, "config.json"), os.path.join(aside, "config.json"))
         say(f"resume: moved what the run wrote after step {step} to {aside}: {', '.join(moved[:6])}"
             + (" ..." if len(moved) > 6 else ""))
         return aside

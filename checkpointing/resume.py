@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from checkpointing import checkpoint
-from parallel import publish
-from parallel.fsdp import full_tensor
+from parallel import checksums, publish
 
 
 @dataclass
@@ -59,25 +58,34 @@ def extra_state(trainer, std_history: dict, done: int) -> dict:
 
 
 def publish_start(facts, rank: int, trainer, publisher: publish.WeightPublisher, publish_names: dict,
-                  start: int, generators_stale: bool, store) -> None:
+                  start: int, generators_stale: bool, store, group=None) -> None:
     """TCSS trainers: keep version `start` (the stale version of checkpoint start+1) and, when the
-    generators resumed one version behind, send it to them (a collective under FSDP)."""
+    generators resumed one version behind, send it to them on `group` (ProcessGroups.publish; a
+    collective under FSDP)."""
     names = sorted({n for group in publish_names.values() for n in group})
-    weights = trainer.full_weights(names)
+    out = trainer.current_version(names)  # as the generators hold it (under FSDP a collective)
+    publisher.keep_version(out, names, start)
+    by_dst = {g: publish_names[g] for g in facts.topology.generator_ranks}
     if rank != facts.topology.trainer_ranks[0]:
+        if generators_stale:
+            publisher.follow_all(out, by_dst)
         return
-    publisher.remember(start, weights)
     if generators_stale:
         store.put(f"pub/{start}", 1)
-        for g in facts.topology.generator_ranks:
-            publisher.publish({n: weights[n] for n in publish_names[g]}, start, dst=g)
+        publisher.publish_all(out, by_dst, start, group=group)
 
 
-def check_same_weights(adapter, names: list[str], version: int) -> None:
+def check_same_weights(adapter, names: list[str], version: int, dtype=None, tensors: dict | None = None) -> None:
     """Every rank holding the same version holds the same weights (same checkpoint, same seeded
-    LoRA init; TCSS generators resume one version behind the trainers)."""
-    params = dict(adapter.transformer.named_parameters())
-    local = (version, publish.state_checksum({n: full_tensor(params[n].detach()) for n in names}))
+    LoRA init; TCSS generators resume one version behind the trainers), compared as the generators
+    hold them: in the compute dtype `dtype` (trainers keep float32; FSDP trainers checksum their
+    shards, a collective over the trainers). `tensors`: the weights this rank samples with when
+    they are not its parameters (a DiffusionNFT trainer: the old policy, sharded like them)."""
+    if tensors is None:
+        params = dict(adapter.transformer.named_parameters())
+        tensors = {n: params[n] for n in names}
+    sums = checksums.checksums_of(tensors, dtype)
+    local = (version, checksums.combine_checksums(tensors, sums, dtype))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)  # sync point
     by_version: dict[int, set] = {}

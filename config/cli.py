@@ -1,16 +1,28 @@
 """The command line: one flag per config field (`--prompts-per-step`), --config files (recipes, a
 run's config.json) read first and overridden by flags, and the scripts' shared ending (a user
-error is one `error:` line and exit code 2)."""
+error is one `error:` line and exit code 2).
+
+With --resume DIR the run starts from the config of the checkpoint it continues (DIR's newest
+valid one), then the --config files, then the flags: `--resume DIR --output-dir DIR --steps N`
+continues any run (checkpointing/folder.py refuses a flag that changes what the weights mean). How
+the world splits into roles (ROLE_SPLIT) is one setting: a command that gives any of its flags
+takes none of the others from the checkpoint, so resuming a 1 + 1 run with --mode colocated, or on
+more ranks with --generators 4 --trainers 4, needs no flag undone."""
 from __future__ import annotations
 
 import argparse
 import copy
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 
+from checkpointing import files as checkpoint_files
 from config import files as configfile
-from config.schema import FLAGS, SECTIONS, RunConfig
+from config.schema import FLAGS, NOT_CARRIED, SECTIONS, RunConfig
+
+ROLE_SPLIT = ("mode", "generators", "trainers", "scorers", "gap_stages")
+"""the topology fields that split the world into roles, given together or taken together"""
 
 
 def run(main: Callable[[], int]) -> None:
@@ -103,13 +115,38 @@ def parse_config(argv: list[str] | None, description: str = "DigenRL") -> RunCon
 
 
 def config_parser(argv: list[str] | None, description: str, sections: tuple[str, ...] | None = None):
-    """(parser whose defaults are the --config files of argv, their config or None, their [recipe])."""
-    files = configfile.config_flag().parse_known_args(argv)[0].config
-    base, recipe = load_config_files(files) if files else (None, {})
+    """(parser whose defaults are --resume's checkpoint config and the --config files of argv,
+    their config or None, their [recipe])."""
+    early = configfile.config_flag()
+    early.add_argument("--resume", default=None)
+    for name in ROLE_SPLIT:
+        early.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
+    known = early.parse_known_args(argv)[0]
+    split_given = any(getattr(known, name) is not None for name in ROLE_SPLIT)
+    first = resume_base(known.resume, split_given) if known.resume and (sections is None or "output" in sections) \
+        else None
+    base, recipe = load_config_files(known.config, first) if known.config or first else (None, {})
     return build_parser(description, sections, base), base, recipe
 
 
-def load_config_files(paths: list[str]) -> tuple[RunConfig, dict]:
-    """Recipes and config.json files merged in order (config/files.py) -> (config, [recipe] table)."""
-    tree, recipe = configfile.read_config_files(paths, RunConfig.from_dict, set(FLAGS))
+def resume_base(folder: str, split_given: bool = False) -> tuple[str, dict] | None:
+    """(what it is, its config tree) of the checkpoint --resume FOLDER continues from: its newest
+    valid one, without its role split when the command gives one. None when there is none:
+    validation names the problem."""
+    if not os.path.isdir(folder):
+        return None
+    found = checkpoint_files.find_valid(os.path.join(folder, "checkpoints"))
+    if found.path is None:
+        return None
+    tree = copy.deepcopy(found.manifest.get("config") or {})
+    if split_given and isinstance(tree.get("topology"), dict):
+        for name in ROLE_SPLIT:
+            tree["topology"].pop(name, None)
+    return f"--resume {found.path} (the checkpoint's config)", tree
+
+
+def load_config_files(paths: list[str], first: tuple[str, dict] | None = None) -> tuple[RunConfig, dict]:
+    """A resumed checkpoint's config (`first`), then recipes and config.json files merged in order
+    (config/files.py), none setting a field that is not carried -> (config, [recipe] table)."""
+    tree, recipe = configfile.read_config_files(paths, RunConfig.from_dict, set(FLAGS), NOT_CARRIED, first)
     return RunConfig.from_dict(tree), recipe

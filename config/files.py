@@ -8,10 +8,14 @@ Two more tables are not config:
   was sized for, and `[recipe.needs]`, the flags a user must give (a weights folder, a prompt file),
   each with what it names;
 - `provenance` (written into config.json by `RunConfig.save`): the commit and package versions of
-  the run that wrote the file.
+  the run that wrote the file;
+- `run` (config.json and checkpoints): the run's id, the digests of its prompt files and the
+  history of its resumes (checkpointing/folder.py).
 
 Several files merge in order, a later file's value replacing an earlier one's key by key within a
 section (a recipe, then a topology file); command-line flags override them all (config/schema.py).
+A file never sets the fields the caller names as not carried (`drop`: where the run goes, whether
+it resumes or overwrites, the test hooks): config.json describes a run, never an action.
 A leaf module: it imports nothing of the project.
 """
 from __future__ import annotations
@@ -29,6 +33,7 @@ import tomllib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "recipe"
 PROVENANCE = "provenance"
+RUN = "run"
 RECIPE_KEYS = {"name": str, "summary": str, "source": str, "gpu": str, "gpus": int, "model_config": str,
                "needs": dict, "notes": str}
 """What a [recipe] table may hold: name, one-line summary, the published setting it follows, the GPU
@@ -67,8 +72,22 @@ def read_config_file(path: str) -> dict:
 
 
 def config_part(data: dict) -> dict:
-    """The config tree of a file's dict: everything but [recipe] and the provenance."""
-    return {k: v for k, v in data.items() if k not in (RECIPE, PROVENANCE)}
+    """The config tree of a file's dict: everything but [recipe], the provenance and the run record."""
+    return {k: v for k, v in data.items() if k not in (RECIPE, PROVENANCE, RUN)}
+
+
+def carried(data: dict, drop, source: str = "") -> dict:
+    """A file's dict without the fields of `drop` ((section, field) pairs). A dropped action that
+    the file sets (an old config.json's `overwrite = true`) is pointed out (rank 0 only)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for section, name in drop:
+        table = out.get(section)
+        if isinstance(table, dict) and name in table:
+            value = table.pop(name)
+            if source and value not in (None, False) and name != "output_dir" and os.environ.get("RANK", "0") == "0":
+                print(f"note: {source}: {section}.{name} = {value!r} is not carried (a config describes a run, not "
+                      f"an action): give --{name.replace('_', '-')} on the command line", file=sys.stderr)
+    return out
 
 
 def merge(parts: list[dict]) -> tuple[dict, dict]:
@@ -87,11 +106,21 @@ def merge(parts: list[dict]) -> tuple[dict, dict]:
     return tree, recipe
 
 
-def read_config_files(paths: list[str], check, flags: set[str]) -> tuple[dict, dict]:
-    """Read and merge `paths` -> (config tree, [recipe] table). Each file's tree is checked on its own
-    with `check` (RunConfig.from_dict), so an error names the file; recipe.needs must name `flags`.
-    A config.json written by other code or packages is pointed out (rank 0 only)."""
-    parts = [read_config_file(p) for p in paths]
+def read_config_files(paths: list[str], check, flags: set[str], drop=frozenset(),
+                      first: tuple[str, dict] | None = None) -> tuple[dict, dict]:
+    """Read and merge `paths` -> (config tree, [recipe] table), after `first` ((what it is, its
+    tree): a resumed checkpoint's config) when given. Each file's tree is checked on its own with
+    `check` (RunConfig.from_dict), so an error names the file; recipe.needs must name `flags`; no
+    file sets a field of `drop`. A config.json written by other code or packages is pointed out
+    (rank 0 only)."""
+    parts = [carried(read_config_file(p), drop, p) for p in paths]
+    start = []
+    if first is not None:
+        try:
+            check(first[1])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{first[0]}: {e}") from None
+        start = [carried(first[1], drop)]
     for path, data in zip(paths, parts):
         try:
             check(data)
@@ -104,7 +133,7 @@ def read_config_files(paths: list[str], check, flags: set[str]) -> tuple[dict, d
         if notes and os.environ.get("RANK", "0") == "0":
             print(f"note: {path} was written with {', '.join(notes)}: the run may not reproduce bit for bit",
                   file=sys.stderr)
-    return merge(parts)
+    return merge(start + parts)
 
 
 def check_needs(recipe: dict, value_of) -> None:

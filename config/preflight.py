@@ -1,12 +1,15 @@
 """Checks that need neither a process group nor a loaded model, run by RunConfig.validate on every
-rank before any rank loads a weight or waits on another: every numeric flag against its range, every
-choice, the model folder's files (JSON that parses, safetensors files that are whole), the sample
-size against the model's packing (the families' class attributes and config.json, no weights), the
-prompt files against the rewards' grammars, and the test hooks' environment variables. Each error
-is a ValueError naming the flag, file or variable and the bad value.
+rank before any rank loads a weight or waits on another: every numeric flag against its range (and
+every float within float32's, which the weights and the optimizer compute in), every choice, every
+file the run reads (the model folder's JSON that parses, safetensors files whose headers agree with
+their bytes, no broken link or symlink loop; the reward models' folders), the sample size of the
+run and of every prompt against the model's packing (the families' class attributes and
+config.json, no weights), the prompts against the rewards' grammars, and the test hooks'
+environment variables. Each error is a ValueError naming the flag, file or variable and the bad value.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,20 +18,30 @@ import torch
 
 from checkpointing import checkpoint
 from checkpointing.checkpoint import EXPORT_DTYPES
-from models import ATTENTION_BACKENDS, adapter_class
+from models import ATTENTION_BACKENDS, adapter_class, check_attention
 from models.base import check_model_folder, preset_defaults, read_folder_defaults
 from parallel import compress
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
 from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
-from prompts.sets import load_prompts
-from rl import sampler
-from rewards import parse_reward_spec, reward_class
+from prompts import embeds
+from prompts import shapes as buckets
+from rl import algorithms, old_policy, sampler
+from rl.advantages import COMBINES, STD_MODES
+from rl.loss import KL_FORMS
+from rl.timesteps import trained_timesteps
+from rl.window import WINDOW_SCHEDULES, WindowSchedule
+from rewards import parse_reward_spec, reward_class, reward_model_paths
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 FOLDER_JSON = ("model_index.json", "digenrl.json", "config.json", "scheduler_config.json", "tokenizer_config.json",
                "tokenizer.json", "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4028e38
+RAISE_ENV = "DIGENRL_DEBUG_RAISE"  # test hook: RANK:STEP raises on that rank at that step (runtime/guard.py)
+# bytes per element of each safetensors dtype (the format's spec)
+SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                     "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
 
 
 def _finite(x) -> bool:
@@ -40,8 +53,21 @@ def _need(ok: bool, flag: str, value, what: str) -> None:
         raise ValueError(f"{flag} must be {what}, got {value}")
 
 
+def check_float32(cfg) -> None:
+    """Every float flag (and float pair) within float32's range: the weights, the optimizer and the
+    rewards compute in float32, where 1e39 is inf (an --lr of 1e39 overflowed inside AdamW)."""
+    for section in ("model", "sampling", "rl", "optim", "topology", "output"):
+        for f in dataclasses.fields(getattr(cfg, section)):
+            value = getattr(getattr(cfg, section), f.name)
+            values = value if isinstance(value, tuple) else (value,)
+            if any(isinstance(v, float) and math.isfinite(v) and abs(v) > FLOAT32_MAX for v in values):
+                raise ValueError(f"--{f.name.replace('_', '-')} {','.join(map(str, values))} is beyond float32's range "
+                                 f"(|x| <= {FLOAT32_MAX:.4g}), in which the run computes")
+
+
 def check_numbers(cfg) -> None:
     """Every numeric flag against its range, each once (config.validate calls this first)."""
+    check_float32(cfg)
     o, s, rl, t = cfg.optim, cfg.sampling, cfg.rl, cfg.topology
     for name, value in (("--steps", rl.steps), ("--prompts-per-step", rl.prompts_per_step),
                         ("--group-size", rl.group_size), ("--micro-batch", rl.micro_batch),
@@ -63,6 +89,8 @@ def check_numbers(cfg) -> None:
                          f"{rl.prompts_per_step}")
     if cfg.output.debug_link_bandwidth is not None and not cfg.output.debug_link_bandwidth > 0:
         raise ValueError(f"--debug-link-bandwidth must be > 0 MB/s, got {cfg.output.debug_link_bandwidth}")
+    _need(_finite(rl.reward_timeout_s) and rl.reward_timeout_s > 0, "--reward-timeout-s", rl.reward_timeout_s,
+          "a finite number of seconds > 0")
     if t.memory_budget_gb is not None and not t.memory_budget_gb > 0:
         raise ValueError(f"--memory-budget-gb must be > 0, got {t.memory_budget_gb}")
     if not 0 < rl.timestep_fraction <= 1:
@@ -75,6 +103,12 @@ def check_numbers(cfg) -> None:
     betas = tuple(o.adam_betas)
     _need(len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas), "--adam-betas",
           ",".join(map(str, betas)), "two numbers in [0, 1)")
+    # AdamW's first update moves a weight by lr / (1 - beta1) and decays it by lr * weight_decay, each a
+    # float32 scalar (torch.optim.AdamW): beyond float32 they overflow at the first step
+    first_step = max(o.lr / (1 - betas[0]), o.lr * o.weight_decay)
+    _need(first_step <= FLOAT32_MAX, "--lr", o.lr, f"small enough that AdamW's first step (lr / (1 - beta1) = "
+          f"{o.lr / (1 - betas[0]):.3g}, lr x weight decay = {o.lr * o.weight_decay:.3g}) stays within float32 "
+          f"({FLOAT32_MAX:.4g})")
     _need(_finite(o.grad_clip) and o.grad_clip > 0, "--grad-clip", o.grad_clip, "a finite number > 0")
     _need(_finite(o.ema_decay) and 0 <= o.ema_decay < 1, "--ema-decay", o.ema_decay, "in [0, 1) (0 = off)")
     if o.lora_alpha is not None:
@@ -83,6 +117,12 @@ def check_numbers(cfg) -> None:
     _need(_finite(rl.clip_range) and 0 < rl.clip_range <= 1, "--clip-range", rl.clip_range, "in (0, 1]")
     _need(_finite(rl.adv_clip) and rl.adv_clip > 0, "--adv-clip", rl.adv_clip, "a finite number > 0")
     _need(_finite(rl.beta) and rl.beta >= 0, "--beta", rl.beta, "a finite number >= 0 (0 = no KL term)")
+    _need(0 <= rl.best_of_n <= rl.group_size, "--best-of-n", rl.best_of_n,
+          f"between 0 (all) and --group-size {rl.group_size}")
+    _need(rl.readmit_multiple >= 1, "--readmit-multiple", rl.readmit_multiple, ">= 1 (1 = none)")
+    if rl.readmit_multiple > 1 and not rl.drop_zero_std:
+        raise ValueError(f"--readmit-multiple {rl.readmit_multiple} re-admits samples --drop-zero-std dropped; "
+                         f"give --drop-zero-std too")
     if s.noise_level is not None:
         _need(_finite(s.noise_level) and s.noise_level >= 0, "--noise-level", s.noise_level, "a finite number >= 0")
     if s.guidance is not None:
@@ -97,6 +137,11 @@ def check_numbers(cfg) -> None:
     _need(_finite(t.stop_grace_s) and 1 <= t.stop_grace_s <= 86400, "--stop-grace-s", t.stop_grace_s,
           "in [1, 86400] seconds")
     _need(cfg.output.keep_checkpoints >= 0, "--keep-checkpoints", cfg.output.keep_checkpoints, ">= 0 (0 = keep all)")
+    _need(s.window_size >= 1, "--window-size", s.window_size, ">= 1")
+    _need(s.window_stride >= 0, "--window-stride", s.window_stride, ">= 0 (0 = a fixed window)")
+    _need(s.window_interval >= 1, "--window-interval", s.window_interval, ">= 1")
+    _need(_finite(rl.nft_beta) and rl.nft_beta > 0, "--nft-beta", rl.nft_beta, "a finite number > 0")
+    _need(rl.old_policy_interval >= 1, "--old-policy-interval", rl.old_policy_interval, ">= 1")
 
 
 def _choice(flag: str, value, choices) -> None:
@@ -107,7 +152,20 @@ def _choice(flag: str, value, choices) -> None:
 def check_choices(cfg) -> None:
     """Every flag with a set of values (the algorithm's name: rl.algorithms)."""
     rl, s, t, o = cfg.rl, cfg.sampling, cfg.topology, cfg.output
-    _choice("--std-mode", rl.std_mode, ("group", "running"))
+    _choice("--std-mode", rl.std_mode, STD_MODES)
+    _choice("--reward-combine", rl.reward_combine, COMBINES)
+    _choice("--kl-form", rl.kl_form, KL_FORMS)
+    if rl.std_mode == "global" and algorithms.algorithm(rl.algorithm).forward_process:
+        raise ValueError(f"--std-mode global scales the gradient of a loss that is linear in the advantages' scale; "
+                         f"--algorithm {rl.algorithm}'s loss is not: use --std-mode group or running")
+    if rl.reward_combine != "rewards" and rl.std_mode != "group":
+        raise ValueError(f"--std-mode {rl.std_mode} normalises the combined reward; --reward-combine "
+                         f"{rl.reward_combine} normalises each reward by its group's std: use --std-mode group")
+    if rl.reward_combine == "losses":
+        negative = [spec for spec in rl.reward if parse_reward_spec(spec)[1] < 0]
+        if negative:
+            raise ValueError(f"--reward-combine losses weighs each reward's clipped loss, which needs weights >= 0; "
+                             f"got {negative}")
     _choice("--sde-type", s.sde_type, sampler.SDE_TYPES)
     _choice("--colocated-sharding", t.colocated_sharding, SHARDINGS)
     _choice("--train-sharding", t.train_sharding, SHARDINGS)
@@ -115,6 +173,9 @@ def check_choices(cfg) -> None:
     _choice("--fragment-split", t.fragment_split, ("auto", "even", "speed"))
     _choice("--dispatch", t.dispatch, DISPATCHES)
     _choice("--export-dtype", o.export_dtype, EXPORT_DTYPES)
+    _choice("--ode-solver", s.ode_solver, sampler.ODE_SOLVERS)
+    _choice("--window-schedule", s.window_schedule, WINDOW_SCHEDULES)
+    old_policy.schedule(rl.old_policy_decay)
     compress.parse(t.publish_compression)
     m = cfg.model
     if m.dtype not in DTYPES:
@@ -126,6 +187,8 @@ def check_choices(cfg) -> None:
                          f"(a CPU build, or no GPU visible); use --device cpu or auto")
     if m.attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown --attention {m.attention!r}; choose one of {ATTENTION_BACKENDS}")
+    check_attention(adapter_class(m.model), m.attention)  # a family's mask the kernel cannot take
+    _choice("--reward-dtype", rl.reward_dtype, ("auto", "float32"))
 
 
 def check_environment() -> None:
@@ -137,6 +200,10 @@ def check_environment() -> None:
     kill = os.environ.get(checkpoint.KILL_ENV, "").strip()
     if kill and not kill.isdigit():
         raise ValueError(f"{checkpoint.KILL_ENV}={kill!r} must be a checkpoint step (an integer) or unset")
+    fault = os.environ.get(RAISE_ENV, "").strip()
+    rank, _, step = fault.partition(":")
+    if fault and not (rank.isdigit() and step.isdigit()):
+        raise ValueError(f"{RAISE_ENV}={fault!r} must be RANK:STEP (the rank that raises, at which step) or unset")
 
 
 def _read_json(path: str):
@@ -145,11 +212,15 @@ def _read_json(path: str):
             return json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a symlink loop, a broken link, no permission
+        raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
 
 
 def check_safetensors(path: str) -> None:
-    """A safetensors file is whole: its header parses and the tensors it describes end exactly at
-    the end of the file (a truncated copy fails here, not inside the loader)."""
+    """A safetensors file is whole and agrees with itself: its header parses, every tensor's byte
+    range holds exactly its shape x dtype, and the ranges tile the data with no gap or overlap up
+    to the end of the file (a truncated copy, or a header edited to other shapes, fails here, not
+    inside the loader)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -158,28 +229,54 @@ def check_safetensors(path: str) -> None:
             raise ValueError(f"{path}: truncated or not a safetensors file ({size} bytes)")
         try:
             header = json.loads(f.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+            tensors = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]), k, [int(d) for d in v["shape"]],
+                              v["dtype"]) for k, v in header.items() if k != "__metadata__")
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             raise ValueError(f"{path}: damaged safetensors header ({e})") from None
-    if 8 + n + end != size:
-        raise ValueError(f"{path}: truncated or damaged: its header describes {8 + n + end} bytes, the file has "
+    position = 0
+    for begin, end, name, shape, dtype in tensors:
+        if begin != position:
+            raise ValueError(f"{path}: damaged safetensors header: {name!r} starts at byte {begin}, the tensor before "
+                             f"it ends at {position}")
+        if dtype in SAFETENSORS_BYTES and end - begin != math.prod(shape) * SAFETENSORS_BYTES[dtype]:
+            raise ValueError(f"{path}: damaged safetensors header: {name!r} is {dtype} {list(shape)}, "
+                             f"{math.prod(shape) * SAFETENSORS_BYTES[dtype]} bytes, but its range holds {end - begin}")
+        position = end
+    if 8 + n + position != size:
+        raise ValueError(f"{path}: truncated or damaged: its header describes {8 + n + position} bytes, the file has "
                          f"{size}")
 
 
 def check_folder_files(path: str) -> None:
-    """Every JSON file a diffusers folder reads parses; every safetensors file is whole."""
+    """Every file of a weights folder can be reached (a link that leads nowhere or loops is named;
+    os.walk does not follow links to folders), every JSON file it reads parses, every safetensors
+    file is whole."""
     for folder, _, names in os.walk(path):
         for name in sorted(names):
             full = os.path.join(folder, name)
+            try:
+                os.stat(full)
+            except OSError as e:
+                raise ValueError(f"{full}: cannot be read ({e.strerror})") from None
             if name in FOLDER_JSON:
                 _read_json(full)
             elif name.endswith(".safetensors"):
                 check_safetensors(full)
 
 
-def check_model(cfg) -> None:
-    """The model family, its folder, and the sample size, steps and noise against its defaults and
-    size factors, all without loading a weight."""
+def check_reward_models(cfg) -> None:
+    """Every --reward-model folder exists and its files are sound (the reward names what it lacks
+    when it loads, still before any rank waits)."""
+    for name, folder in reward_model_paths(cfg.rl.reward_model).items():
+        if not os.path.isdir(folder):
+            raise ValueError(f"--reward-model {name}={folder}: no such folder")
+        check_folder_files(folder)
+
+
+def check_model(cfg, prompts=()) -> None:
+    """The model family, its folder, and the sample size (the run's and every prompt's of
+    `prompts`, (file, record) pairs), steps and noise against its defaults and size factors, all
+    without loading a weight."""
     m, s = cfg.model, cfg.sampling
     cls = adapter_class(m.model)
     if m.model_path:
@@ -204,24 +301,66 @@ def check_model(cfg) -> None:
         cls.check_size(geometry, height, width, frames)
     except ValueError as e:
         raise ValueError(f"--height/--width/--num-frames: {e}") from None
+    _check_prompt_shapes(cls, geometry, (height, width, frames), prompts)
     steps = s.sample_steps if s.sample_steps is not None else defaults.num_steps
     if s.sde_window is not None and not s.sde_window[1] <= steps:
         raise ValueError(f"--sde-window {s.sde_window[0]}:{s.sde_window[1]} ends after the {steps} sampling steps")
+    if cfg.rl.algorithm == "mixgrpo":
+        check_window(window_schedule(cfg, steps), cfg.rl.steps)
     noise = s.noise_level if s.noise_level is not None else (
         defaults.dance_eta if s.sde_type == "dance" else defaults.noise_level)
     if s.sde_type == "cps" and not 0 <= noise <= 1:
         raise ValueError(f"--noise-level {noise} must be in [0, 1] for --sde-type cps (sin(a pi / 2) of the step)")
+    rl, algo = cfg.rl, algorithms.algorithm(cfg.rl.algorithm)
+    if rl.beta > 0 and s.sde_type == "cps" and not algo.sliding_window and steps - 1 in trained_timesteps(
+            algo.timesteps, steps, rl.timestep_fraction, seed=0, step=0, sample_id=0, window=s.sde_window):
+        raise ValueError(f"--beta {rl.beta} with --sde-type cps trains the last step, whose std is 0, and the KL "
+                         f"divides by it: use --timestep-fraction below 1 or an --sde-window that ends before "
+                         f"step {steps - 1}")
 
 
-def check_prompts(cfg) -> None:
+def window_schedule(cfg, num_steps: int) -> WindowSchedule:
+    """MixGRPO's sliding window of a run of `num_steps` denoising steps (a ValueError for fewer than 3)."""
+    s = cfg.sampling
+    return WindowSchedule(s.window_size, s.window_stride, s.window_interval, num_steps, s.window_schedule, cfg.seed)
+
+
+def check_window(window: WindowSchedule, steps: int) -> None:
+    """No training step of the run has an empty window (MixGRPO reaches one at start K-2 and trains
+    nothing there)."""
+    empty = window.first_empty(range(steps))
+    if empty is not None:
+        raise ValueError(f"the MixGRPO window is empty at step {empty} (it starts at step {window.start(empty)} "
+                         f"of the {window.num_steps} sampling steps, and MixGRPO trains only steps before "
+                         f"K - 2 = {window.last}): use fewer --steps, a larger --window-interval or more "
+                         f"--sample-steps")
+
+
+def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
+    """Each distinct shape a .jsonl prompt gives itself ((file, record) pairs), as the loaded
+    model's check would (prompts.shapes.check_shapes), from the size factors alone."""
+    seen = {default}
+    for path, r in prompts:
+        shape = buckets.record_shape(r, default)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        where = f"{path}:{r.line}"
+        if "frames" in r.metadata and not cls.video:
+            raise ValueError(f"{where}: 'frames' {r.metadata['frames']} given for {cls.family!r}, an image model")
+        try:
+            cls.check_size(geometry, *shape)
+        except ValueError as e:
+            raise ValueError(f"{where}: prompt shape {buckets.shape_name(shape)}: {e}") from None
+
+
+def check_prompts(cfg, prompt_sets) -> None:
     """Every training (and evaluated) prompt is one each reward can score: a grammar reward such as
-    shapes fails here, naming the file, line and prompt, not at step 0."""
+    shapes fails here, naming the file, line and prompt, not at step 0. `prompt_sets`: (path,
+    records) as the run read them."""
     checkers = [reward_class(parse_reward_spec(spec)[0]) for spec in cfg.rl.reward]
-    files = [(cfg.rl.prompts, None)]
-    if cfg.output.eval_every:
-        files.append((cfg.output.eval_prompts, cfg.output.eval_num_prompts))
-    for path, limit in files:
-        for n, record in enumerate(load_prompts(path)[:limit], 1):
+    for path, records in prompt_sets:
+        for n, record in enumerate(records, 1):
             for cls in checkers:
                 try:
                     cls.check_prompt(record.prompt)
@@ -229,9 +368,21 @@ def check_prompts(cfg) -> None:
                     raise ValueError(f"prompt file {path!r}, prompt {n}: {e}") from None
 
 
-def check_run(cfg) -> None:
-    """What config.validate checks after the flags: the environment, the model folder and sizes,
-    the prompt files' grammar."""
+def check_run(cfg, prompt_sets, weights: bool = True) -> None:
+    """What config.validate checks after the flags: the environment, the model folder and sizes
+    (every prompt's shape among them), the reward models' folders (unless not `weights`), the
+    prompts' grammar, precomputed prompt embeddings. `prompt_sets`: [(path, records)] of the
+    training and evaluation prompts as read once."""
     check_environment()
-    check_model(cfg)
-    check_prompts(cfg)
+    check_model(cfg, [(path, r) for path, records in prompt_sets for r in records])
+    if weights:
+        check_reward_models(cfg)
+    check_prompts(cfg, prompt_sets)
+    if cfg.model.prompt_embeds:
+        embeds.check(cfg.model.prompt_embeds, cfg.model.model, embedded_prompts(cfg, prompt_sets))
+
+
+def embedded_prompts(cfg, prompt_sets) -> list[str]:
+    """Every prompt a run encodes: training and evaluated prompts, the empty prompt (the start-up
+    probes) and with CFG the negative prompt."""
+    return ["", cfg.sampling.negative_prompt] + [r.prompt for _, records in prompt_sets for r in records]

@@ -1,12 +1,16 @@
 """The run configuration: one tree of dataclasses. Each field's `help` is its --help text; every
-field is a flag (`--prompts-per-step`), the resolved tree is written to DIR/config.json."""
+field is a flag (`--prompts-per-step`), the resolved tree is written to DIR/config.json.
+
+config.json describes a run, never an action: the fields marked `carried=False` (where a run goes,
+whether it resumes or overwrites, the test hooks) are not read back from a --config file or a
+checkpoint, so relaunching a run's config.json starts a new run where the command line says."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 
+from checkpointing.files import write_json_atomic
 from config import files as configfile
 from models import model_names
 from rl import algorithms
@@ -21,7 +25,9 @@ LORA_LR, FULL_LR = 3e-4, 1e-5  # docs/ALGORITHMS.md: LoRA 3e-4, full fine-tuning
 
 def _f(default, help: str, **kw):
     """A config field: `help` is its --help text, `parse` (optional) turns the flag's string into
-    the field's typed value, `action="append"` makes it repeatable, `metavar` names its value."""
+    the field's typed value, `action="append"` makes it repeatable, `metavar` names its value,
+    `carried=False` keeps a --config file from setting it (`one_command=True` also keeps it out of
+    config.json: it is what one command does, not what the run is)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -34,9 +40,17 @@ class ModelConfig:
                                       "shapes model (flux) if present, else the offline tiny preset")
     preset: str = _f("auto", "without --model-path: auto (the shipped shapes model for flux, else tiny), tiny "
                              "(a random offline model, for tests) or mid (random, ~42M parameters, for benchmarks)")
-    dtype: str = _f("auto", "transformer weights: float32, bfloat16, float16 or auto (float32 weights, bf16 autocast "
-                            "on CUDA); on CUDA the frozen text encoders are half precision unless float32")
+    dtype: str = _f("auto", "compute dtype: float32, bfloat16, float16 or auto (bfloat16 on CUDA, float32 on CPU). "
+                            "Generators, text encoders, the VAE and frozen weights are held in it; trainers keep "
+                            "trained weights and AdamW in float32 and compute in it (FSDP2 mixed precision, or "
+                            "autocast)")
     attention: str = _f("sdpa", "attention kernel through diffusers' dispatcher: sdpa, flash, flash_varlen, sage")
+    prompt_embeds: str | None = _f(None, "FILE of precomputed prompt embeddings (python -m scripts.encode_prompts): "
+                                         "no rank loads a text encoder; it must hold every prompt the run encodes",
+                                   metavar="FILE")
+    offload_text_encoders: bool = _f(False, "keep the text encoders in host memory between steps: on the device only "
+                                            "while a step encodes prompts (two host-device copies of their weights "
+                                            "per step for their device memory during the rest of it)")
     device: str = _f("auto", "cpu, cuda or auto (each rank uses cuda:LOCAL_RANK when CUDA is available)")
 
 
@@ -55,29 +69,70 @@ class SamplingArgs:
                                         "(Flow-GRPO-Fast)", parse=lambda s: _parse_pair(s, ":", int, "--sde-window"),
                                   metavar="START:END")
     same_group_noise: bool = _f(False, "all samples of a group share their initial noise")
+    ode_solver: str = _f("euler", "deterministic (ODE) steps: euler, or dpm2 (DPM-Solver++(2M), second order after "
+                                  "the last SDE step; DiffusionNFT's rollout, MixGRPO-Flash's post-window solver)")
+    window_size: int = _f(4, "MixGRPO: steps in the sliding SDE / training window (MixGRPO: 4)")
+    window_stride: int = _f(1, "MixGRPO: steps the window moves at each shift (MixGRPO: 1; 0 freezes it)")
+    window_interval: int = _f(25, "MixGRPO: training steps between shifts of the window (MixGRPO: 25, Flash: 20)")
+    window_schedule: str = _f("progressive", "MixGRPO: progressive (moves by the stride every interval, back to 0 "
+                                             "after K-2, MixGRPO's scripts), progressive-clamp (stays at K-2) or "
+                                             "random (a seeded start every step)")
+    quantize_timestep: bool = _f(False, "feed the model int(sigma*1000)/1000 as its timestep, in sampling and "
+                                        "training, while the step uses the exact sigma (DanceGRPO; its recipes "
+                                        "set it)")
 
 
 @dataclass
 class RLConfig:
     prompts: str | None = _f(None, "prompt file (.txt one per line, or .jsonl with a 'prompt' field); "
                                    "default: data/shapes_train.txt")
-    reward: list = _f([], "reward NAME[:WEIGHT], repeatable (default: shapes:1.0)", action="append",
-                  metavar="NAME[:WEIGHT]")
+    reward: list = _f([], "reward NAME[:WEIGHT], or http://HOST:PORT/NAME[:WEIGHT] for a reward scored by a "
+                          "reward service (python -m scripts.reward_server), repeatable (default: shapes:1.0)",
+                  action="append", metavar="NAME[:WEIGHT]")
+    reward_timeout_s: float = _f(60.0, "a reward service must return a fragment's scores within this many seconds "
+                                       "of its sending, retries included (a restart within it loses no sample); "
+                                       "then the run stops, naming the URL and its answer")
     reward_model: list = _f([], "NAME=DIR: local weights folder of a model-based reward, repeatable",
                         action="append", metavar="NAME=DIR")
+    reward_dtype: str = _f("auto", "model rewards' weights: auto (the compute dtype, --dtype: half the memory on "
+                                   "GPUs) or float32 (the peers' own scores, e.g. Flow-GRPO's PickScore)")
     steps: int = _f(50, "training steps (one optimizer update each)")
     prompts_per_step: int = _f(8, "B: prompts (groups) per step")
     group_size: int = _f(8, "G: samples per prompt")
     micro_batch: int = _f(8, "samples per forward pass, in generation and in training")
-    algorithm: str = _f("flow_grpo", "RL algorithm: flow_grpo (trains the first frac*K steps in order), dance_grpo "
-                                     "(a random subset of frac*K steps per sample), flow_grpo_fast (SDE and training "
-                                     "only inside --sde-window; old spelling: window)")
+    algorithm: str = _f("flow_grpo", "RL algorithm: flow_grpo (trains the first int(frac*K) steps in order), "
+                                     "dance_grpo (a random int(frac*(K-1)) of the steps before the last per sample; "
+                                     "Bessel std + 1e-8), flow_grpo_fast (SDE and training only inside --sde-window; "
+                                     "old spelling: window), mixgrpo (SDE and training in a window that slides with "
+                                     "the step: --window-*), nft (DiffusionNFT: ODE rollout with the old policy, a "
+                                     "flow-matching loss on the clean samples)")
     timestep_fraction: float = _f(0.99, "fraction of the K steps trained (Flow-GRPO 0.99, DanceGRPO 0.6)")
     clip_range: float = _f(1e-4, "PPO clip range eps of the importance ratio")
     adv_clip: float = _f(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
     beta: float = _f(0.0, "KL coefficient to the reference policy (0 disables the reference forward)")
-    std_mode: str = _f("group", "advantage std: group (the group's own) or running (running std of previous batches)")
-    drop_zero_std: bool = _f(False, "drop transitions of groups whose rewards are all equal")
+    kl_form: str = _f("flow_grpo", "the KL term: flow_grpo (mean (mu - mu_ref)^2 / (2 std_dev_t^2), Flow-GRPO's, "
+                                   "std_dev_t without sqrt(-dt)) or transition (the exact KL of the two Gaussian "
+                                   "steps: Flow-GRPO's divided by sigma - sigma' for sde)")
+    std_mode: str = _f("group", "advantage std: group (the group's own), global (of the whole step's rewards, exact "
+                                "while streaming: Flow-GRPO's default, which its recipes set) or running (of the "
+                                "previous steps)")
+    reward_combine: str = _f("rewards", "several rewards: rewards (one advantage of their weighted sum), advantages "
+                                        "(the weighted sum of one advantage per reward) or losses (one advantage and "
+                                        "one clipped loss per reward, weighted and summed: DanceGRPO's video run)")
+    drop_zero_std: bool = _f(False, "do not train samples whose advantage is exactly 0, e.g. of groups with all-equal "
+                                    "rewards (Flow-GRPO)")
+    readmit_multiple: int = _f(1, "with --drop-zero-std: re-admit dropped samples, drawn by (seed, step), until the "
+                                  "trained ones are a multiple of M (Flow-GRPO's num_batches_per_epoch); 1 = none")
+    best_of_n: int = _f(0, "train only the ceil(N/2) best and floor(N/2) worst samples of each group by advantage "
+                           "(DanceGRPO's --bestofn); 0 = all")
+    nft_beta: float = _f(1.0, "DiffusionNFT: strength beta of the implicit positive and negative policies "
+                              "(NFT: 1.0 for GenEval, PickScore, HPSv2; 0.1 for OCR and the multi-reward run)")
+    old_policy_decay: str = _f("linear_to_0_5", "DiffusionNFT: the old policy's soft update old <- d old + (1-d) "
+                                                "theta after update u: copy (d=0), linear_to_0_5 (d=min(0.001 u, "
+                                                "0.5), NFT's default), delayed_linear_to_0_999 (NFT's OCR run) or "
+                                                "FLAT:UPRATE:UPHOLD (d=0 before FLAT, then "
+                                                "min((u-FLAT) UPRATE, UPHOLD))")
+    old_policy_interval: int = _f(1, "DiffusionNFT: optimizer updates between soft updates of the old policy")
 
 
 @dataclass
@@ -134,7 +189,9 @@ class TopologyConfig:
                                           "the trainer says they hold, and the trainers train those weights "
                                           "(colocated runs too)", metavar="CODEC")
     dist_timeout_s: int = _f(600, "timeout of every collective, point-to-point and store wait until the first "
-                                  "step is measured (then 5 x the slowest step, at least 60 s, at most this)")
+                                  "step is measured, or 5 x the step the start-up probe predicts if longer (then "
+                                  "5 x the slowest step, at least 60 s; at least this around checkpoints and "
+                                  "evaluations); each wait counts from when it starts")
     heartbeat_timeout_s: float = _f(30.0, "a rank whose heartbeat stops for this long is reported by rank and role, "
                                           "and every rank exits")
     stop_grace_s: float = _f(25.0, "after SIGTERM or SIGINT, seconds to finish the step and write a checkpoint "
@@ -143,10 +200,17 @@ class TopologyConfig:
 
 @dataclass
 class OutputConfig:
-    output_dir: str = _f("runs/default", "run folder: config.json, metrics.jsonl, tb/, trace/, checkpoints/")
-    resume: str | None = _f(None, "a run folder: continue from its newest valid checkpoint")
+    output_dir: str = _f("runs/default", "run folder: config.json, metrics.jsonl, tb/, trace/, checkpoints/; "
+                                         "never taken from --config", carried=False)
+    resume: str | None = _f(None, "a run folder: continue from its newest valid checkpoint, with that checkpoint's "
+                                  "config (flags override it; a change of what the weights mean is refused)",
+                            carried=False, one_command=True)
+    resume_anyway: bool = _f(False, "resume although the checkpoint comes from another run, or its seed, prompts or "
+                                    "training settings differ from this command's (each difference is named and "
+                                    "recorded in config.json's run.resumes)", carried=False, one_command=True)
     overwrite: bool = _f(False, "start over in an --output-dir that holds a run: remove its run files first (a run "
-                                "refuses such a folder otherwise)")
+                                "refuses such a folder otherwise, and a folder a live run holds always)",
+                         carried=False, one_command=True)
     save_every: int | None = _f(None, "save a checkpoint every N steps (default: every --steps/10, so an interrupted "
                                       "run loses at most a tenth of its steps; 0 = only at the end)")
     keep_checkpoints: int = _f(3, "keep the newest K checkpoints (0 = all); a checkpoint folder holding a file named "
@@ -161,10 +225,10 @@ class OutputConfig:
     trace: bool = _f(True, "write a Chrome trace per rank to DIR/trace/rank{R}.json")
     debug_link_bandwidth: float | None = _f(None, "MBPS: test-only, emulate a link of this many MB/s between "
                                                   "trainers and generators (publication waits each bucket's "
-                                                  "transfer time)", metavar="MBPS")
+                                                  "transfer time)", metavar="MBPS", carried=False)
     debug_slow_rank: tuple | None = _f(None, "R:FACTOR: test-only, rank R sleeps to run FACTOR x slower",
                                        parse=lambda s: _parse_pair(s, ":", (int, float), "--debug-slow-rank"),
-                                       metavar="R:FACTOR")
+                                       metavar="R:FACTOR", carried=False)
 
 
 @dataclass
@@ -180,11 +244,20 @@ class RunConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def save(self, path: str) -> None:
-        """config.json: the resolved tree, and the commit and package versions that ran it."""
+    def describe(self) -> dict:
+        """What config.json and a checkpoint record of the run: the tree without the actions of one
+        command (--resume, --resume-anyway, --overwrite)."""
+        tree = self.to_dict()
+        for section, name in ACTIONS:
+            tree[section].pop(name)
+        return tree
+
+    def save(self, path: str, run: dict | None = None) -> None:
+        """config.json, atomically: the resolved tree, the commit and package versions that ran it,
+        and `run` (its id, prompt digests and resumes: checkpointing/folder.py)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({**self.to_dict(), configfile.PROVENANCE: configfile.provenance()}, f, indent=2)
+        record = {**self.describe(), configfile.PROVENANCE: configfile.provenance()}
+        write_json_atomic(path, {**record, configfile.RUN: run} if run is not None else record)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
@@ -246,3 +319,14 @@ SECTIONS = {"model": ModelConfig, "sampling": SamplingArgs, "rl": RLConfig, "opt
              "topology": TopologyConfig, "output": OutputConfig}
 FLAGS = {"--" + f.name.replace("_", "-"): (section, f.name) for section, cls in SECTIONS.items()
           for f in dataclasses.fields(cls)}
+NOT_CARRIED = frozenset((section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+                        if f.metadata.get("carried") is False)
+"""(section, field) that a --config file or a resumed checkpoint never sets"""
+ACTIONS = tuple((section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+                if f.metadata.get("one_command"))
+"""(section, field) that config.json leaves out: what one command does"""
+
+
+def flag_of(key: str) -> str:
+    """'optim.lr' -> '--lr', 'seed' -> '--seed'."""
+    return "--" + key.rpartition(".")[2].replace("_", "-")

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 from checkpointing import folder as runfolder
 from config import preflight
-from config.schema import RunConfig
+from config.schema import NOT_CARRIED, RunConfig
 from models import adapter_class, model_names
 from parallel.stepplan import ShapeTable, StepPlan, plan_step
 from parallel.topology import Topology
-from prompts.sets import eval_records, load_prompts
+from prompts.sets import PromptRecord, PromptSet, eval_records, read_prompt_file
 from rewards import VIDEO_REWARDS, parse_reward_specs, reward_model_paths
 from rl import algorithms
 
@@ -34,8 +34,18 @@ class RunFacts:
     num_prompts: int
     log_rank: int
     """the rank that logs: the first trainer, since trainers finish every step (generators may run ahead)"""
+    prompts: PromptSet | None = None
+    """the training prompts, read once before anything loads: what every rank trains on"""
+    eval_records: tuple[PromptRecord, ...] = ()
+    """the held-out records evaluated (--eval-num-prompts x --eval-samples-per-prompt), read once"""
+    eval_sha256: str | None = None
     resume: runfolder.ResumePoint | None = None
     """--resume: the verified checkpoint the run continues from"""
+
+    @property
+    def digests(self) -> dict:
+        """The SHA-256 of the prompt files as read, for config.json's run record."""
+        return {"prompts_sha256": self.prompts.sha256 if self.prompts else None, "eval_prompts_sha256": self.eval_sha256}
 
     @property
     def num_trainers(self) -> int:
@@ -59,13 +69,19 @@ class RunFacts:
                          dispatch=cfg.topology.dispatch)
 
 
-def validate(cfg: RunConfig, world_size: int) -> RunFacts:
-    """Every user error that needs no process group, each naming the bad value (see RunConfig.validate)."""
+def validate(cfg: RunConfig, world_size: int, weights: bool = True) -> RunFacts:
+    """Every user error that needs no process group, each naming the bad value. `weights=False`: a
+    recipe checked on a machine without its weights (scripts/check_recipe.py) skips the reward
+    models' folders."""
     rl, t, o, s = cfg.rl, cfg.topology, cfg.output, cfg.sampling
     topo = Topology.build(world_size, t.mode, t.generators, t.trainers, t.scorers, t.gap_stages)
     preflight.check_numbers(cfg)  # every range, in one place
     preflight.check_choices(cfg)
     algo = algorithms.algorithm(rl.algorithm)
+    if algo.sliding_window and s.sde_window is not None:
+        raise ValueError(f"--algorithm {algo.name} slides its own window (--window-size, --window-stride, "
+                         f"--window-interval); --sde-window {s.sde_window[0]}:{s.sde_window[1]} fixes one: use "
+                         f"--algorithm flow_grpo_fast for a fixed window")
     if s.sde_window is not None:
         start, end = s.sde_window
         top = s.sample_steps if s.sample_steps is not None else end
@@ -90,14 +106,18 @@ def validate(cfg: RunConfig, world_size: int) -> RunFacts:
     if not adapter_class(cfg.model.model).video and VIDEO_REWARDS & set(names):
         raise ValueError(f"reward(s) {sorted(VIDEO_REWARDS & set(names))} score videos; {cfg.model.model!r} makes "
                          f"images (video models: {video_models})")
-    num_prompts = len(load_prompts(rl.prompts))  # a missing or empty prompt file raises here
+    prompts = read_prompt_file(rl.prompts)  # read once: a missing or empty prompt file raises here
+    sets, held_out, held_out_sha = [(rl.prompts, prompts.records)], (), None
     if o.eval_every:
-        eval_records(o.eval_prompts, o.eval_num_prompts, o.eval_samples_per_prompt)
-    preflight.check_run(cfg)  # every other flag, the model folder and sizes, the prompts' grammar
-    resume = runfolder.check(cfg)  # the run folder and --resume
+        read = prompts if o.eval_prompts == rl.prompts else read_prompt_file(o.eval_prompts)
+        held_out = tuple(eval_records(o.eval_prompts, o.eval_num_prompts, o.eval_samples_per_prompt, read))
+        held_out_sha = read.sha256
+        sets.append((o.eval_prompts, read.records[:o.eval_num_prompts]))
+    preflight.check_run(cfg, sets, weights)  # every other flag, the model folder and sizes, the prompts' shapes and grammar
+    resume = runfolder.check(cfg, prompts.sha256, NOT_CARRIED)  # the run folder, its lock and --resume
     disagg = topo.mode == "disagg"
     return RunFacts(topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
                     train_sharding=t.train_sharding if disagg else t.colocated_sharding,
                     train_micro_batch=t.train_micro_batch or rl.micro_batch, fragment_split=t.fragment_split,
-                    lora=cfg.optim.lora_rank > 0, num_prompts=num_prompts, log_rank=topo.trainer_ranks[0],
-                    resume=resume)
+                    lora=cfg.optim.lora_rank > 0, num_prompts=len(prompts.records), log_rank=topo.trainer_ranks[0],
+                    prompts=prompts, eval_records=held_out, eval_sha256=held_out_sha, resume=resume)

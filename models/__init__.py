@@ -9,7 +9,7 @@ import diffusers.utils.logging as dlog
 import torch
 import transformers.utils.logging as tlog
 
-from models.base import Conditioning, DiTAdapter, SamplingDefaults, State
+from models.base import TEXT_ENCODERS, Conditioning, DiTAdapter, SamplingDefaults, State
 
 
 # name -> "module:class"; imported on first use so one family's import cost is paid only when used.
@@ -34,15 +34,20 @@ def model_names() -> list[str]:
 
 
 def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny", seed: int = 0,
-               dtype: torch.dtype | dict = torch.float32, device: str | torch.device = "cpu") -> DiTAdapter:
+               dtype: torch.dtype | dict = torch.float32, device: str | torch.device = "cpu",
+               release: tuple[str, ...] = ()) -> DiTAdapter:
     """A local diffusers folder when `model_path` is given, else the named preset (built offline).
-    `dtype` is one dtype for every component, or {component: dtype, "default": dtype} (`model_dtypes`)."""
+    `dtype` is one dtype for every component, or {component: dtype, "default": dtype} (`model_dtypes`).
+    `release`: components this rank never runs, freed before anything moves to `device`
+    (`DiTAdapter.release_components`)."""
     cls = adapter_class(name)
     _quiet_loading()
     if model_path:
         adapter = cls.from_pretrained(model_path, dtype=dtype)
+        adapter.release_components(list(release))
     elif preset in ("tiny", "mid") and hasattr(cls, preset):
         adapter = getattr(cls, preset)(seed=seed)
+        adapter.release_components(list(release))
         table = dtype if isinstance(dtype, dict) else {"default": dtype}
         for component, module in adapter.pipe.components.items():
             wanted = table.get(component, table.get("default", torch.float32))
@@ -56,17 +61,19 @@ def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny"
 
 
 def autocast(device: torch.device, dtype_name: str):
-    """bf16 autocast on CUDA (docs/ALGORITHMS.md defaults); generation and training use the same
-    context, so the first on-policy step sees ratio == 1."""
-    if device.type == "cuda" and dtype_name in ("auto", "bfloat16"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    if device.type == "cuda" and dtype_name == "float16":
-        return torch.autocast("cuda", dtype=torch.float16)
-    return contextlib.nullcontext()
+    """Autocast to the compute dtype (--dtype; auto: bf16 on CUDA, float32 elsewhere), with no cache
+    of cast weights: a cached cast lives as long as the block, a bf16 copy of every float32 weight a
+    forward touches (torch.autocast's cache_enabled). Weights already in the compute dtype (generators,
+    FSDP2 mixed precision, frozen weights) are not cast at all. Generation and training use the same
+    context, so the first on-policy step sees ratio == 1. float32 runs without autocast."""
+    dtype = resolve_dtype(dtype_name, device)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
 
 
-__all__ = ["Conditioning", "DiTAdapter", "SamplingDefaults", "State", "adapter_class", "autocast", "load_model",
-           "model_dtypes", "model_names", "resolve_device", "resolve_dtype", "set_attention"]
+__all__ = ["TEXT_ENCODERS", "Conditioning", "DiTAdapter", "SamplingDefaults", "State", "adapter_class", "autocast", "load_model",
+           "check_attention", "model_dtypes", "model_names", "resolve_device", "resolve_dtype", "set_attention"]
 
 
 def _quiet_loading() -> None:
@@ -78,11 +85,26 @@ def _quiet_loading() -> None:
 ATTENTION_BACKENDS = ("sdpa", "flash", "flash_varlen", "sage", "native")
 
 
+def check_attention(cls: type[DiTAdapter], backend: str) -> None:
+    """A backend that cannot run the family's attention mask is a ValueError naming the family,
+    before anything loads: diffusers' flash (flash-attn 2) and sage kernels raise at the first
+    forward on any mask; flash_varlen turns a mask into per-sample key lengths, right only when the
+    mask keeps a prefix of the keys (HunyuanVideo's [image, text] sequence, not Qwen-Image's [text,
+    image] with padded text)."""
+    if cls.attention_mask is None:
+        return
+    if backend in ("flash", "sage") or (backend == "flash_varlen" and not cls.mask_is_key_prefix):
+        other = "sdpa or flash_varlen" if cls.mask_is_key_prefix else "sdpa"
+        raise ValueError(f"--attention {backend} cannot run {cls.family!r}: the model {cls.attention_mask}, and "
+                         f"{backend} takes no such mask; use {other}")
+
+
 def set_attention(adapter: DiTAdapter, backend: str) -> None:
     """Select the attention kernel through diffusers' dispatcher (docs/MODELS.md, "Attention backends").
     flash-attn is an optional GPU dependency: asking for it without the package is a clear error."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    check_attention(type(adapter), backend)
     if backend == "sdpa":
         return  # diffusers' default ("native") is torch's scaled_dot_product_attention
     if backend.startswith("flash") and importlib.util.find_spec("flash_attn") is None:
@@ -99,21 +121,18 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
-
-
-def model_dtypes(name: str, device: torch.device) -> dict[str, torch.dtype]:
-    """The dtype of each pipeline component for training (--dtype): the transformer in the named dtype
-    (auto: float32, trained under bf16 autocast on CUDA), the frozen text encoders in half precision
-    on CUDA (auto, bfloat16, float16: they only run inference) and the VAE in float32."""
-    weights = torch.float32 if name == "auto" else resolve_dtype(name, device)
-    half = device.type == "cuda" and name != "float32"
-    text = (torch.bfloat16 if name == "auto" else weights) if half else weights
-    return {"transformer": weights, **{n: text for n in TEXT_ENCODERS}, "default": torch.float32}
+def model_dtypes(name: str, device: torch.device, master: bool = True) -> dict[str, torch.dtype]:
+    """The dtype each pipeline component loads in (--dtype): everything in the compute dtype
+    (`resolve_dtype`: auto is bf16 on CUDA, float32 elsewhere), except a trained transformer's
+    float32 master weights (`master`: a full fine-tune's trainer; AdamW updates float32 weights).
+    Generators, frozen LoRA bases, text encoders and the VAE only run inference."""
+    compute = resolve_dtype(name, device)
+    return {"transformer": torch.float32 if master else compute, "default": compute}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 on CUDA (docs/ALGORITHMS.md defaults) and float32 elsewhere."""
+    """The compute dtype of --dtype: `auto` is bfloat16 on CUDA (docs/ALGORITHMS.md defaults) and
+    float32 elsewhere."""
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

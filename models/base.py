@@ -45,6 +45,10 @@ class DiTAdapter:
     """samples are videos [B, C, F, H, W] (else images)"""
     static_shift: ClassVar[float | None] = None
     """the scheduler's static timestep shift (None: FLUX and Qwen-Image shift by resolution)"""
+    attention_mask: ClassVar[str | None] = None
+    """what this family masks in attention, if anything (diffusers' flash and sage kernels take no mask)"""
+    mask_is_key_prefix: ClassVar[bool] = False
+    """the mask keeps a prefix of the keys of each sample, which flash_varlen's sequence lengths express"""
     release: ClassVar[str]
     """the released config in models/configs/ this family is known by (its full-scale model)"""
     # Components a diffusers folder of this family must have (subfolder names in model_index.json).
@@ -60,6 +64,15 @@ class DiTAdapter:
         self.pipe = pipe
         self.transformer: nn.Module = pipe.transformer
         self.blocks: list[nn.Module] = self._block_list()
+        self.compute_dtype: torch.dtype | None = None
+        """The dtype every forward computes in, when it differs from the weights' (a trainer's float32
+        weights under autocast or FSDP2 mixed precision): inputs are cast to it alike on every rank."""
+        self.prompt_cache = None
+        """Precomputed prompt embeddings (`lookup(prompts) -> Conditioning`), used instead of the text
+        encoders: --prompt-embeds (prompts/embeds.py)."""
+        self.enclosing = None
+        """A callable `enclosing(fn, *args)` that runs one whole velocity (FSDP2's root module over the
+        transformer's units: its all-gathers then overlap compute); None runs it directly."""
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -96,16 +109,24 @@ class DiTAdapter:
         self.pipe.save_pretrained(path)
 
     def to(self, device=None, dtype=None) -> "DiTAdapter":
-        self.pipe.to(device=device, dtype=dtype)
+        for module in self.pipe.components.values():
+            if isinstance(module, nn.Module) and not _on_meta(module):  # released components stay released
+                module.to(device=device, dtype=dtype)
         return self
 
     @property
     def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
+        """The transformer's device, or where this rank's other components are when it released
+        the transformer (scorers, scripts/encode_prompts.py)."""
+        for module in (self.transformer, *self.text_encoders().values(), getattr(self.pipe, "vae", None)):
+            if isinstance(module, nn.Module) and not _on_meta(module):
+                return next(module.parameters()).device
+        return next(self.transformer.parameters()).device  # all on meta: a released config's shapes
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
+        """The transformer's compute dtype (see `compute_dtype`), else its weights' dtype."""
+        return self.compute_dtype or next(self.transformer.parameters()).dtype
 
     # ----- shapes ---------------------------------------------------------------------------
     @classmethod
@@ -133,7 +154,46 @@ class DiTAdapter:
 
     # ----- text -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """The prompts' conditioning, batch-first and padded to a fixed length: looked up in
+        precomputed embeddings (`prompt_cache`: --prompt-embeds, scripts/encode_prompts.py), else
+        encoded by the text encoders, brought to the device first if they were offloaded."""
+        if self.prompt_cache is not None:
+            return self.prompt_cache.lookup(list(prompts)).to(self.device)
+        encoders = self.text_encoders()
+        if any(_on_meta(m) for m in encoders.values()):
+            raise RuntimeError(f"this rank released its text encoders ({sorted(encoders)}): it must not encode prompts")
+        for module in encoders.values():
+            if next(module.parameters()).device != self.device:
+                module.to(self.device)  # --offload-text-encoders: back until `offload_text_encoders`
+        return self._encode_prompts(prompts)
+
+    def _encode_prompts(self, prompts: list[str]) -> Conditioning:
         raise NotImplementedError
+
+    def text_encoders(self) -> dict[str, nn.Module]:
+        """The pipeline's text encoder modules by component name."""
+        return {n: m for n in TEXT_ENCODERS if isinstance(m := getattr(self.pipe, n, None), nn.Module)}
+
+    def offload_text_encoders(self) -> None:
+        """Move the text encoders to host memory (--offload-text-encoders, between steps); the next
+        `encode_prompts` brings them back."""
+        for module in self.text_encoders().values():
+            if not _on_meta(module):
+                module.to("cpu")
+
+    def release_components(self, components: list[str]) -> None:
+        """Free the pipeline components this rank never runs (a trainer's text encoders and VAE, a
+        scorer's transformer): their weights go to the meta device, their configs, the tokenizers and
+        the size factors stay, so every rank still checks shapes alike."""
+        for name in components:
+            module = getattr(self.pipe, name, None)
+            if isinstance(module, nn.Module):
+                module.to("meta")
+
+    def holds(self, component: str) -> bool:
+        """Whether this rank holds the weights of a pipeline component (not released)."""
+        module = getattr(self.pipe, component, None)
+        return isinstance(module, nn.Module) and not _on_meta(module)
 
     # ----- the split ------------------------------------------------------------------------
     def _block_list(self) -> list[nn.Module]:
@@ -154,6 +214,11 @@ class DiTAdapter:
         raise NotImplementedError
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance: float | None = None) -> Tensor:
+        if self.enclosing is not None:
+            return self.enclosing(self._velocity, latents, sigma, cond, guidance)
+        return self._velocity(latents, sigma, cond, guidance)
+
+    def _velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance: float | None) -> Tensor:
         state = self.embed(latents, sigma, cond, guidance)
         for i in range(len(self.blocks)):
             state = self.run_block(i, state)
@@ -175,7 +240,21 @@ class DiTAdapter:
     # ----- pixels ---------------------------------------------------------------------------
     def decode(self, latents: Tensor) -> Tensor:
         """Images in [0, 1], float32: [B, 3, H, W] (video: [B, 3, F, H, W])."""
+        if not self.holds("vae"):
+            raise RuntimeError("this rank released its VAE: it must not decode")
+        return self._decode(latents)
+
+    def _decode(self, latents: Tensor) -> Tensor:
         raise NotImplementedError
+
+
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+"""The pipeline components that encode prompts, in every family."""
+
+
+def _on_meta(module: nn.Module) -> bool:
+    first = next(module.parameters(), None)
+    return first is not None and first.is_meta
 
 
 DEFAULTS_FILE = "digenrl.json"

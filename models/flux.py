@@ -51,7 +51,7 @@ class FluxAdapter(DiTAdapter):
         return (h // 2) * (w // 2)
 
     # ----- text -----------------------------------------------------------------------------
-    def encode_prompts(self, prompts):
+    def _encode_prompts(self, prompts):
         with torch.no_grad():
             prompt_embeds, pooled, _ = self.pipe.encode_prompt(
                 prompt=list(prompts), prompt_2=None, device=self.device,
@@ -117,7 +117,7 @@ class FluxAdapter(DiTAdapter):
         return self._unpack(out, (c, h, w))
 
     # ----- pixels ---------------------------------------------------------------------------
-    def decode(self, latents):
+    def _decode(self, latents):
         vae = self.pipe.vae
         z = latents / vae.config.scaling_factor + vae.config.shift_factor
         with torch.no_grad():

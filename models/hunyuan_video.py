@@ -39,6 +39,10 @@ class HunyuanVideoAdapter(DiTAdapter):
                                 noise_level=0.7, guidance=6.0, cfg_scale=1.0, dance_eta=0.25, dance_shift=5.0)
     # HunyuanVideo's scheduler shift (FlowMatchEulerDiscreteScheduler, flow_shift 7.0 in the reference code).
     static_shift: ClassVar[float] = 7.0
+    # side_inputs builds a mask in every forward: the joint sequence is [image, text] and the keys
+    # after each prompt's last text token are masked, a prefix of the keys.
+    attention_mask = "masks the keys after each prompt's last text token in every forward"
+    mask_is_key_prefix = True
 
     def __init__(self, pipe):
         super().__init__(pipe)
@@ -50,6 +54,10 @@ class HunyuanVideoAdapter(DiTAdapter):
         self.max_sequence_length = int(min(256, pipe.tokenizer.model_max_length))
         llama_template = "<|start_header_id|>" in pipe.tokenizer.get_vocab()
         self.prompt_template = DEFAULT_PROMPT_TEMPLATE if llama_template else BARE_PROMPT_TEMPLATE
+        # Tiled decoding, as DanceGRPO decodes (vae.enable_tiling()): a 720p clip decoded whole holds
+        # activations of every frame at full resolution at once; tiles of 256 px overlap and blend.
+        # Samples below a tile (the tiny presets) decode exactly as untiled.
+        pipe.vae.enable_tiling()
 
     def _block_list(self):
         return list(self.transformer.transformer_blocks) + list(self.transformer.single_transformer_blocks)
@@ -91,7 +99,7 @@ class HunyuanVideoAdapter(DiTAdapter):
         return (f // p_t) * (h // p) * (w // p)
 
     # ----- text -----------------------------------------------------------------------------
-    def encode_prompts(self, prompts):
+    def _encode_prompts(self, prompts):
         with torch.no_grad():
             prompt_embeds, pooled, mask = self.pipe.encode_prompt(
                 prompt=list(prompts), prompt_template=self.prompt_template, device=self.device,
@@ -165,7 +173,7 @@ class HunyuanVideoAdapter(DiTAdapter):
             guidance=self._guidance(guidance, latents.shape[0]), return_dict=False)[0]
 
     # ----- pixels ---------------------------------------------------------------------------
-    def decode(self, latents):
+    def _decode(self, latents):
         vae = self.pipe.vae
         z = latents.to(vae.dtype) / vae.config.scaling_factor
         with torch.no_grad():

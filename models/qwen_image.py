@@ -26,6 +26,9 @@ class QwenImageAdapter(DiTAdapter):
     pipeline_class = QwenImagePipeline
     release = "qwen_image"
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+    # Prompts of different lengths are padded and the padding masked (_text_mask); the joint
+    # sequence is [text, image], so the masked keys sit between the valid ones.
+    attention_mask = "masks the padded text tokens of prompts shorter than the longest of a batch"
     # QwenImagePipeline's defaults (1024 px, 50 steps, true CFG 4.0, no guidance embedding);
     # noise level 1.2 and DanceGRPO eta 0.3 / shift 3 from docs/ALGORITHMS.md.
     defaults = SamplingDefaults(height=1024, width=1024, num_steps=50, shift="dynamic", noise_level=1.2,
@@ -76,7 +79,7 @@ class QwenImageAdapter(DiTAdapter):
         return (h // 2) * (w // 2)
 
     # ----- text -----------------------------------------------------------------------------
-    def encode_prompts(self, prompts):
+    def _encode_prompts(self, prompts):
         with torch.no_grad():
             prompt_embeds, mask = self.pipe.encode_prompt(
                 prompt=list(prompts), device=self.device, max_sequence_length=self.max_sequence_length)
@@ -151,7 +154,7 @@ class QwenImageAdapter(DiTAdapter):
         return self._unpack(out, (c, h, w))
 
     # ----- pixels ---------------------------------------------------------------------------
-    def decode(self, latents):
+    def _decode(self, latents):
         vae = self.pipe.vae
         z = latents.unsqueeze(2).to(vae.dtype)  # (B, C, 1, H, W): the video VAE's single frame
         # QwenImagePipeline's de-normalisation, written the same way.

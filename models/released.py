@@ -22,7 +22,6 @@ from models import adapter_class
 from models.base import DiTAdapter
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 _NOT_MODULES = ("repo", "family", "tokenizer_max_length")
 
 

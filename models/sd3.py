@@ -73,7 +73,7 @@ class SD3Adapter(DiTAdapter):
         return (h // patch) * (w // patch)
 
     # ----- text -----------------------------------------------------------------------------
-    def encode_prompts(self, prompts):
+    def _encode_prompts(self, prompts):
         # Every encoder pads to a fixed length (77 CLIP + max_sequence_length T5 tokens), so a sample's
         # conditioning never depends on its batch neighbours and no mask is needed.
         with torch.no_grad():
@@ -132,7 +132,7 @@ class SD3Adapter(DiTAdapter):
             return_dict=False)[0]
 
     # ----- pixels ---------------------------------------------------------------------------
-    def decode(self, latents):
+    def _decode(self, latents):
         vae = self.pipe.vae
         z = latents / vae.config.scaling_factor + vae.config.shift_factor  # StableDiffusion3Pipeline's inverse
         with torch.no_grad():

@@ -31,6 +31,10 @@ class WanAdapter(DiTAdapter):
         # WanPipeline.__call__ pads UMT5 output to 512 tokens; a tokenizer that says less (tiny presets) wins.
         # Padding to a fixed length (never the longest prompt) keeps samples independent of their batch.
         self.max_sequence_length = int(min(512, pipe.tokenizer.model_max_length))
+        # Tiled decoding, as DanceGRPO decodes (vae.enable_tiling()): a 720p clip decoded whole holds
+        # activations of every frame at full resolution at once; tiles of 256 px overlap and blend.
+        # Samples below a tile (the tiny presets) decode exactly as untiled.
+        pipe.vae.enable_tiling()
 
     def _block_list(self):
         return list(self.transformer.blocks)
@@ -76,7 +80,7 @@ class WanAdapter(DiTAdapter):
         return (f // p_t) * (h // p_h) * (w // p_w)
 
     # ----- text -----------------------------------------------------------------------------
-    def encode_prompts(self, prompts):
+    def _encode_prompts(self, prompts):
         # The unconditional branch of CFG is encode_prompts([""] * B): WanPipeline's default negative prompt.
         with torch.no_grad():
             prompt_embeds, _ = self.pipe.encode_prompt(
@@ -133,7 +137,7 @@ class WanAdapter(DiTAdapter):
             encoder_hidden_states=cond.tensors["prompt_embeds"].to(self.dtype), return_dict=False)[0]
 
     # ----- pixels ---------------------------------------------------------------------------
-    def decode(self, latents):
+    def _decode(self, latents):
         vae = self.pipe.vae
         stats_shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(stats_shape).to(latents.device, vae.dtype)

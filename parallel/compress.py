@@ -27,6 +27,8 @@ import math
 import torch
 from torch import Tensor
 
+from parallel.fsdp import local_part, shard_like, whole_like
+
 CODECS = ("none", "bf16", "delta", "delta-topk")
 WIRE_DTYPE = torch.bfloat16
 WIRE_BYTES = torch.finfo(WIRE_DTYPE).bits // 8
@@ -91,6 +93,12 @@ def encode(spec: str, new: Tensor, held: Tensor | None) -> dict[str, Tensor]:
     delta = (new.float() - held.float()).reshape(-1)
     if name == "delta":
         return {"": delta.to(WIRE_DTYPE).view(new.shape).contiguous()}
+    return topk_parts(delta, fraction)
+
+
+def topk_parts(delta: Tensor, fraction: float) -> dict[str, Tensor]:
+    """delta-topk's wire parts of a whole flattened delta: the largest fraction of it by magnitude,
+    as sorted indices and bf16 values."""
     k = topk_count(delta.numel(), fraction)
     idx = delta.abs().topk(k, sorted=False).indices.sort().values
     index_dtype = torch.int32 if index_bytes(delta.numel()) == 4 else torch.int64
@@ -125,34 +133,48 @@ def split_wire(wire: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
 
 
 class Reconstruction:
-    """What the generators hold (`held`) and what a lossy codec has not sent of the trainer's
-    updates yet (`residual`), kept alike by every trainer rank (module docstring)."""
+    """What the generators hold (`held`, in their dtype) and what a lossy codec has not sent of the
+    trainer's updates yet (`residual`, float32), kept alike by every trainer rank and sharded as the
+    trained weights are: under FSDP each trainer holds its shard of both (module docstring)."""
 
-    def __init__(self, spec: str, initial: dict[str, Tensor], residual: dict[str, Tensor] | None = None):
-        """`initial`: the weights every rank holds now; `residual`: the residual to go on from (a
-        resumed run's), zero by default."""
+    def __init__(self, spec: str, initial: dict[str, Tensor], residual: dict[str, Tensor] | None = None,
+                 dtype: torch.dtype | None = None):
+        """`initial`: the trained weights every rank holds now (FSDP shards or whole); `residual`:
+        whole tensors to go on from (a resumed run's), zero by default; `dtype`: the dtype receivers
+        hold (the compute dtype; default: the weights' own)."""
         if not lossy(spec):
             raise ValueError(f"--publish-compression {spec}: a lossless codec needs no reconstruction")
         self.spec = spec
-        self.held = {n: t.detach().float().clone() for n, t in initial.items()}
-        self.residual = {n: torch.zeros_like(t) for n, t in self.held.items()}
+        self.held = {n: t.detach().to(dtype or t.dtype).clone() for n, t in initial.items()}
+        self.residual = {n: torch.zeros_like(t.detach(), dtype=torch.float32) for n, t in initial.items()}
         for n, r in (residual or {}).items():
             if n not in self.held or tuple(r.shape) != tuple(self.held[n].shape):
                 raise ValueError(f"publication residual {n!r} {list(r.shape)} does not fit the trained weights")
-            self.residual[n] = r.detach().float().to(self.held[n].device).clone()
+            local, start = local_part(self.residual[n])
+            local.copy_(r.detach().float().reshape(-1)[start:start + local.numel()].view_as(local))
 
     def publish(self, weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """(wire tensors by wire name, the tensors the receivers will hold) for a new version made
         from the trainer's `weights`; what the wire leaves out of `weights` + residual becomes the
-        new residual."""
-        wire, held = {}, {}
+        new residual. Runs on this rank's shards, sharded like `weights`: an elementwise codec
+        encodes each shard; delta-topk's top fraction is of the whole tensor, so it gathers one
+        tensor's delta at a time (every trainer rank computes the same parts)."""
+        codec, fraction = parse(self.spec)
+        wire = {}
         for name, new in weights.items():
-            wanted = new.detach().float() + self.residual[name]
-            parts = encode(self.spec, wanted, self.held[name])
+            mine, start = local_part(new.detach())
+            held, _ = local_part(self.held[name])
+            residual, _ = local_part(self.residual[name])
+            wanted = mine.float() + residual
+            if codec == "delta-topk":
+                parts = topk_parts(whole_like(wanted - held.float(), new).reshape(-1), fraction)
+                idx = parts["idx"].to(torch.int64)
+                own = (idx >= start) & (idx < start + held.numel())  # the entries in this rank's shard
+                apply(self.spec, held, {"idx": idx[own] - start, "val": parts["val"][own]})
+            else:
+                parts = encode(self.spec, wanted, held)
+                apply(self.spec, held, parts)
+                parts = {p: shard_like(t, new) for p, t in parts.items()}
+            residual.copy_(wanted - held.float())
             wire.update({wire_name(name, p): t for p, t in parts.items()})
-            target = self.held[name].to(new.dtype, copy=True)
-            apply(self.spec, target, parts)
-            self.held[name] = target.float()
-            self.residual[name] = wanted - self.held[name]
-            held[name] = target
-        return wire, held
+        return wire, dict(self.held)

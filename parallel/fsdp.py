@@ -8,26 +8,108 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
-def shard_modules(transformer: torch.nn.Module, group) -> None:
-    """Shard every block and every top-level module that holds parameters as its own unit.
-    Adapters drive embed / blocks / head directly (never model.forward), so each piece must gather
-    its own parameters when it runs."""
+class Root(torch.nn.Module):
+    """FSDP2's root over a DiT's sharding units (`shard_modules`).
+
+    The adapters run embed / blocks / head piece by piece and never the transformer's own forward,
+    so without a root every unit is a root of its own: before its all-gather, a root makes the
+    all-gather stream wait for all compute queued so far, and no all-gather overlaps compute. One call
+    of this module encloses a whole velocity (`DiTAdapter.enclosing`): the units inside are not roots,
+    each all-gather is issued as soon as the host reaches its unit, while the device still computes
+    the previous one, and backward prefetches the previous unit's all-gather (FSDP2's implicit
+    backward prefetch, torch 2.13 `_fsdp_state.py`). The root also shards the transformer's own
+    parameters, which no unit holds (Wan's `scale_shift_table`)."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+
+def shard_modules(transformer: torch.nn.Module, group, param_dtype: torch.dtype | None = None) -> Root:
+    """Shard every block and every top-level module that holds parameters as its own unit, under
+    one `Root`, which the caller runs each velocity through. Adapters drive embed / blocks / head
+    directly (never model.forward), so each piece gathers its own parameters when it runs.
+
+    `param_dtype` (the compute dtype, when it is not float32): FSDP2 mixed precision, as torchtitan
+    and DanceGRPO train: float32 sharded weights, gradients and AdamW state; all-gathers and the
+    forward in `param_dtype`; gradients reduce-scattered in float32. Forward inputs are not cast
+    (cast_forward_inputs=False): the adapters cast them, as they do on generators, which hold the
+    weights in the compute dtype, so a trainer's forward computes what the generator computed."""
     device_type = "cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu"
     mesh = DeviceMesh.from_group(group, device_type=device_type)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                                  cast_forward_inputs=False)
     for child in transformer.children():
         units = list(child) if isinstance(child, torch.nn.ModuleList) else [child]
         for unit in units:
             if any(True for _ in unit.parameters()):
-                fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+                fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    return fully_shard(Root(transformer), mesh=mesh, mp_policy=policy)
+
+
+def own_group():
+    """A process group of this rank alone, for FSDP2 as a mixed-precision engine on a replicated
+    trainer (one rank: no all-gather, no reduce-scatter; FSDP2 casts each unit's weights for its
+    forward and frees them after, as sharded trainers do). Only this rank takes part in creating it
+    (use_local_synchronization), so the ranks' group order is unchanged. None outside a process group."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+def spans_ranks(t: Tensor) -> bool:
+    """Whether `t` is sharded over more than one rank (its whole takes a collective)."""
+    return isinstance(t, DTensor) and t.device_mesh.size() > 1
 
 
 def full_tensor(t: Tensor) -> Tensor:
     """The whole tensor of a possibly FSDP-sharded parameter (a collective over the trainer group)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_part(t: Tensor) -> tuple[Tensor, int]:
+    """(this rank's part of `t`, the flat index in the whole tensor of the part's first element): an
+    FSDP2 shard (rows of dim 0, a contiguous range of the flattened tensor) or a plain tensor whole."""
+    if not isinstance(t, DTensor):
+        return t, 0
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    row = 1
+    for size in t.shape[1:]:
+        row *= size
+    return t.to_local(), (offset[0] if offset else 0) * row
+
+
+def whole_like(local: Tensor, like: Tensor) -> Tensor:
+    """The whole tensor of which this rank holds `local`, sharded as `like` is (`local_part`): an
+    all-gather over like's mesh when it is sharded (every member calls it), else `local` itself."""
+    return full_tensor(shard_like(local, like))
+
+
+def sharded(t: Tensor) -> bool:
+    """Whether `t` is an FSDP-sharded (distributed) tensor."""
+    return isinstance(t, DTensor)
+
+
+def shard_like(local: Tensor, like: Tensor) -> Tensor:
+    """`local`, this rank's part of a whole tensor sharded as `like` is, as a tensor of that whole
+    (an FSDP2 DTensor; `like` plain: `local` is the whole)."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def mesh_group(tensors) -> object | None:
+    """The process group of the first FSDP-sharded tensor among `tensors` (None: none is sharded)."""
+    return next((t.device_mesh.get_group() for t in tensors if isinstance(t, DTensor)), None)
 
 
 def copy_full(param: Tensor, whole: Tensor) -> None:

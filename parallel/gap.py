@@ -1,14 +1,19 @@
 """GAP's block pipeline inside a generator replica (docs/DESIGN.md, GAP).
 
 A replica of S ranks splits the DiT blocks into S contiguous stages (parallel/schedule.py
-partitions them by measured cost and rank speed; the schedule is data, checked by its validator). Stage 0 also holds embed, stage S-1 also holds
-the head, the SDE step, decode and scoring. Every denoising step of a micro-batch flows stage 0 ->
-S-1 as activations (State.acts); the last stage owns the latent, takes the SDE step and sends the
-new latent back to stage 0. Rotary tables and masks are recomputed on each stage from the
-conditioning (which travels once per micro-batch, with its first step). One executor runs the
-schedule: it posts each receive before computing the action that precedes it and drains its sends
-at the end. Micro-batches are the plan's chunks, so every sample sees the same batch as with S = 1
-and the trajectories are bitwise the same.
+partitions them by measured cost and rank speed; the schedule is data, checked by its validator).
+Stage 0 also holds embed, stage S-1 also holds the head, the SDE step, decode and scoring. Every
+denoising step of a micro-batch flows stage 0 -> S-1 as activations (State.acts); the last stage
+owns the latent, takes the SDE step and sends the new latent back to stage 0. Rotary tables and
+masks are recomputed on each stage from the conditioning (which travels once per micro-batch, with
+its first step). One executor runs the schedule: it posts each receive before computing the action
+that precedes it and drains its sends at the end. Micro-batches are the plan's chunks, so every
+sample sees the same batch as with S = 1 and the trajectories are bitwise the same.
+
+Each link (stage s -> s + 1, and the last stage -> stage 0) is a communicator of its own
+(parallel/topology.py): on NCCL a receive posted early holds back the stage's later sends on the
+same communicator, and with 2 stages stage 0's receive from stage 1 would sit ahead of its send to
+stage 1 (docs/communication.md).
 
 Model-agnostic: the adapter, the encoding and the noise keys come from the rollout.Generator passed
 in, and finished fragments go into its FragmentStream, as a one-stage replica's do.
@@ -23,7 +28,7 @@ import torch
 from torch import Tensor
 
 from rl import sampler
-from parallel import p2p
+from parallel import commhooks, p2p
 from parallel.schedule import Action, gap_schedule, partition_blocks, validate_schedule
 from rl.conditioning import Conditioning, State
 
@@ -76,10 +81,11 @@ def release_other_blocks(adapter, blocks: tuple[int, int]) -> None:
 
 @torch.no_grad()
 def measure_block_costs(adapter, sampling: sampler.SamplingConfig, batch: int,
-                        repeats: int = 2) -> list[float]:
-    """Seconds per block for one micro-batch on this rank (the last of `repeats` runs)."""
+                        repeats: int = 2, cond: Conditioning | None = None) -> list[float]:
+    """Seconds per block for one micro-batch on this rank (the last of `repeats` runs), with the
+    conditioning `cond` of `batch` prompts (default: empty prompts, encoded here)."""
     shape = adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)
-    cond = adapter.encode_prompts([""] * batch)
+    cond = adapter.encode_prompts([""] * batch) if cond is None else cond
     x = torch.randn(batch, *shape, device=adapter.device)
     state = adapter.embed(x, torch.full((batch,), 0.5, device=adapter.device), cond, sampling.guidance)
     costs = []
@@ -87,8 +93,7 @@ def measure_block_costs(adapter, sampling: sampler.SamplingConfig, batch: int,
         for _ in range(repeats):
             t0 = time.perf_counter()
             out = adapter.run_block(i, state)
-            if x.is_cuda:
-                torch.cuda.synchronize()
+            commhooks.synchronize(x.device)  # start-up only: nothing is posted yet
             cost = time.perf_counter() - t0
         costs.append(cost)
         state = out
@@ -116,10 +121,12 @@ def _cond_from(prefix: str, tensors: dict[str, Tensor]) -> Conditioning | None:
 
 
 class PipelinedReplica:
-    """Runs one step's micro-batches of a replica through its stages."""
+    """Runs one step's micro-batches of a replica through its stages. `links`: the communicators
+    this stage receives on and sends on (ProcessGroups.stage_links; None: the default group)."""
 
-    def __init__(self, generator, layout: StageLayout):
+    def __init__(self, generator, layout: StageLayout, links: tuple = (None, None)):
         self.gen, self.layout = generator, layout
+        self.recv_group, self.send_group = links
         self.adapter = generator.adapter
         self.sampling: sampler.SamplingConfig = generator.sampling
         self._validated: set[tuple[int, int]] = set()
@@ -148,7 +155,7 @@ class PipelinedReplica:
             for j in range(i, len(actions)):
                 src = self._source(actions[j])
                 if src is not None:
-                    return j, p2p.post_recv(src, device=self.adapter.device)
+                    return j, p2p.post_recv(src, self.recv_group, device=self.adapter.device)
             return None, None
 
         pending_at, pending = post(0)
@@ -190,7 +197,7 @@ class PipelinedReplica:
                     st.x_of[a.mb] = x0
                     st.paths[a.mb] = ([x0], [])
         cond, neg = st.conds[a.mb]
-        sigma = sigmas[a.t].to(dev).expand(len(ids))
+        sigma = cfg.model_sigma(sigmas[a.t].to(dev).expand(len(ids)))  # what the model sees (quantised or not)
         with self.gen.autocast(), torch.no_grad():
             if lay.first:
                 x = x0 if a.t == 0 else msg["x"]  # the latent comes back from the last stage
@@ -209,22 +216,22 @@ class PipelinedReplica:
                 if a.t == 0:
                     out.update(_cond_payload("cond.", cond))
                     out.update(_cond_payload("neg.", neg))
-                st.sends.append(p2p.isend_framed(out, {"mb": a.mb, "t": a.t}, dst=next_rank))
+                st.sends.append(p2p.isend_framed(out, {"mb": a.mb, "t": a.t}, dst=next_rank, group=self.send_group))
                 return
             v = adapter.head(states[0])
             if cfg.cfg_scale != 1.0:
                 v = adapter.combine_cfg(v, adapter.head(states[1]), cfg.cfg_scale)
-        out = sampler.sample_step(st.x_of[a.mb], v, sigmas, a.t, ids, plan.step, cfg)
-        st.x_of[a.mb] = out.x_next
+        out = sampler.sample_step(st.x_of[a.mb], v, sigmas, a.t, ids, plan.step, cfg, st.x0_of.pop(a.mb, None))
+        st.x_of[a.mb], st.x0_of[a.mb] = out.x_next, out.x0
         st.paths[a.mb][0].append(out.x_next)
         st.paths[a.mb][1].append(out.log_prob)
         if a.t + 1 < cfg.num_steps:
             st.sends.append(p2p.isend_framed({"x": out.x_next.contiguous()}, {"mb": a.mb, "t": a.t + 1},
-                                             dst=next_rank))
+                                             dst=next_rank, group=self.send_group))
             return
         lat, lps = st.paths.pop(a.mb)
         st.done[a.mb] = sampler.Trajectory(torch.stack(lat, dim=1), torch.stack(lps, dim=1), sigmas)
-        del st.x_of[a.mb]
+        del st.x_of[a.mb], st.x0_of[a.mb]
         members = [m for m, (f, _) in enumerate(st.chunks) if f.index == frag.index]
         if all(m in st.done for m in members):
             st.stream.push(self.gen.denoised(frag, [st.done.pop(m) for m in members],
@@ -243,6 +250,7 @@ class _StepState:
     conds: dict = field(default_factory=dict)   # mb -> (cond, neg)
     sides: dict = field(default_factory=dict)   # mb -> (side inputs of cond, of neg)
     x_of: dict = field(default_factory=dict)    # last stage: mb -> current latent
+    x0_of: dict = field(default_factory=dict)   # last stage: mb -> the last step's data prediction (dpm2)
     paths: dict = field(default_factory=dict)   # last stage: mb -> (latents, log_probs)
     done: dict = field(default_factory=dict)    # last stage: mb -> finished Trajectory
     sends: list = field(default_factory=list)

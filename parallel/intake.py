@@ -25,6 +25,7 @@ from rl.timesteps import trained_timesteps
 from parallel import p2p, tsp
 from parallel.stepplan import StepPlan
 from rl.conditioning import Conditioning
+from rl.window import WindowSchedule
 
 CPU = torch.device("cpu")
 
@@ -37,13 +38,27 @@ class TrainChunk:
     chunk: int
     version: int
     sample_ids: Tensor   # (n,) int64
-    latents: Tensor      # (n, K+1, *latent_shape) float32
-    log_probs: Tensor    # (n, K) float32, under the generating policy (pi_old)
+    latents: Tensor      # (n, K+1, *latent_shape) float32; a clean record: (n, 1, *latent_shape)
+    log_probs: Tensor    # (n, K) float32, under the generating policy (pi_old); a clean record: (n, 0)
     advantages: Tensor   # (n,) float32
     keep: Tensor         # (n,) bool: False for dropped zero-std groups
     sigmas: Tensor       # (K+1,) float32
     cond: Conditioning
     neg_cond: Conditioning | None
+
+    @property
+    def clean(self) -> bool:
+        """A forward-process record (DiffusionNFT): the clean samples only, no path, no log-probs."""
+        return self.log_probs.shape[1] == 0
+
+    def at(self, rows, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(x_t, x_next, logp_old) of `rows` (an index or an index tensor) at step t. A clean record
+        gives its clean sample as x_t, an empty x_next and logp 0: its trainer noises x_t itself."""
+        if not self.clean:
+            return self.latents[rows, t], self.latents[rows, t + 1], self.log_probs[rows, t]
+        x0 = self.latents[rows, 0]
+        lead = x0.shape[:x0.dim() - (self.latents.dim() - 2)]
+        return x0, x0.new_empty((*lead, 0)), x0.new_zeros(lead)
 
     def to_payload(self) -> tuple[dict[str, Tensor], dict]:
         tensors = {"sample_ids": self.sample_ids, "latents": self.latents, "log_probs": self.log_probs,
@@ -76,8 +91,8 @@ class TransitionBatch:
     sizes: tuple[int, ...]          # transitions per micro-batch; rows are consecutive
     sample_ids: Tensor   # (n,) int64
     timesteps: Tensor    # (n,) int64: t of each transition
-    x_t: Tensor          # (n, *latent_shape) float32
-    x_next: Tensor       # (n, *latent_shape) float32
+    x_t: Tensor          # (n, *latent_shape) float32 (clean records: the clean sample)
+    x_next: Tensor       # (n, *latent_shape) float32 (clean records: (n, 0))
     sigma: Tensor        # (n,) float32
     sigma_next: Tensor   # (n,) float32
     log_probs: Tensor    # (n,) float32 under the generating policy (pi_old)
@@ -103,15 +118,15 @@ class TransitionBatch:
         conds = [c.cond.select([j]) for c, j, _ in samples.values()]
         negs = [c.neg_cond.select([j]) for c, j, _ in samples.values() if c.neg_cond is not None]
         first = chunks[0]
+        x_t, x_next, logp = zip(*(c.at(j, t) for c, j, t, _ in rows))
         return cls(first.step, first.fragment, first.version, tuple(m.index for m in micro_batches),
                    tuple(len(m.transitions) for m in micro_batches),
                    sample_ids=torch.tensor([int(c.sample_ids[j]) for c, j, _, _ in rows], dtype=torch.int64),
                    timesteps=torch.tensor([t for _, _, t, _ in rows], dtype=torch.int64),
-                   x_t=torch.stack([c.latents[j, t] for c, j, t, _ in rows]),
-                   x_next=torch.stack([c.latents[j, t + 1] for c, j, t, _ in rows]),
+                   x_t=torch.stack(x_t), x_next=torch.stack(x_next),
                    sigma=torch.stack([c.sigmas[t] for c, _, t, _ in rows]),
                    sigma_next=torch.stack([c.sigmas[t + 1] for c, _, t, _ in rows]),
-                   log_probs=torch.stack([c.log_probs[j, t] for c, j, t, _ in rows]),
+                   log_probs=torch.stack(logp),
                    advantages=torch.stack([c.advantages[j] for c, j, _, _ in rows]),
                    keep=torch.stack([c.keep[j] for c, j, _, _ in rows]),
                    cond_index=torch.tensor([u for _, _, _, u in rows], dtype=torch.int64),
@@ -147,23 +162,28 @@ class TransitionBatch:
 
 @dataclass(frozen=True)
 class TrainingSpec:
-    """What decides which transitions a step trains: the algorithm's timestep rule (rl/timesteps.py)."""
+    """What decides which transitions a step trains: the algorithm's timestep rule (rl/timesteps.py)
+    and the step's window (fixed, or MixGRPO's sliding one)."""
 
     rule: str
     num_steps: int
     timestep_fraction: float
     seed: int
     sde_window: tuple[int, int] | None
+    window_schedule: WindowSchedule | None = None
 
     @classmethod
     def of(cls, cfg, sampling) -> "TrainingSpec":
         """From a config.RunConfig and the run's sampler.SamplingConfig."""
         return cls(algorithms.algorithm(cfg.rl.algorithm).timesteps, sampling.num_steps, cfg.rl.timestep_fraction,
-                   cfg.seed, sampling.sde_window)
+                   cfg.seed, sampling.sde_window, sampling.window_schedule)
+
+    def window_at(self, step: int) -> tuple[int, int] | None:
+        return self.window_schedule.window(step) if self.window_schedule is not None else self.sde_window
 
     def timesteps(self, step: int, sample_id: int) -> tuple[int, ...]:
         return trained_timesteps(self.rule, self.num_steps, self.timestep_fraction, seed=self.seed, step=step,
-                                 sample_id=sample_id, window=self.sde_window)
+                                 sample_id=sample_id, window=self.window_at(step))
 
     def forward_timesteps(self, step: int, sample_ids: tuple[int, ...]) -> list[int]:
         """The timesteps at which a chunk needs a forward pass without TSP (all its samples that
@@ -187,12 +207,18 @@ class _Intake:
     """What both intakes share: the inbox, the source of a fragment, the receive."""
 
     def __init__(self, spec: TrainingSpec, trainer_ranks: tuple[int, ...], replica_last_rank: Callable[[int], int],
-                 me: int | None = None, tracer=None):
-        """`me`: this rank's index among the trainers (None on a rank that only routes)."""
-        self.spec, self.trainer_ranks, self.me, self.tracer = spec, trainer_ranks, me, tracer
+                 me: int | None = None, tracer=None, comms=None):
+        """`me`: this rank's index among the trainers (None on a rank that only routes). `comms`: the
+        run's parallel.topology.ProcessGroups, whose `data` say the communicator data to each
+        trainer travels on (None: the default group)."""
+        self.spec, self.trainer_ranks, self.me, self.tracer, self.comms = spec, trainer_ranks, me, tracer, comms
         self.replica_last_rank = replica_last_rank  # replica -> its last stage's rank, which emits
         self.num_trainers = len(trainer_ranks)
         self.inbox: dict = {}
+
+    def group_to(self, dst: int):
+        """The communicator training data to trainer rank `dst` travels on, from any sender."""
+        return self.comms.data.get(dst) if self.comms is not None else None
 
     def static_source(self, plan: StepPlan, fragment: int) -> int:
         """Without TAG a fragment comes from the last stage of the replica the plan assigns."""
@@ -204,9 +230,15 @@ class _Intake:
         if need.key in self.inbox:
             return self.inbox.pop(need.key)
         with _span(self.tracer, "recv", "comm", plan.step, need.fragment):
-            item = self.record.from_payload(*p2p.recv_payload(src, device=CPU))  # rank wait: the generator
+            mine = self.group_to(self.trainer_ranks[self.me])
+            item = self.record.from_payload(*p2p.recv_payload(src, mine, device=CPU))  # rank wait: the generator
         self.check(plan, need, item)
         return item
+
+    def fragment_transitions(self, plan: StepPlan, fragment: int) -> int:
+        """The transitions a fragment trains this step, over all trainers (BTS's cost per fragment
+        is per transition times this: a sliding window changes it from step to step)."""
+        return sum(len(self.spec.timesteps(plan.step, i)) for i in plan.fragments[fragment].sample_ids)
 
     def accept(self, tensors: dict[str, Tensor], meta: dict) -> None:
         """This trainer's own share of a fragment generated on this rank (TAG)."""
@@ -264,8 +296,9 @@ class TransitionIntake(_Intake):
 
     record = TransitionBatch
 
-    def __init__(self, spec: TrainingSpec, trainer_ranks, replica_last_rank, micro_batch: int, me=None, tracer=None):
-        super().__init__(spec, trainer_ranks, replica_last_rank, me, tracer)
+    def __init__(self, spec: TrainingSpec, trainer_ranks, replica_last_rank, micro_batch: int, me=None, tracer=None,
+                 comms=None):
+        super().__init__(spec, trainer_ranks, replica_last_rank, me, tracer, comms)
         self.micro_batch = micro_batch
 
     def packing(self, plan: StepPlan) -> tsp.Packing:
@@ -273,7 +306,7 @@ class TransitionIntake(_Intake):
         generator that routes a fragment and by every trainer that receives a share of it."""
         s = self.spec
         return _packing(tuple(f.sample_ids for f in plan.fragments), plan.step, s.rule, s.num_steps,
-                        s.timestep_fraction, s.seed, s.sde_window, self.micro_batch, self.num_trainers)
+                        s.timestep_fraction, s.seed, s.window_at(plan.step), self.micro_batch, self.num_trainers)
 
     def key_of(self, item: TransitionBatch):
         return ("tsp", item.fragment)
@@ -331,10 +364,12 @@ class TransitionIntake(_Intake):
                         self.inbox[self.key_of(batch)] = batch
                         continue
                     with _span(self.tracer, "send", "comm", plan.step, f.index):
-                        p2p.send_payload(*batch.to_payload(), dst=self.trainer_ranks[r])  # rank wait: the receiver
+                        dst = self.trainer_ranks[r]
+                        p2p.send_payload(*batch.to_payload(), dst=dst, group=self.group_to(dst))  # rank wait: dst
             elif me in self.packing(plan).trainers_of(f.index):
                 with _span(self.tracer, "recv", "comm", plan.step, f.index):
-                    batch = TransitionBatch.from_payload(*p2p.recv_payload(owner, device=CPU))  # rank wait
+                    batch = TransitionBatch.from_payload(*p2p.recv_payload(owner, self.group_to(rank),
+                                                                           device=CPU))  # rank wait
                 self.inbox[self.key_of(batch)] = batch
 
 
@@ -351,8 +386,8 @@ def _span(tracer, name: str, category: str, step: int, fragment: int):
 
 def make_intake(tsp_on: bool, spec: TrainingSpec, trainer_ranks: tuple[int, ...],
                 replica_last_rank: Callable[[int], int], micro_batch: int, me: int | None = None,
-                tracer=None) -> _Intake:
+                tracer=None, comms=None) -> _Intake:
     """The one place that decides between the two intakes."""
     if tsp_on:
-        return TransitionIntake(spec, trainer_ranks, replica_last_rank, micro_batch, me, tracer)
-    return ChunkIntake(spec, trainer_ranks, replica_last_rank, me, tracer)
+        return TransitionIntake(spec, trainer_ranks, replica_last_rank, micro_batch, me, tracer, comms)
+    return ChunkIntake(spec, trainer_ranks, replica_last_rank, me, tracer, comms)

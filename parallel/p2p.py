@@ -14,11 +14,19 @@ dtype without a copy (a dtype view needs a storage offset divisible by the eleme
 The comm device is cuda for NCCL and cpu for gloo. Tensors elsewhere are moved there to send,
 and received tensors are moved to the caller's device. `dst` and `src` are global ranks, also
 when `group` is a subgroup (as in `torch.distributed.send`). Messages between one pair of ranks
-are matched in the order they were posted, so both sides must agree on the order of payloads.
+are matched in the order they were posted, so both sides must agree on the order of payloads; on
+NCCL a communicator also runs a rank's sends and receives in posting order, and a send completes
+only with its receive: which traffic goes on which communicator is parallel/topology.py's
+ProcessGroups.
+
+Every send and receive is posted through `isend` / `irecv` and waited on through `wait`, which
+record them in the communication trace (DIGENRL_COMM_TRACE, telemetry/commtrace.py) and bound
+every wait from when it starts (`wait`).
 """
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,6 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from telemetry import commtrace
+
+commtrace.plumbing(__file__)  # a recorded op's "where" is the caller's line
 
 _ALIGN = 16  # bytes; the largest element size (complex128)
 
@@ -62,13 +74,52 @@ def describe(rank: int) -> str:
     return _describe(rank)
 
 
-def wait(work, peer: int, what: str) -> None:
-    """Wait for one send or receive with the current timeout; a failure names the peer."""
+@dataclass
+class Posted:
+    """A posted send or receive: the backend's work, the other rank, when it was posted and its
+    line in the communication trace (None when tracing is off)."""
+
+    work: object
+    peer: int
+    group: object
+    posted_s: float  # time.monotonic() at posting
+    line: int | None
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _post(op: str, tensor: Tensor, peer: int, group, name: str) -> Posted:
+    line = commtrace.record(op, commtrace.group_name(group), peer=peer, nbytes=tensor.numel() * tensor.element_size(),
+                            name=name)
+    work = dist.isend(tensor, dst=peer, group=group) if op == "send" else dist.irecv(tensor, src=peer, group=group)
+    return Posted(work, peer, group, time.monotonic(), line)
+
+
+def isend(tensor: Tensor, dst: int, group=None, name: str = "") -> Posted:
+    """Post a send of a contiguous tensor to global rank `dst` (`name` tags it in the trace)."""
+    return _post("send", tensor, dst, group, name)
+
+
+def irecv(tensor: Tensor, src: int, group=None, name: str = "") -> Posted:
+    """Post a receive from global rank `src` into a contiguous tensor."""
+    return _post("recv", tensor, src, group, name)
+
+
+def wait(op: Posted, what: str) -> None:
+    """Wait for one posted op, at most the current timeout from now; a failure names the peer.
+
+    NCCL counts a wait's timeout from when the op was posted (ProcessGroupNCCL's
+    WorkNCCL::checkTimeout measures from workStartTime_), gloo from the wait: the time the op has
+    been posted is added, so on every backend the bound starts when the wait can start and an op
+    posted long before (a fragment sent before a trainer's evaluation) is not cut short."""
+    if op.line is not None:
+        commtrace.record("wait", commtrace.group_name(op.group), target=op.line)
     try:
-        work.wait(timedelta(seconds=_timeout_s))
+        op.work.wait(timedelta(seconds=_timeout_s + time.monotonic() - op.posted_s))
     except RuntimeError as e:
-        raise PeerError(peer, f"{what} {_describe(peer)} failed: {backend_detail(e)} (waits time out after "
-                              f"{_timeout_s:.0f} s)") from e
+        raise PeerError(op.peer, f"{what} {_describe(op.peer)} failed: {backend_detail(e)} (waits time out after "
+                                 f"{_timeout_s:.0f} s)") from e
 
 
 def backend_detail(e: BaseException) -> str:
@@ -79,9 +130,10 @@ def backend_detail(e: BaseException) -> str:
     return text.split(". This is typically")[0]
 
 
-def recv(tensor: Tensor, src: int, group=None) -> None:
+def recv(tensor: Tensor, src: int, group=None, name: str = "") -> None:
     """A blocking receive from global rank `src`, bounded and named (dist.recv ignores a changed timeout)."""
-    wait(dist.irecv(tensor, src=src, group=group), src, "receive from")
+    wait(irecv(tensor, src, group, name), "receive from")
+
 
 _DTYPES = {
     str(dt): dt
@@ -190,15 +242,15 @@ def recv_payload(src: int, group=None, device: torch.device | str | None = None
     comm = comm_device(group)
     # Rank wait: each recv blocks until src has sent the matching message.
     length_t = torch.empty(1, dtype=torch.int64, device=comm)
-    recv(length_t, src, group)
+    recv(length_t, src, group, "payload.length")
     header_t = torch.empty(int(length_t.item()), dtype=torch.uint8, device=comm)
-    recv(header_t, src, group)
+    recv(header_t, src, group, "payload.header")
     header = _decode_header(header_t)
     target = torch.device(device) if device is not None else comm
     buffer = None
     if header["nbytes"]:
         buffer = torch.empty(header["nbytes"], dtype=torch.uint8, device=comm)
-        recv(buffer, src, group)
+        recv(buffer, src, group, "payload.data")
         buffer = buffer.to(target)  # one transfer for the whole payload (no-op when equal)
     return unpack_payload(header, buffer, target), header["meta"]
 
@@ -212,19 +264,22 @@ class SendHandle:
     """An in-flight payload send. Holds the packed buffers until `wait()` returns, because the
     backend reads them asynchronously."""
 
-    works: list
+    sends: list[Posted]
     buffers: list[Tensor] = field(repr=False)
     dst: int = -1
 
-    def wait(self, timeout: timedelta | None = None) -> None:
-        """Block until every message has been handed to the backend. `timeout` defaults to the
-        module's bounded wait (`configure`), which names the receiver on failure."""
-        for work in self.works:
-            wait(work, self.dst, "send to") if timeout is None else work.wait(timeout)
-        self.works, self.buffers = [], []
+    def wait(self) -> None:
+        """Block until every message has been handed to the backend, each wait bounded (`wait`)."""
+        for op in self.sends:
+            wait(op, "send to")
+        self.sends, self.buffers = [], []
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+        return all(op.is_completed() for op in self.sends)
+
+
+def _send_all(buffers: list[Tensor], names: tuple[str, ...], dst: int, group) -> SendHandle:
+    return SendHandle([isend(b, dst, group, n) for b, n in zip(buffers, names)], buffers, dst)
 
 
 def isend_payload(tensors: dict[str, Tensor], meta: dict[str, Any] | None, dst: int, group=None) -> SendHandle:
@@ -233,8 +288,7 @@ def isend_payload(tensors: dict[str, Tensor], meta: dict[str, Any] | None, dst: 
     packed buffer)."""
     length_t, header_t, buffer = pack_payload(tensors, meta, comm_device(group))
     buffers = [length_t, header_t] + ([buffer] if buffer is not None else [])
-    works = [dist.isend(b, dst=dst, group=group) for b in buffers]
-    return SendHandle(works, buffers, dst)
+    return _send_all(buffers, ("payload.length", "payload.header", "payload.data"), dst, group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +308,7 @@ def isend_framed(tensors: dict[str, Tensor], meta: dict[str, Any] | None, dst: i
     frame = torch.zeros(FRAME_HEADER_BYTES, dtype=torch.uint8, device=comm)
     frame[:header_t.numel()] = header_t
     buffers = [frame] + ([buffer] if buffer is not None else [])
-    return SendHandle([dist.isend(b, dst=dst, group=group) for b in buffers], buffers, dst)
+    return _send_all(buffers, ("frame.header", "frame.data"), dst, group)
 
 
 class PostedRecv:
@@ -266,16 +320,16 @@ class PostedRecv:
         self.comm = comm_device(group)
         self.device = torch.device(device) if device is not None else self.comm
         self.frame = torch.empty(FRAME_HEADER_BYTES, dtype=torch.uint8, device=self.comm)
-        self.work = dist.irecv(self.frame, src=src, group=group)
+        self.op = irecv(self.frame, src, group, "frame.header")
 
     def wait(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        wait(self.work, self.src, "receive from")  # rank wait: the header of src's next framed message
+        wait(self.op, "receive from")  # rank wait: the header of src's next framed message
         raw = bytes(self.frame.cpu().numpy().tobytes()).rstrip(b"\0")
         header = json.loads(raw.decode())
         buffer = None
         if header["nbytes"]:
             buffer = torch.empty(header["nbytes"], dtype=torch.uint8, device=self.comm)
-            recv(buffer, self.src, self.group)
+            recv(buffer, self.src, self.group, "frame.data")
             buffer = buffer.to(self.device)
         return unpack_payload(header, buffer, self.device), header["meta"]
 
@@ -285,7 +339,8 @@ def post_recv(src: int, group=None, device: torch.device | str | None = None) ->
 
 
 __all__ = [
-    "FRAME_HEADER_BYTES", "PeerError", "ProtocolError", "backend_detail", "configure", "describe", "recv", "wait",
+    "FRAME_HEADER_BYTES", "PeerError", "Posted", "ProtocolError", "backend_detail", "configure", "describe", "irecv",
+    "isend", "recv", "wait",
     "PostedRecv", "isend_framed", "post_recv",
     "SendHandle", "as_bytes", "comm_device", "dtype_from_name", "isend_payload", "pack_payload",
     "recv_payload", "send_payload", "unpack_payload",

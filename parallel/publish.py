@@ -2,7 +2,7 @@
 
 After step k's update a trainer rank publishes version k+1 to each generator rank, sending
 exactly the tensors that rank holds (its stage's blocks plus embed or head; LoRA adapters only
-for LoRA runs). The protocol, sender -> receiver:
+for LoRA runs), as it holds them (the compute dtype). The protocol, sender -> receiver:
 
 1. a header payload (`parallel.p2p`): version, the wire tensors' names, shapes and dtypes, the
    bucket plan, the encoding (parallel/compress.py) with the name, shape and dtype of every tensor
@@ -11,45 +11,41 @@ for LoRA runs). The protocol, sender -> receiver:
 2. the buckets, one message each: the tensors of one dtype, flattened and concatenated, at most
    `bucket_bytes` each unless a single tensor is larger.
 
-The receiver stages the buckets in buffers of its own (`WeightReceiver.receive`) and copies
-them into its live parameters when the caller says so (`install`, at a fragment boundary, so
-that no trajectory sees a weight swap). After the copy it checksums the *installed* tensors and
-compares with the sender's: any difference in names, shapes, dtypes or values raises
-`PublicationError`. So does an update that silently does nothing: a tensor the sender says has
-changed since its previous publication, yet which install left as it was.
+The sender fetches the version a bucket at a time (`Outgoing`): FSDP trainers all-gather each
+bucket together just before it is sent, and checksum their shards once per version
+(parallel/checksums.py), so no rank holds the whole model. The receiver applies each bucket as it
+arrives (`WeightReceiver.receive`): into the live parameters at a step boundary, so that no
+trajectory sees a weight swap, or (TCSS) into an idle copy that `install` copies in at the next
+step boundary. After the copy it checksums the *installed* tensors and compares with the sender's:
+any difference in names, shapes, dtypes or values raises `PublicationError`. So does an update
+that silently does nothing: a tensor the sender says has changed since its previous publication,
+yet which install left as it was.
 
-Checksums are exact integer sums (see `checksum`), so they agree across devices, reduction
-orders and processes.
-
-Test hook: the environment variable `DIGENRL_DEBUG_CORRUPT_PUBLISH`, read by `install`,
-corrupts the publication on purpose so that end-to-end tests can check that it is caught:
-`1` or `flip` flips one bit of one staged tensor before the copy (a value mismatch), `skip`
-skips every copy (an update that does nothing). Unset or empty in normal runs; any other value is
+Test hook: the environment variable `DIGENRL_DEBUG_CORRUPT_PUBLISH`, read where the live
+tensors are written, corrupts the publication on purpose so that end-to-end tests can check that
+it is caught: `1` or `flip` flips one bit of one received tensor before it is applied (a value
+mismatch), `skip` skips every write (an update that does nothing). Unset or empty in normal runs; any other value is
 an error (config/preflight.py checks it before a run starts).
 """
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import os
 import time
+from collections.abc import Callable
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from parallel import compress, p2p
+from parallel.checksums import checksum, checksums_of, combine, state_checksum
+from parallel.fsdp import full_tensor, spans_ranks
 from parallel.p2p import as_bytes, comm_device, dtype_from_name, recv_payload, send_payload
 
 CORRUPT_ENV = "DIGENRL_DEBUG_CORRUPT_PUBLISH"
 CORRUPT_MODES = ("", "1", "flip", "skip")
-
-_MOD_POSITION = 65521  # largest prime below 2**16: position weights are 1..65521
-_MERSENNE_61 = (1 << 61) - 1  # checksums are folded into [0, 2**61 - 1)
-_HI_FACTOR = 0x9E3779B97F4A7C15 % _MERSENNE_61  # mixes the high halves into the fold
-_LEN_FACTOR = 0xC2B2AE3D27D4EB4F % _MERSENNE_61  # mixes the byte length into the fold
-_CHUNK_WORDS = 1 << 24  # bounds the int64 temporaries to 128 MiB per chunk
 
 class PublicationError(RuntimeError):
     """A publication failed verification. `mismatched` maps each failing tensor to
@@ -62,60 +58,6 @@ class PublicationError(RuntimeError):
         self.mismatched = mismatched or {}
         self.unchanged = unchanged or []
         self.layout = layout or []
-
-
-# ---------------------------------------------------------------------------------------------
-# Checksums
-# ---------------------------------------------------------------------------------------------
-
-def _int32_words(t: Tensor):
-    """Yield (first word index, int32 chunk) covering the tensor's bytes, zero-padded to 4."""
-    b = as_bytes(t.detach().contiguous())  # [nbytes] uint8
-    n_full = b.numel() // 4 * 4
-    body = b[:n_full]
-    if body.storage_offset() % 4:
-        body = body.clone()  # a dtype view needs an aligned storage offset
-    words = body.view(torch.int32)
-    for start in range(0, words.numel(), _CHUNK_WORDS):
-        yield start, words[start:start + _CHUNK_WORDS]
-    if n_full < b.numel():
-        tail = torch.zeros(4, dtype=torch.uint8, device=b.device)
-        tail[:b.numel() - n_full] = b[n_full:]
-        yield words.numel(), tail.view(torch.int32)
-
-
-def checksum(t: Tensor) -> int:
-    """Exact, order-independent checksum of a tensor's bytes, as a Python int in [0, 2**61-1).
-
-    The bytes are read as int32 words x_i (the last one zero-padded), each split into 16-bit
-    halves, and weighted by their position w_i = (i mod 65521) + 1:
-        lo = sum_i (x_i & 0xFFFF) * w_i,   hi = sum_i ((x_i >> 16) & 0xFFFF) * w_i
-    Every product is below 2**32 and every chunk sum below 2**56, so the int64 sums are exact on
-    any device and in any reduction order. lo, hi and the byte length are folded modulo the
-    Mersenne prime 2**61-1. Changing any single element always changes the checksum (it changes
-    lo or hi by d * w_i with 0 < |d|, w_i < 2**16); so does moving a value to another position,
-    except between positions that are a multiple of 65521 words apart. Dtype and shape are not
-    part of it: `state_checksum` adds them."""
-    lo = hi = 0
-    nbytes = t.numel() * t.element_size()
-    for start, words in _int32_words(t):
-        w = words.to(torch.int64)
-        pos = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device) % _MOD_POSITION + 1
-        lo += int(((w & 0xFFFF) * pos).sum())
-        hi += int((((w >> 16) & 0xFFFF) * pos).sum())
-    return (lo + hi * _HI_FACTOR + nbytes * _LEN_FACTOR) % _MERSENNE_61
-
-
-def state_checksum(tensors: dict[str, Tensor]) -> int:
-    """Checksum of a named set of tensors: names, dtypes, shapes and `checksum` of each,
-    independent of dict order. A Python int in [0, 2**63)."""
-    return _combine({name: (str(t.dtype), list(t.shape), checksum(t)) for name, t in tensors.items()})
-
-
-def _combine(entries: dict[str, tuple[str, list[int], int]]) -> int:
-    lines = sorted(f"{name}|{dtype}|{shape}|{value}" for name, (dtype, shape, value) in entries.items())
-    digest = hashlib.sha256("\n".join(lines).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,6 +94,59 @@ def plan_buckets(layout: list[tuple[str, str, int]], bucket_bytes: int) -> list[
 # ---------------------------------------------------------------------------------------------
 
 @dataclass
+class Outgoing:
+    """One version as the trainer ranks hold it, for publication, fetched bucket by bucket.
+
+    `wire`: wire name -> (shape, dtype name) of each tensor that travels (parallel/compress.py
+    names the parts of a codec); `targets`: name -> (shape, dtype name) of each tensor receivers
+    rebuild; `checksums`: of the rebuilt tensors, computed once per version (`checksums_of`);
+    `fetch(names, rebuilt)`: the whole wire tensors of `names`, or with `rebuilt` the whole rebuilt
+    ones. With `collective` (FSDP-sharded trainers) a fetch all-gathers, so every trainer rank
+    fetches the same buckets in the same order (`WeightPublisher.follow_all`) while one of them
+    sends: the whole model is never on one rank, only a bucket at a time."""
+
+    wire: dict[str, tuple[list[int], str]]
+    targets: dict[str, tuple[list[int], str]]
+    checksums: dict[str, int]
+    fetch: Callable[..., dict[str, Tensor]]
+    encoding: str = "none"
+    collective: bool = False
+
+    @classmethod
+    def of(cls, wire: dict[str, Tensor], rebuilt: dict[str, Tensor] | None = None, encoding: str = "none",
+           dtype: torch.dtype | None = None) -> "Outgoing":
+        """A version from tensors this rank holds, whole or FSDP-sharded: `wire` travels, receivers
+        rebuild `rebuilt` (default: `wire`); `dtype` (the compute dtype) casts both, one bucket at a
+        time, as they are fetched. Under FSDP a collective (the checksums)."""
+        rebuilt = wire if rebuilt is None else rebuilt
+
+        def layout(tensors):
+            return {n: (list(t.shape), str(dtype if dtype is not None and t.is_floating_point() else t.dtype))
+                    for n, t in tensors.items()}
+
+        def fetch(names: list[str], rebuilt_tensors: bool = False) -> dict[str, Tensor]:
+            source = rebuilt if rebuilt_tensors else wire
+            out = {}
+            for n in names:  # one tensor at a time: cast on the shard, then gathered (all-gather under FSDP)
+                t = source[n].detach()
+                out[n] = full_tensor(t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+            return out
+
+        return cls(layout(wire), layout(rebuilt), checksums_of(rebuilt, dtype), fetch, encoding,
+                   any(spans_ranks(t) for t in wire.values()))
+
+    def subset(self, names: list[str]) -> "Outgoing":
+        """What one receiver holds: the tensors `names` and their wire parts."""
+        parts = [w for w in self.wire if w.partition("|")[0] in set(names)]
+        return dataclasses.replace(self, wire={w: self.wire[w] for w in parts},
+                                   targets={n: self.targets[n] for n in names},
+                                   checksums={n: self.checksums[n] for n in names})
+
+    def buckets(self, bucket_bytes: int) -> list[dict]:
+        return plan_buckets([(n, dtype, _numel(shape)) for n, (shape, dtype) in self.wire.items()], bucket_bytes)
+
+
+@dataclass
 class PublishStats:
     """What one `publish_weights` call sent."""
 
@@ -161,43 +156,41 @@ class PublishStats:
     num_buckets: int
     num_bytes: int
     seconds: float
-    """wall time of the whole call, checksums included"""
-    checksum_seconds: float
+    """wall time of the whole call (the version's checksums are computed once, before)"""
     state_checksum: int
     num_changed: int | None
     """tensors whose checksum differs from the previous publication to dst; None for the first"""
     checksums: dict[str, int] = field(repr=False)
 
 
-def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=None,
+def publish_weights(tensors: dict[str, Tensor] | Outgoing, version: int, dst: int, group=None,
                     bucket_bytes: int = 64 << 20,
                     previous_checksums: dict[str, int] | None = None, encoding: str = "none",
                     rebuilt: dict[str, Tensor] | None = None,
                     link_bytes_per_s: float | None = None) -> PublishStats:
     """Send `tensors` as `version` to global rank `dst`.
 
-    Uncompressed, `tensors` are exactly the tensors the receiver holds. With an `encoding`
-    (parallel/compress.py) they are wire tensors, and `rebuilt` are the tensors the receiver will
-    hold once it applies them: their names, shapes, dtypes and checksums go in the header.
-    `previous_checksums` are the checksums of the previous publication to this receiver, which
-    let it detect an update that does nothing; None or `{}` means: the first publication
-    (`WeightPublisher` remembers them per receiver). `link_bytes_per_s` emulates a slow link
-    (--debug-link-bandwidth): each bucket waits its transfer time before it is sent. The tensors
-    must not change until the call returns."""
+    `tensors` is an `Outgoing` version, or tensors this rank holds: uncompressed, exactly the
+    tensors the receiver holds; with an `encoding` (parallel/compress.py) wire tensors, and
+    `rebuilt` the tensors the receiver will hold once it applies them (their names, shapes, dtypes
+    and checksums go in the header). `previous_checksums` are the checksums of the previous
+    publication to this receiver, which let it detect an update that does nothing; None or `{}`
+    means: the first publication (`WeightPublisher` remembers them per receiver).
+    `link_bytes_per_s` emulates a slow link (--debug-link-bandwidth): each bucket waits its transfer
+    time before it is sent. The tensors must not change until the call returns."""
     start = time.perf_counter()
+    out = tensors if isinstance(tensors, Outgoing) else Outgoing.of(tensors, rebuilt, encoding)
     comm = comm_device(group)
-    rebuilt = tensors if rebuilt is None else rebuilt
-    sums = {name: checksum(t) for name, t in rebuilt.items()}
-    checksum_seconds = time.perf_counter() - start
+    sums = out.checksums
     previous = previous_checksums
-    buckets = plan_buckets([(n, str(t.dtype), t.numel()) for n, t in tensors.items()], bucket_bytes)
+    buckets = out.buckets(bucket_bytes)
     header = {
         "version": int(version),
-        "names": list(tensors),
-        "shapes": [list(t.shape) for t in tensors.values()],
-        "dtypes": [str(t.dtype) for t in tensors.values()],
-        "encoding": encoding,
-        "targets": [[n, list(t.shape), str(t.dtype)] for n, t in rebuilt.items()],
+        "names": list(out.wire),
+        "shapes": [shape for shape, _ in out.wire.values()],
+        "dtypes": [dtype for _, dtype in out.wire.values()],
+        "encoding": out.encoding,
+        "targets": [[n, shape, dtype] for n, (shape, dtype) in out.targets.items()],
         "checksums": sums,
         "previous_checksums": previous or None,
         "buckets": buckets,
@@ -207,20 +200,22 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
     in_flight: deque = deque()
     num_bytes = 0
     for bucket in buckets:
-        flat = _pack_bucket([tensors[n] for n in bucket["names"]], comm)
+        fetched = out.fetch(bucket["names"])  # under FSDP the trainers gather this bucket together
+        flat = _pack_bucket([fetched[n] for n in bucket["names"]], comm)
+        del fetched
         num_bytes += flat.numel() * flat.element_size()
         if link_bytes_per_s:
             time.sleep(flat.numel() * flat.element_size() / link_bytes_per_s)  # the emulated link's transfer
-        in_flight.append((dist.isend(as_bytes(flat), dst=dst, group=group), flat))
+        in_flight.append((p2p.isend(as_bytes(flat), dst, group, "publish.bucket"), flat))
         if len(in_flight) > 1:
-            p2p.wait(in_flight.popleft()[0], dst, "send to")
+            p2p.wait(in_flight.popleft()[0], "send to")
     while in_flight:
-        p2p.wait(in_flight.popleft()[0], dst, "send to")
+        p2p.wait(in_flight.popleft()[0], "send to")
     changed = None if not previous else sum(previous.get(n) != s for n, s in sums.items())
     return PublishStats(
-        version=int(version), dst=dst, num_tensors=len(rebuilt), num_buckets=len(buckets),
-        num_bytes=num_bytes, seconds=time.perf_counter() - start, checksum_seconds=checksum_seconds,
-        state_checksum=_combine({n: (str(t.dtype), list(t.shape), sums[n]) for n, t in rebuilt.items()}),
+        version=int(version), dst=dst, num_tensors=len(out.targets), num_buckets=len(buckets),
+        num_bytes=num_bytes, seconds=time.perf_counter() - start,
+        state_checksum=combine({n: (dtype, shape, sums[n]) for n, (shape, dtype) in out.targets.items()}),
         num_changed=changed, checksums=sums,
     )
 
@@ -228,37 +223,51 @@ def publish_weights(tensors: dict[str, Tensor], version: int, dst: int, group=No
 class WeightPublisher:
     """The sending side of one trainer rank: publishes versions, compressed or not, and remembers
     per receiver the checksums it sent last, so that each receiver can tell an update that does
-    nothing. With `keep`, it also keeps CPU copies of the last two versions the generators hold
-    (what TCSS generators hold when a checkpoint is written: `kept(version)`)."""
+    nothing. With `keep` (TCSS), the rank with `holds` also keeps CPU copies of the last two versions
+    the generators hold (what TCSS generators hold when a checkpoint is written: `kept(version)`)."""
 
     def __init__(self, bucket_bytes: int = 64 << 20, compression: str = "none",
-                 link_mbps: float | None = None, keep: bool = False):
+                 link_mbps: float | None = None, keep: bool = False, holds: bool = True):
         self.bucket_bytes, self.compression = bucket_bytes, compression
         self.link_bytes_per_s = link_mbps * 1e6 if link_mbps else None
         self.last: dict[int, dict[str, int]] = {}  # dst -> name -> checksum
-        self.keep = keep
+        self.keep, self.holds = keep, holds
         self._kept: dict[int, dict[str, Tensor]] = {}  # version -> name -> tensor, the last two versions
 
-    def publish(self, tensors: dict[str, Tensor], version: int, dst: int, group=None, encoding: str = "none",
-                rebuilt: dict[str, Tensor] | None = None) -> PublishStats:
-        stats = publish_weights(tensors, version, dst, group, self.bucket_bytes, self.last.get(dst), encoding,
-                                rebuilt, self.link_bytes_per_s)
+    def publish(self, tensors: dict[str, Tensor] | Outgoing, version: int, dst: int, group=None,
+                encoding: str = "none", rebuilt: dict[str, Tensor] | None = None) -> PublishStats:
+        out = tensors if isinstance(tensors, Outgoing) else Outgoing.of(tensors, rebuilt, encoding)
+        stats = publish_weights(out, version, dst, group, self.bucket_bytes, self.last.get(dst),
+                                link_bytes_per_s=self.link_bytes_per_s)
         self.last[dst] = stats.checksums
-        if self.keep:
-            self.remember(version, tensors if rebuilt is None else rebuilt)
         return stats
 
-    def publish_all(self, wire: dict[str, Tensor], held: dict[str, Tensor], names_by_dst: dict[int, list[str]],
-                    version: int, group=None) -> list[PublishStats]:
-        """One version to every receiver, each its own names: `wire` is the version encoded once
-        (every receiver holds the previous version) and `held` what the receivers rebuild from it
-        (uncompressed, the same tensors)."""
-        parts = compress.split_wire(wire)
-        out = []
-        for dst, names in names_by_dst.items():
-            mine = {compress.wire_name(n, p): t for n in names for p, t in parts[n].items()}
-            out.append(self.publish(mine, version, dst, group, self.compression, {n: held[n] for n in names}))
-        return out
+    def publish_all(self, out: Outgoing, names_by_dst: dict[int, list[str]], version: int,
+                    group=None) -> list[PublishStats]:
+        """One version to every receiver, each its own names (every receiver holds the previous
+        version, so one encoding serves all)."""
+        return [self.publish(out.subset(names), version, dst, group) for dst, names in names_by_dst.items()]
+
+    def follow_all(self, out: Outgoing, names_by_dst: dict[int, list[str]]) -> None:
+        """A trainer rank that does not send: under FSDP, the same fetches (all-gathers) in the same
+        order as the sending rank's `publish_all`; nothing for replicated trainers."""
+        if not out.collective:
+            return
+        for names in names_by_dst.values():
+            for bucket in out.subset(names).buckets(self.bucket_bytes):
+                out.fetch(bucket["names"])
+
+    def keep_version(self, out: Outgoing, names: list[str], version: int) -> None:
+        """With `keep`, keep the rebuilt tensors `names` of `out` on the host, a bucket at a time, on
+        the rank that `holds` them (under FSDP a collective: every trainer rank calls it)."""
+        if not self.keep or not (self.holds or out.collective):
+            return
+        sub = out.subset(names)
+        layout = [(n, dtype, _numel(shape)) for n, (shape, dtype) in sub.targets.items()]
+        for bucket in plan_buckets(layout, self.bucket_bytes):
+            whole = out.fetch(bucket["names"], True)
+            if self.holds:
+                self.remember(version, whole)
 
     def remember(self, version: int, tensors: dict[str, Tensor]) -> None:
         """Keep a copy of `tensors` as (part of) `version`; versions older than the last two go."""
@@ -285,93 +294,140 @@ def _pack_bucket(parts: list[Tensor], device: torch.device) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 class WeightReceiver:
-    """Receives publications into a staging buffer and installs them into live tensors.
+    """Receives publications and installs them into live tensors, a bucket at a time.
 
-    `targets` are the receiver's live parameters by name (the same names the sender sends).
-    Staging buffers live on the comm device and are reused while the bucket plan is unchanged."""
+    `targets` are the receiver's live parameters by name (the same names the sender sends), in the
+    dtype receivers hold (the compute dtype). `receive(src, install=True)` applies each bucket to the
+    live tensors as it arrives, through one bucket buffer (no staging copy of the model), then
+    verifies: call it where no trajectory is in flight (a step or fragment boundary). `receive(src)`
+    applies the buckets to an idle copy of the targets instead, while the live ones keep generating
+    (TCSS receives version k at a fragment boundary of step k while it samples with version k-1),
+    and `install()` copies the idle copy into the live tensors at the step boundary and verifies.
+    The idle copy is one double buffer in the targets' dtype, allocated at the first staged
+    receive: the least that holds version k beside k-1 (the wire may be a delta against k-1)."""
 
     def __init__(self, targets: dict[str, Tensor]):
         self.targets = dict(targets)
         self.installed_version: int | None = None
-        self._header: dict | None = None
-        self._staged: dict[str, Tensor] | None = None
-        self._buffers: list[Tensor] = []
-        self._buffers_key: tuple | None = None
+        self._header: dict | None = None  # a staged publication: received into the idle copy
+        self._idle: dict[str, Tensor] | None = None
+        self._buffer: Tensor | None = None  # uint8, the largest bucket received so far
 
     @property
     def staged_version(self) -> int | None:
-        """The version received but not installed yet, if any."""
+        """The version received into the idle copy but not installed yet, if any."""
         return None if self._header is None else self._header["version"]
 
-    def receive(self, src: int, group=None) -> int:
-        """Receive one publication from global rank `src` into staging; returns its version.
-
-        The targets are not touched. A names, shape or dtype mismatch with the targets raises
+    def receive(self, src: int, group=None, install: bool = False) -> int:
+        """Receive one publication from global rank `src`; returns its version. With `install`,
+        into the live tensors (verified, as `install` does); otherwise into the idle copy, leaving
+        the targets untouched. A names, shape or dtype mismatch with the targets raises
         `PublicationError`, after the whole publication has been drained from the wire."""
         # Rank wait: blocks until src publishes.
         _, header = recv_payload(src, group)
-        comm = comm_device(group)
-        buffers = self._staging_buffers(header["buckets"], comm)
-        for buf in buffers:
-            p2p.recv(as_bytes(buf), src, group)  # rank wait: one bucket from src
-        shapes = dict(zip(header["names"], header["shapes"]))  # of the wire tensors
-        staged = {}
-        for bucket, buf in zip(header["buckets"], buffers):
-            offset = 0
-            for name in bucket["names"]:
-                shape = shapes[name]
-                numel = _numel(shape)
-                staged[name] = buf[offset:offset + numel].view(shape)
-                offset += numel
-        self._header, self._staged = None, None
         problems = self._layout_problems(header)
         if problems:
+            self._receive_buckets(header, src, group, None)  # drained: the sender's sends complete
             raise PublicationError(
                 f"publication of version {header['version']} from rank {src} does not match this "
                 f"receiver's tensors: " + "; ".join(problems), layout=problems)
-        self._header, self._staged = header, staged
+        if install:
+            before = self._before_install(header)
+            self._receive_buckets(header, src, group, self.targets, _corrupt_mode())
+            return self._verify(header, before)
+        if self._idle is None:
+            self._idle = {n: torch.empty_like(t) for n, t in self.targets.items()}
+        self._receive_buckets(header, src, group, self._idle)
+        self._header = header
         return header["version"]
 
     def install(self) -> int:
-        """Copy the staged tensors into the targets in place and verify them; returns the version.
+        """Copy the staged version into the targets in place and verify them; returns the version.
 
         Verification checksums the targets *after* the copy and compares with the sender's
         checksums; it also checks that every tensor the sender changed since its previous
         publication changed here. Raises `PublicationError` naming the failing tensors and both
         checksums. Honours the `DIGENRL_DEBUG_CORRUPT_PUBLISH` test hook (module docstring)."""
-        if self._staged is None:
+        if self._header is None:
             raise RuntimeError("install() without a received publication: call receive() first")
-        header, staged = self._header, self._staged
-        self._header, self._staged = None, None  # a publication is installed at most once
-        expected = header["checksums"]
-        previous = header["previous_checksums"] or {}
-        changed = [n for n, _, _ in header["targets"] if n in previous and previous[n] != expected[n]]
-        before = {n: checksum(self.targets[n]) for n in changed}
-        corrupt = os.environ.get(CORRUPT_ENV, "").strip().lower()
-        if corrupt not in CORRUPT_MODES:
-            raise ValueError(f"{CORRUPT_ENV}={corrupt!r}: not one of {CORRUPT_MODES[1:]}")
-        if corrupt in ("1", "flip"):
-            _flip_one_bit(staged)
+        header = self._header
+        self._header = None  # a publication is installed at most once
+        before = self._before_install(header)
         names = [t[0] for t in header["targets"]]
+        corrupt = _corrupt_mode()
+        if corrupt in ("1", "flip"):
+            _flip_one_bit({n: self._idle[n] for n in names})
         if corrupt != "skip":
-            for name, parts in compress.split_wire(staged).items():
-                compress.apply(header["encoding"], self.targets[name], parts)
+            with torch.no_grad():
+                for n in names:
+                    self.targets[n].copy_(self._idle[n])
+        return self._verify(header, before)
+
+    def _before_install(self, header: dict) -> dict[str, int]:
+        """Checksums of the live tensors the sender changed since its previous publication, before
+        they are overwritten: an install that leaves one as it was did nothing."""
+        expected, previous = header["checksums"], header["previous_checksums"] or {}
+        changed = [n for n, _, _ in header["targets"] if n in previous and previous[n] != expected[n]]
+        return {n: checksum(self.targets[n]) for n in changed}
+
+    def _receive_buckets(self, header: dict, src: int, group, dest: dict[str, Tensor] | None,
+                         corrupt: str = "") -> None:
+        """Receive every bucket into one buffer and apply each tensor to `dest` once all its wire
+        parts are in (a top-k delta's indices and values travel in buckets of different dtypes; the
+        first part waits, copied). `dest` None drains the wire. `corrupt`: the test hook."""
+        comm = comm_device(group)
+        shapes = dict(zip(header["names"], header["shapes"]))
+        num_parts: dict[str, int] = {}
+        for wire in header["names"]:
+            num_parts[wire.partition("|")[0]] = num_parts.get(wire.partition("|")[0], 0) + 1
+        pending: dict[str, dict[str, Tensor]] = {}
+        for index, bucket in enumerate(header["buckets"]):
+            dtype = dtype_from_name(bucket["dtype"])
+            flat = self._bucket_buffer(bucket["numel"] * torch.empty((), dtype=dtype).element_size(), comm)
+            flat = flat.view(dtype)
+            p2p.recv(as_bytes(flat), src, group, "publish.bucket")  # rank wait: one bucket from src
+            if dest is None:
+                continue
+            views, offset = {}, 0
+            for wire in bucket["names"]:
+                views[wire] = flat[offset:offset + _numel(shapes[wire])].view(shapes[wire])
+                offset += _numel(shapes[wire])
+            if index == 0 and corrupt in ("1", "flip"):
+                _flip_one_bit(views)
+            for wire, t in views.items():
+                name, _, part = wire.partition("|")
+                got = pending.setdefault(name, {})
+                got[part] = t
+                if len(got) < num_parts[name]:
+                    got[part] = t.clone()  # the buffer is reused by the next bucket
+                    continue
+                del pending[name]
+                if corrupt != "skip":
+                    self._apply(header["encoding"], name, dest, got)
+
+    def _apply(self, encoding: str, name: str, dest: dict[str, Tensor], parts: dict[str, Tensor]) -> None:
+        target = dest[name]
+        with torch.no_grad():
+            if target is not self.targets[name] and encoding.startswith("delta"):
+                target.copy_(self.targets[name])  # a delta applies to the live version, k-1
+            compress.apply(encoding, target, parts)
+
+    def _bucket_buffer(self, nbytes: int, device: torch.device) -> Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes or self._buffer.device != device:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._buffer[:nbytes]
+
+    def _verify(self, header: dict, before: dict[str, int]) -> int:
+        expected = header["checksums"]
+        names = [t[0] for t in header["targets"]]
         after = {n: checksum(self.targets[n]) for n in names}
         mismatched = {n: (expected[n], after[n]) for n in names if after[n] != expected[n]}
-        unchanged = [n for n in changed if after[n] == before[n]]
+        unchanged = [n for n in before if after[n] == before[n]]
         if mismatched or unchanged:
             raise PublicationError(_failure_message(header["version"], mismatched, unchanged),
                                    mismatched=mismatched, unchanged=unchanged)
         self.installed_version = header["version"]
         return self.installed_version
-
-    def _staging_buffers(self, buckets: list[dict], device: torch.device) -> list[Tensor]:
-        key = (str(device), tuple((b["dtype"], b["numel"]) for b in buckets))
-        if key != self._buffers_key:
-            self._buffers = [torch.empty(b["numel"], dtype=dtype_from_name(b["dtype"]), device=device)
-                             for b in buckets]
-            self._buffers_key = key
-        return self._buffers
 
     def _layout_problems(self, header: dict) -> list[str]:
         """Names, shapes and dtypes of the tensors the publication rebuilds against the targets."""
@@ -392,6 +448,13 @@ class WeightReceiver:
             if str(target.dtype) != dtype:
                 problems.append(f"{name!r}: sent dtype {dtype}, target dtype {target.dtype}")
         return problems
+
+
+def _corrupt_mode() -> str:
+    corrupt = os.environ.get(CORRUPT_ENV, "").strip().lower()
+    if corrupt not in CORRUPT_MODES:
+        raise ValueError(f"{CORRUPT_ENV}={corrupt!r}: not one of {CORRUPT_MODES[1:]}")
+    return corrupt
 
 
 def _numel(shape: list[int]) -> int:

@@ -9,6 +9,10 @@ landed) and only when BTS (parallel/bts.py) predicts a shorter step. Trainer wei
 step are exactly the step's version, generation runs without grad, and accumulated gradients are
 never touched, so a fragment is the same whoever generates it.
 
+What a trainer generates travels to each other trainer on that trainer's own communicator
+(parallel/topology.py): two trainers that both generate send to each other before each receives,
+which on one NCCL communicator would wait for each other (docs/communication.md).
+
 Replicated trainers each decide on their own (`Assistant`). FSDP2 trainers cannot: every forward
 all-gathers over the whole group, so they generate together, and one of them decides for all
 (`GroupAssistant`). A GAP replica claims a round of fragments at a time (`claimed_rounds`). A
@@ -16,6 +20,7 @@ trainer scores the fragments it generates itself; scorer ranks score the replica
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -158,6 +163,11 @@ class Assistant:
         if not self.tracker.ready or self.board.num_claimed() >= self.board.n:
             return None
         costs = self.tracker.costs(chunks_per_fragment=self.intake.chunks_per_fragment(self.plan))
+        # The tracker learns seconds per trained transition: this step's fragments train their own
+        # counts (a sliding window, MixGRPO, trains fewer steps near the end of the schedule).
+        counts = [self.intake.fragment_transitions(self.plan, f) for f in range(len(self.plan.fragments))]
+        costs = dataclasses.replace(costs, train_fragment_s=costs.train_fragment_s * counts[0],
+                                    train_scale=[n / counts[0] for n in counts])
         decision = decide(self._state(costs), costs, self.num_trainers, claims_per_window=claims_per_window)
         if self.predicted_s is None:
             self.predicted_s = decision.predicted_s
@@ -191,7 +201,7 @@ class Assistant:
             if dst == self.ctx.rank:
                 self.intake.accept(tensors, meta)
             else:
-                self.sends.append(p2p.isend_payload(tensors, meta, dst=dst))
+                self.sends.append(p2p.isend_payload(tensors, meta, dst=dst, group=self.intake.group_to(dst)))
         self.board.land(f)
         self.generated += 1
         self.results.append(result)  # its rewards belong to the step's metrics
@@ -199,9 +209,10 @@ class Assistant:
     def observe_training(self, seconds: dict[int, float]) -> None:
         """This trainer's seconds of training on each fragment it had a share of, in the unit of
         `Costs.train_fragment_s` (the trainer group's wall time per fragment, as if every trainer
-        took an equal share; the intake converts)."""
+        took an equal share; the intake converts) per trained transition of the fragment."""
         for f, s in seconds.items():
-            self.tracker.observe_train_fragment(self.intake.fragment_seconds(self.plan, f, s))
+            self.tracker.observe_train_fragment(self.intake.fragment_seconds(self.plan, f, s)
+                                                / self.intake.fragment_transitions(self.plan, f))
 
     def end_step(self) -> dict:
         for h in self.sends:

@@ -5,10 +5,12 @@ rest scorers. In colocated mode every rank is both a generator (a replica of one
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from parallel import commhooks
 
 MODES = ("disagg", "colocated")
 SHARDINGS = ("replicate", "fsdp")
@@ -106,12 +108,54 @@ class Topology:
 
 @dataclass
 class ProcessGroups:
-    """Named process groups, created by every rank in the same order (a torch.distributed rule)."""
+    """The run's communicators, created by every rank in the same order (a torch.distributed rule;
+    the creations are recorded, so the NCCL check compares the order).
 
-    trainers: object  # the trainer data-parallel group (DDP-style all-reduce or FSDP2)
+    On NCCL a communicator runs a rank's sends and receives in posting order, and a send completes
+    only when its receive runs: two ranks that each send before they receive on one communicator
+    wait for each other forever (docs/communication.md). So traffic goes to each receiver on a
+    communicator of its own, on which the receiver only receives and the others only send; a rank's
+    sends to different receivers then never queue behind each other either:
+      trainers       the trainers' all-reduces and FSDP2 collectives (colocated: the world)
+      data[t]        training data to trainer t: from generators, TAG trainers, colocated ranks
+      publish        versions: the first trainer -> generators (one at a time)
+      images[s]      decoded fragments to scorer s;  scores[g]: scores to generator g
+      gap[r, s]      a GAP replica r's link from stage s to the next (the last stage -> stage 0)
+    The point-to-point communicators get `pending_s` as their NCCL watchdog timeout, which counts
+    from posting: an op may stay posted through a long evaluation or checkpoint, and waits on it
+    are bounded from when they start (parallel/p2p.py). The collective groups get `timeout_s`,
+    which the run guard adapts to the step time."""
+
+    trainers: object
+    data: dict = field(default_factory=dict)  # trainer rank -> its communicator
+    publish: object = None
+    images: dict = field(default_factory=dict)  # scorer rank -> its communicator
+    scores: dict = field(default_factory=dict)  # generator rank -> its communicator
+    gap: dict = field(default_factory=dict)  # (replica, stage) -> its link to the next stage
 
     @classmethod
-    def create(cls, topo: Topology, timeout_s: int) -> "ProcessGroups":
+    def create(cls, topo: Topology, timeout_s: float, pending_s: float, exchange: bool = False) -> "ProcessGroups":
+        """`exchange`: colocated ranks exchange TSP shares (else nothing moves between them)."""
+        pending = timedelta(seconds=pending_s)
+        generators, trainers = list(topo.generator_ranks), list(topo.trainer_ranks)
         if topo.mode == "colocated":
-            return cls(trainers=dist.group.WORLD)
-        return cls(trainers=dist.new_group(list(topo.trainer_ranks), timeout=timedelta(seconds=timeout_s)))
+            every = list(range(topo.world_size))
+            return cls(trainers=dist.group.WORLD,
+                       data={t: commhooks.new_group(f"data.to{t}", every, pending) for t in trainers} if exchange else {})
+        out = cls(trainers=commhooks.new_group("trainers", trainers, timedelta(seconds=timeout_s)))
+        out.data = {t: commhooks.new_group(f"data.to{t}", generators + trainers, pending) for t in trainers}
+        out.publish = commhooks.new_group("publish", [trainers[0]] + generators, pending)
+        scorers = list(topo.scorer_ranks)
+        out.images = {s: commhooks.new_group(f"images.to{s}", generators + [s], pending) for s in scorers}
+        if scorers:
+            out.scores = {g: commhooks.new_group(f"scores.to{g}", [g] + scorers, pending) for g in generators}
+        for r in range(topo.num_replicas if topo.gap_stages > 1 else 0):
+            ranks = topo.replica_ranks(r)
+            for s in range(len(ranks)):
+                nxt = (s + 1) % len(ranks)
+                out.gap[r, s] = commhooks.new_group(f"gap.r{r}.s{s}->s{nxt}", [ranks[s], ranks[nxt]], pending)
+        return out
+
+    def stage_links(self, replica: int, stage: int, num_stages: int) -> tuple:
+        """(the link a GAP stage receives on, the link it sends on)."""
+        return self.gap.get((replica, (stage - 1) % num_stages)), self.gap.get((replica, stage))

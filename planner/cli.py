@@ -1,6 +1,8 @@
 """The planner from the command line (docs/calibration.md). Three uses:
 
     python -m scripts.plan --model flux --gpus h100:16 [--gpus h20:16] [workload flags]
+    python -m scripts.plan --model sd3 --variant large --gpus a800:8
+    python -m scripts.plan --model wan --variant 1.3b --gpus b200:8
         Every feasible plan of the cluster (colocated replicate / fsdp / sleepwake; disaggregated
         generators x trainers x GAP stages x fragment size with TSP, TAG and TCSS), ranked by
         predicted step time, with samples/s, samples per dollar, bubble, end-to-end MFU and peak
@@ -33,10 +35,10 @@ from planner.hardware import GPUS, Kernels, gpu, with_price
 from planner.placements import Pool, best_colocated, enumerate_plans, recommend, repredict
 from planner import timeline as plot_timeline
 from planner.profile import DeviceProfile, with_profile
-from planner.specs import MODELS
+from planner.released import MODELS, model_names, resolve
 from planner.systems import SYSTEMS, predict_system
 from parallel.stepplan import DISPATCHES
-from planner.workload import REWARDS, Workload, parse_shape_mix
+from planner.workload import ALGORITHMS, REWARDS, Workload, for_algorithm, parse_shape_mix
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,12 +71,15 @@ def parse_gpus(specs: list[str], prices: list[str], profile: DeviceProfile | Non
 
 
 def workload_from_args(a) -> Workload:
-    k = a.sampling_steps or MODELS[a.model].default_steps
-    trained = a.trained_timesteps or max(1, int(k * 0.99))
-    return Workload(a.model, a.height, a.width, a.frames, k, trained, a.prompts_per_step, a.group_size, a.cfg_scale,
-                    a.finetune, a.lora_rank, a.gradient_checkpointing, a.kl, a.text_tokens, tuple(a.reward or
-                    ["pickscore"]), Kernels(a.compile, a.attention), a.rollout_micro_batch, a.train_micro_batch,
-                    a.optimizer_steps, parse_shape_mix(a.shape_mix) if a.shape_mix else (), a.publish_compression)
+    model = resolve(a.model, a.variant)
+    k = a.sampling_steps or MODELS[model].default_steps
+    wl = Workload(model, a.height, a.width, a.frames, k, max(1, int(k * 0.99)), a.prompts_per_step, a.group_size,
+                  a.cfg_scale, a.finetune, a.lora_rank, a.gradient_checkpointing, a.kl, a.text_tokens,
+                  tuple(a.reward or ["pickscore"]), Kernels(a.compile, a.attention), a.rollout_micro_batch,
+                  a.train_micro_batch, a.optimizer_steps, parse_shape_mix(a.shape_mix) if a.shape_mix else (),
+                  a.publish_compression, reward_gpus=a.reward_gpus)
+    wl = for_algorithm(wl, a.algorithm, window=a.window)
+    return wl.with_(trained_timesteps=a.trained_timesteps) if a.trained_timesteps else wl
 
 
 def _gb(p) -> str:
@@ -101,6 +106,8 @@ def run_plan(a) -> int:
     wl = workload_from_args(a)
     if a.peers and wl.shapes:
         raise ValueError("--peers models one shape per run: leave out --shape-mix")
+    if a.peers and wl.reward_gpus:
+        raise ValueError("--peers models each peer's own reward placement: leave out --reward-gpus")
     if a.link_gbps is not None and (a.link_gbps <= 0 or len(pools) != 2):
         raise ValueError("--link-gbps: a positive bandwidth between two --gpus pools (one site each)")
     link = a.link_gbps * 1e9 / 8 if a.link_gbps else None
@@ -190,7 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-run", metavar="DIR", help="a measured run folder to fit per-unit costs on")
     p.add_argument("--predict", metavar="DIR", nargs="+", default=[], help="run folders to predict (--fit-run)")
     p.add_argument("--profile", metavar="FILE", help="a scripts/calibrate.py device profile")
-    p.add_argument("--model", choices=sorted(MODELS), default="flux")
+    p.add_argument("--model", choices=model_names(), default="flux",
+                   help="a model family (its first variant unless --variant) or a released config name "
+                        "(models/configs/)")
+    p.add_argument("--variant", default=None,
+                   help="the family's size or release: sd3 medium|large, wan 14b|1.3b, flux dev|schnell")
     p.add_argument("--gpus", action="append", metavar="TYPE:COUNT",
                    help=f"a GPU pool, repeatable (two pools: generators on one, trainers on the other); "
                         f"types: {', '.join(GPUS)}; default h100:16")
@@ -200,7 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--width", type=int, default=512)
     w.add_argument("--frames", type=int, default=1)
     w.add_argument("--sampling-steps", type=int, default=None, help="K (default: the model's)")
-    w.add_argument("--trained-timesteps", type=int, default=None, help="default floor(0.99 K) (Flow-GRPO)")
+    w.add_argument("--algorithm", choices=ALGORITHMS, default="flow_grpo",
+                   help="what each trained (sample, t) pair costs and how many a sample has (planner/workload.py "
+                        "for_algorithm): nft adds the old policy's forward and sends clean samples only")
+    w.add_argument("--window", type=int, default=2, help="flow_grpo_fast / mixgrpo: the SDE window's steps")
+    w.add_argument("--trained-timesteps", type=int, default=None,
+                   help="override the algorithm's count (default: floor(0.99 K) for flow_grpo and nft)")
     w.add_argument("--prompts-per-step", type=int, default=24)
     w.add_argument("--group-size", type=int, default=24)
     w.add_argument("--cfg-scale", type=float, default=1.0, help="> 1: classifier-free guidance (two branches)")
@@ -210,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kl", action="store_true", help="a KL term (a reference forward per transition)")
     w.add_argument("--text-tokens", type=int, default=None)
     w.add_argument("--reward", action="append", choices=sorted(REWARDS), help="reward model(s), repeatable")
+    w.add_argument("--reward-gpus", type=int, default=0,
+                   help="GPUs of a reward service (--reward http://HOST:PORT/NAME in the run): the reward models "
+                        "run there, overlapped with denoising, and the plans pay for them (of the first pool's type)")
     w.add_argument("--compile", action="store_true", help="torch.compile'd kernels")
     w.add_argument("--attention", choices=("sdpa", "fa2", "fa3"), default="sdpa")
     w.add_argument("--rollout-micro-batch", type=int, default=8)

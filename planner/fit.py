@@ -63,6 +63,8 @@ def _run_shape(config: dict) -> dict:
     trained = max(1, min(k, int(k * rl["timestep_fraction"])))
     if s.get("sde_window"):
         trained = s["sde_window"][1] - s["sde_window"][0]
+    if rl.get("algorithm") == "mixgrpo":  # a sliding window: its size (until it shrinks near K - 2)
+        trained = min(s["window_size"], k - 2)
     return {"K": k, "trained": trained, "group": rl["group_size"], "micro": rl["micro_batch"],
             "tsp": bool(t.get("tsp")), "train_micro": t.get("train_micro_batch") or rl["micro_batch"],
             "groups": rl["prompts_per_step"]}

@@ -48,6 +48,18 @@ GPUS: dict[str, GPU] = {g.key: g for g in (
     GPU("h20", "H20 96GB", 148e12, 4.0e12, 96e9, 360e9, 50e9, 25e9, 1.29),
     GPU("a100", "A100 SXM 80GB", 312e12, 2.0e12, 80e9, 200e9, 25e9, 20e9, 1.79),
     GPU("l40s", "L40S 48GB", 181e12, 0.864e12, 48e9, 20e9, 25e9, 20e9, 0.99),
+    # A800: an A100 whose NVLink is cut from 600 to 400 GB/s, compute and memory unchanged (NVIDIA's
+    # export variant; verl's flops_counter lists 312e12 for it). No 8 x A800 all-gather measurement
+    # is public: the A100's ~200 GB/s busbw scaled by 400/600. NIC and PCIe as the A100's. No sourced
+    # price: the A100's (--price a800=USD).
+    GPU("a800", "A800 SXM 80GB", 312e12, 2.039e12, 80e9, 133e9, 25e9, 20e9, 1.79),
+    # B200 (HGX, 1000 W): 2.25 PF dense bf16 (verl's flops_counter; HGX B200 datasheet 36 PF sparse per
+    # 8 GPUs), 8 TB/s HBM3e, 180 GB as HGX / DGX B200 ship it (1.44 TB per 8), NVLink 5 at 900 GB/s a
+    # direction: busbw 720 GB/s is an estimate (H100's 360 of 450 GB/s, scaled; no 8 x B200 all-gather
+    # measurement is public); ConnectX-7 400 Gb/s per GPU (nccl-tests#389). No sourced price: a
+    # placeholder of 1.5 x the H200's (--price b200=USD). Its efficiency extrapolates the Hopper fit
+    # (HEADROOM_EXPONENT) to a 2.3x higher peak, with no anchor.
+    GPU("b200", "B200 SXM 180GB", 2.25e15, 8.0e12, 180e9, 720e9, 50e9, 25e9, 5.69),
 )}
 """L40S: 181 TFLOP/s is the dense bf16 rate (the datasheet's 362 counts structured sparsity)."""
 

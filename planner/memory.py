@@ -430,10 +430,12 @@ def training_state(wl: Workload, shard: int, *, reference_copy: bool | None = No
         out["optimizer"] = 8 * p / shard
         if reference_copy if reference_copy is not None else wl.kl:
             out["reference copy"] = 2 * p / shard
+        if wl.old_policy:  # DiffusionNFT's old policy: an fp32 copy of the trained weights, sharded alike
+            out["old policy"] = 4 * p / shard
     else:
         lp = lora_params(wl.spec, wl.lora_rank)
         out["base weights bf16"] = 2 * p / shard
-        out["adapters + optimizer"] = 16 * lp
+        out["adapters + optimizer"] = 16 * lp + (4 * lp if wl.old_policy else 0)
     if shard > 1:
         out["gathered blocks"] = 4 * max(b.params for b in wl.spec.blocks)
     return out

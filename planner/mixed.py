@@ -65,8 +65,8 @@ def colocated_phases(wl: Workload, gpus: list[GPU], slow: GPU, *, micro: int, tr
     counts = {k: keys.count(k) * wl.group_size for k in set(keys)}
     share = n if train_sharding is not None or not speed_weighted else n * sum(
         g.peak_flops for g in gpus) / (n * slow.peak_flops)
-    train = sum(ph.train_s(wl.at(k), slow, ceil_div(c * wl.trained_timesteps, share), train_micro, sharding=train_sharding)
-                for k, c in counts.items())
+    train = sum(ph.train_s(wl.at(k), slow, ceil_div(c * wl.trained_timesteps, share), train_micro,
+                           sharding=train_sharding, with_reference=True) for k, c in counts.items())
     traj = sum(ph.trajectory_bytes(wl.at(k), c) for k, c in counts.items()) / n
     return {"generate_s": gen, "score_s": max(score),
             "trajectory_bytes": traj, "train_s": train,

@@ -60,15 +60,20 @@ def denoise_s(wl: Workload, g: GPU, samples: int, micro: int, **kw) -> float:
 
 def train_micro_batch_s(wl: Workload, g: GPU, transitions: int, *, sharding: Sharding | None = None,
                         cfg_batched: bool = True, overlap: float = FSDP_OVERLAP,
-                        grad_bytes_per_param: int = 2, gather_bytes: int = 2) -> float:
-    """Forward + backward of one micro-batch of `transitions` (sample, timestep) pairs."""
+                        grad_bytes_per_param: int = 2, gather_bytes: int = 2, with_reference: bool = False) -> float:
+    """Forward + backward of one micro-batch of `transitions` (sample, timestep) pairs, with the
+    old policy's forward for DiffusionNFT (`wl.old_policy`) and, `with_reference`, the KL
+    reference's forward inside it (DigenRL's trainer runs both per micro-batch; the peer models
+    price their reference forward as a phase of its own). Every extra forward gathers the weights
+    again under FSDP."""
     calls = 1 if cfg_batched or wl.branches == 1 else wl.branches
     rows = transitions * (wl.branches if calls == 1 else 1)
-    compute = calls * compute_s(g, rows * wl.fwd_flops * wl.train_factor, rows * wl.seq, wl.attn_share,
-                                wl.kernels, "train")
+    reference = int(with_reference and wl.kl)
+    compute = calls * compute_s(g, rows * wl.fwd_flops * (wl.train_factor + reference), rows * wl.seq,
+                                wl.attn_share, wl.kernels, "train")
     comm = 0.0
     if sharding is not None and sharding.shard > 1:
-        comm = calls * 2 * sharding.gather_s(g, weight_bytes(wl, gather_bytes))
+        comm = calls * (2 + int(wl.old_policy) + reference) * sharding.gather_s(g, weight_bytes(wl, gather_bytes))
         comm += sharding.grad_sync_s(g, grad_reduce_bytes(wl, grad_bytes_per_param)) if wl.finetune == "full" else 0.0
     return overlapped_s(compute, comm, overlap)
 
@@ -87,9 +92,13 @@ def decode_s(wl: Workload, g: GPU, samples: int) -> float:
     return aux_s(g, samples * vae_decode_flops(wl.spec, wl.resolution))
 
 
-def reward_s(wl: Workload, g: GPU, samples: int, tensor_parallel: int = 1) -> float:
+def reward_s(wl: Workload, g: GPU, samples: int, tensor_parallel: int = 1, served: bool = False) -> float:
     """Every reward model on `samples` samples: a prefill of its tokens, and for generative judges
-    their decode steps (memory-bound: the weights stream once per generated token, batched)."""
+    their decode steps (memory-bound: the weights stream once per generated token, batched). With
+    rewards served on GPUs of their own (`wl.reward_gpus`) a rank spends nothing on them; `served`
+    prices the service's own GPU."""
+    if wl.reward_gpus and not served:
+        return 0.0
     total = 0.0
     for name in wl.rewards:
         r = reward_model(name)
@@ -102,7 +111,8 @@ def reward_s(wl: Workload, g: GPU, samples: int, tensor_parallel: int = 1) -> fl
 
 
 def reward_bytes(wl: Workload) -> float:
-    return sum(2 * reward_model(n).params for n in wl.rewards)
+    """bf16 reward models a rank holds (none when a reward service holds them)."""
+    return 0.0 if wl.reward_gpus else sum(2 * reward_model(n).params for n in wl.rewards)
 
 
 def text_s(wl: Workload, g: GPU, prompts: int) -> float:
@@ -128,10 +138,14 @@ def host_copy_s(g: GPU, num_bytes: float) -> float:
 
 def trajectory_bytes(wl: Workload, samples: int) -> float:
     """What a generator sends per fragment: the latents around every trained step (fp32), log-probs,
-    advantages, and the prompt conditioning (bf16, every branch)."""
-    from_latents = (wl.trained_timesteps + 1) * _latent_bytes(wl)
+    advantages, and the prompt conditioning (bf16, every branch); DiffusionNFT's clean records carry
+    one latent and no log-probs."""
+    if wl.clean_samples:
+        from_latents, logps = _latent_bytes(wl), 0
+    else:
+        from_latents, logps = (wl.trained_timesteps + 1) * _latent_bytes(wl), 8 * wl.trained_timesteps
     cond = wl.branches * wl.n_txt * TEXT_EMBED_DIM * 2
-    return samples * (from_latents + 8 * wl.trained_timesteps + 8 + cond)
+    return samples * (from_latents + logps + 8 + cond)
 
 
 def _latent_bytes(wl: Workload) -> float:

@@ -87,7 +87,8 @@ def colocated(wl: Workload, pools: list[Pool], variant: str, dispatch: str = "lp
     else:
         gen = ph.denoise_s(wl, slow, per_gpu, m_roll, **roll_kw)
         score = ph.decode_s(wl, slow, per_gpu) + ph.reward_s(wl, slow, per_gpu)
-        traj, train = ph.trajectory_bytes(wl, per_gpu), ph.train_s(wl, slow, trans, m, sharding=train_shard)
+        traj = ph.trajectory_bytes(wl, per_gpu)
+        train = ph.train_s(wl, slow, trans, m, sharding=train_shard, with_reference=True)
     steps = [("text encode", "score", ph.text_s(wl, slow, ceil_div(wl.prompts_per_step, n * speed))),
              ("rollout", "generate", gen), ("VAE decode + reward", "score", score)]
     steps.append(("TSP exchange of transitions", "comm", traj * (n - 1) / n / hw_busbw(slow, n)))
@@ -153,7 +154,7 @@ def train_fragment_s(wl: Workload, g: GPU, trainers: int, samples: int, micro: i
     for mb in packing.micro_batches:
         size = len(mb.transitions)
         if size not in by_size:
-            by_size[size] = ph.train_micro_batch_s(wl, g, size, sharding=shard)
+            by_size[size] = ph.train_micro_batch_s(wl, g, size, sharding=shard, with_reference=True)
         per[mb.trainer] += by_size[size]
     return max(per)
 
@@ -330,6 +331,23 @@ def _min_stages(wl: Workload, g: GPU, frag_samples: int) -> int:
     return 0
 
 
+def with_reward_service(p: Prediction, wl: Workload, g: GPU) -> Prediction:
+    """A plan whose rewards a service on `wl.reward_gpus` GPUs of type `g` scores: the service
+    scores each fragment while the generators denoise the next (the runtime lags scores by one
+    fragment), so the step is the plan's own (no reward on any rank) or the service's whole step of
+    scoring if that is longer, plus the last fragment's scoring, which nothing overlaps (one group
+    per reward GPU, the smallest fragment). The reward GPUs join the plan's pools: they count in
+    its cost and its MFU."""
+    per_gpu = ceil_div(wl.samples, wl.reward_gpus)
+    service = ph.reward_s(wl, g, per_gpu, served=True)
+    tail = ph.reward_s(wl, g, wl.group_size, served=True)
+    p.step_s = max(p.step_s, service) + tail
+    p.pools = p.pools + [(g, wl.reward_gpus)]
+    p.notes = p.notes + [f"rewards served on {wl.reward_gpus} x {g.key}: {service:.1f} s of scoring per step, "
+                         f"{tail:.1f} s after the last fragment"]
+    return p
+
+
 def enumerate_plans(wl: Workload, pools: list[Pool], *, modes: tuple[str, ...] = MODES, top_k: int = 4,
                     max_generator_counts: int = 12, link_bytes_s: float | None = None,
                     dispatch: str = "lpt") -> tuple[list[Prediction], list[str]]:
@@ -397,6 +415,8 @@ def enumerate_plans(wl: Workload, pools: list[Pool], *, modes: tuple[str, ...] =
                 out.append(q)
             else:
                 excluded.append(f"{q.label}: {'; '.join(q.why_not)}")
+    if wl.reward_gpus:
+        out = [with_reward_service(p, wl, pools[0].gpu) for p in out]
     out.sort(key=lambda p: p.step_s)
     return out, excluded
 

@@ -13,7 +13,8 @@ with S = N_img + N_txt for joint attention, and N_img^2 + N_img * N_txt for Wan'
 over video tokens plus cross-attention to the text. N_img = frames_lat * (H/16) * (W/16) with
 frames_lat = (F - 1) / 4 + 1 (8x spatial VAE, 2x2 patches, 4x temporal VAE).
 
-Pure Python: no torch, no models/ import (the planner runs without them).
+Pure Python: no torch, no models/ import (the planner runs without them). The specs themselves are
+derived from the released configs in planner/released.py.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ class BlockKind:
     p_shared: float = 0.0
     """weights applied to image and text tokens alike (single-stream blocks)"""
     attention: str = "joint"
-    """joint (softmax over image + text tokens) or cross (self-attention over image tokens plus
-    cross-attention of image queries to text keys)"""
+    """joint (softmax over image + text tokens), dual (joint plus an image-only self-attention:
+    SD3.5-medium's first 13 blocks) or cross (self-attention over image tokens plus cross-attention
+    of image queries to text keys)"""
 
     @property
     def params(self) -> float:
@@ -138,84 +140,22 @@ def image_tokens(res: Resolution) -> int:
     return res.latent_frames * (res.height // 16) * (res.width // 16)
 
 
-def _flux() -> ModelSpec:
-    # 19 double blocks of 340M: image stream 113.3M (q/k/v/out + 4x MLP), text stream 113.3M, and
-    # 113.3M of modulation (two Linear(3072, 6 x 3072)); 38 single blocks of 142M: 113.3M on all
-    # tokens + 28.3M of modulation.
-    s = 113.3e6
-    return ModelSpec(
-        "FLUX.1-dev", "flux", 3072, 24, 128,
-        (BlockKind("double", 19, s, s, s), BlockKind("single", 38, 0.0, 0.0, 28.3e6, p_shared=s)),
-        extra_img=0.4e6, extra_txt=12.6e6 + 12.6e6, extra_mod=60e6, text_tokens=512, text_padded=True,
-        video=False, latent_channels=16, vae=AuxModel("FLUX VAE", 84e6), vae_decode_flops_per_pixel=2.5e12 / 512 ** 2,
-        text_encoders=(AuxModel("T5-XXL encoder", 4.76e9, 512), AuxModel("CLIP-L text", 0.123e9, 77)),
-        guidance_distilled=True, default_steps=28,
-        lora_targets_per_block={"double": 8 * 2 * 3072, "single": 4 * 2 * 3072})
-
-
-def _wan() -> ModelSpec:
-    # 40 blocks of 351M: self-attention (105M) + cross-attention q/out (52M) + FFN 13824 (142M) on
-    # video tokens; cross-attention k/v (52M) on text tokens. Modulation is a per-block table (no
-    # matmul) and one shared time projection.
-    return ModelSpec(
-        "Wan2.1-T2V-14B", "wan", 5120, 40, 128,
-        (BlockKind("wan", 40, 298.7e6, 52.4e6, 0.0, attention="cross"),),
-        extra_img=0.3e6, extra_txt=44e6, extra_mod=184e6, text_tokens=512, text_padded=True, video=True,
-        latent_channels=16, vae=AuxModel("Wan VAE", 127e6),
-        vae_decode_flops_per_pixel=28e12 / (240 * 416 * 33),
-        text_encoders=(AuxModel("umT5-XXL encoder", 5.68e9, 512),), guidance_distilled=False, default_steps=50,
-        lora_targets_per_block={"wan": 8 * 2 * 5120})
-
-
-def _qwen_image() -> ModelSpec:
-    # 60 double blocks of 340M, the same split as FLUX's double blocks (img_mod / txt_mod are the
-    # per-sample third).
-    s = 113.3e6
-    return ModelSpec(
-        "Qwen-Image", "qwen_image", 3072, 24, 128, (BlockKind("double", 60, s, s, s),),
-        extra_img=0.4e6, extra_txt=11e6 + 0.1e6, extra_mod=30e6, text_tokens=128, text_padded=False,
-        video=False, latent_channels=16, vae=AuxModel("Qwen-Image VAE (Wan-style)", 127e6),
-        vae_decode_flops_per_pixel=28e12 / (240 * 416 * 33),
-        text_encoders=(AuxModel("Qwen2.5-VL-7B", 7.6e9, 162),), guidance_distilled=False, default_steps=50,
-        lora_targets_per_block={"double": 8 * 2 * 3072})
-
-
-def _hunyuan_video() -> ModelSpec:
-    # 20 double blocks (113.3M image, 113.3M text, 113.3M modulation) and 40 single blocks (113.3M
-    # shared + 28.3M modulation), plus a 2-layer token refiner on the text stream.
-    s = 113.3e6
-    return ModelSpec(
-        "HunyuanVideo", "hunyuan_video", 3072, 24, 128,
-        (BlockKind("double", 20, s, s, s), BlockKind("single", 40, 0.0, 0.0, 28.3e6, p_shared=s)),
-        extra_img=0.4e6, extra_txt=226e6 + 12.6e6, extra_mod=80e6, text_tokens=256, text_padded=True, video=True,
-        latent_channels=16, vae=AuxModel("HunyuanVideo VAE", 246e6),
-        vae_decode_flops_per_pixel=213e12 / (480 * 480 * 53),
-        text_encoders=(AuxModel("LLaVA-LLaMA-3-8B", 8.0e9, 256), AuxModel("CLIP-L text", 0.123e9, 77)),
-        guidance_distilled=True, default_steps=50,
-        lora_targets_per_block={"double": 8 * 2 * 3072, "single": 4 * 2 * 3072})
-
-
-MODELS: dict[str, ModelSpec] = {m.family: m for m in (_flux(), _wan(), _qwen_image(), _hunyuan_video())}
-"""family name (as in the published-runs schema and --model) -> spec"""
-
-
-def model_spec(name: str) -> ModelSpec:
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
-    return MODELS[name]
-
-
 # ---------------------------------------------------------------------------------------------
 # FLOPs
 # ---------------------------------------------------------------------------------------------
 
+def _seq2(attention: str, n_img: int, n_txt: int) -> int:
+    """Query-key pairs of one block's attention (S^2 of 4 * D * S^2)."""
+    if attention == "joint":
+        return (n_img + n_txt) ** 2
+    if attention == "dual":
+        return (n_img + n_txt) ** 2 + n_img ** 2
+    return n_img ** 2 + n_img * n_txt
+
+
 def attention_flops(spec: ModelSpec, n_img: int, n_txt: int) -> float:
     """Score and value matmuls of one sample, all blocks: 4 * D * S^2 per block."""
-    total = 0.0
-    for b in spec.blocks:
-        seq2 = (n_img + n_txt) ** 2 if b.attention == "joint" else n_img ** 2 + n_img * n_txt
-        total += b.count * 4 * spec.hidden * seq2
-    return total
+    return sum(b.count * 4 * spec.hidden * _seq2(b.attention, n_img, n_txt) for b in spec.blocks)
 
 
 def dense_flops(spec: ModelSpec, n_img: int, n_txt: int) -> float:
@@ -239,9 +179,8 @@ def block_flops(spec: ModelSpec, n_img: int, n_txt: int | None = None) -> list[f
     n_txt = spec.text_tokens if n_txt is None else n_txt
     out = []
     for b in spec.block_list():
-        seq2 = (n_img + n_txt) ** 2 if b.attention == "joint" else n_img ** 2 + n_img * n_txt
         dense = 2 * ((b.p_img + b.p_shared) * n_img + (b.p_txt + b.p_shared) * n_txt + b.p_mod)
-        out.append(dense + 4 * spec.hidden * seq2)
+        out.append(dense + 4 * spec.hidden * _seq2(b.attention, n_img, n_txt))
     return out
 
 
@@ -270,6 +209,6 @@ def latent_bytes(spec: ModelSpec, res: Resolution) -> float:
     return 4 * spec.latent_channels * res.latent_frames * (res.height // 8) * (res.width // 8)
 
 
-__all__ = ["AuxModel", "BlockKind", "MODELS", "ModelSpec", "Resolution", "attention_flops", "attention_share",
+__all__ = ["AuxModel", "BlockKind", "ModelSpec", "Resolution", "attention_flops", "attention_share",
            "block_flops", "dense_flops", "forward_flops", "hidden_bytes", "image_tokens", "latent_bytes",
-           "lora_params", "model_spec", "text_encode_flops", "vae_decode_flops"]
+           "lora_params", "text_encode_flops", "vae_decode_flops"]

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 
 from parallel.compress import parse as parse_codec
 from planner.hardware import Kernels
-from planner.specs import AuxModel, ModelSpec, Resolution, attention_share, forward_flops, image_tokens, model_spec
+from planner.released import model_spec
+from planner.specs import AuxModel, ModelSpec, Resolution, attention_share, forward_flops, image_tokens
 
 REWARDS: dict[str, AuxModel] = {r.name: r for r in (
     # CLIP-H/14 scorers: ~1B parameters, 257 image + 77 text tokens.
@@ -65,6 +66,14 @@ class Workload:
     planner's default), none (the trained tensors in their dtype, `param_bytes`), delta, delta-topk:F"""
     param_bytes: int = 4
     """bytes per element of the trained tensors (fp32 under the runtime's --dtype auto)"""
+    old_policy: bool = False
+    """DiffusionNFT: one forward of the frozen old policy per trained transition (no gradient)"""
+    clean_samples: bool = False
+    """DiffusionNFT: a fragment carries each sample's clean latent only, no path and no log-probs"""
+    reward_gpus: int = 0
+    """GPUs of a reward service (the runtime's --reward http://HOST:PORT/NAME): the reward models
+    run there, not on the plan's ranks, while the generators denoise their next fragment; the plan
+    pays for these GPUs too (planner.placements.with_reward_service)"""
 
     def __post_init__(self):
         model_spec(self.model)
@@ -89,6 +98,8 @@ class Workload:
         if len({b[:3] for b in self.shapes}) != len(self.shapes):
             raise ValueError(f"a shape appears twice in the mix {self.shapes}")
         parse_codec(self.publish_compression)
+        if self.reward_gpus < 0:
+            raise ValueError(f"reward_gpus must be >= 0, got {self.reward_gpus}")
 
     # -- derived quantities -------------------------------------------------------------------
     @property
@@ -135,8 +146,9 @@ class Workload:
     @property
     def train_factor(self) -> int:
         """Physical forward-equivalents of one trained transition: forward + activation gradients
-        (+ weight gradients for full fine-tuning) (+ the recomputed forward with checkpointing)."""
-        return (3 if self.finetune == "full" else 2) + (1 if self.gradient_checkpointing else 0)
+        (+ weight gradients for full fine-tuning) (+ the recomputed forward with checkpointing)
+        (+ the old policy's forward, DiffusionNFT)."""
+        return (3 if self.finetune == "full" else 2) + (1 if self.gradient_checkpointing else 0) + int(self.old_policy)
 
     # -- a shape mix ----------------------------------------------------------------------------
     def group_keys(self) -> list[tuple[int, int, int]]:
@@ -171,7 +183,8 @@ class Workload:
             keys = self.group_keys()
             return sum(self.at(k).model_flops() * keys.count(k) / len(keys) for k in set(keys))
         per = self.fwd_flops * self.branches
-        return self.samples * (self.sampling_steps * per + self.trained_timesteps * per * (3 + (1 if self.kl else 0)))
+        return self.samples * (self.sampling_steps * per
+                               + self.trained_timesteps * per * (3 + int(self.kl) + int(self.old_policy)))
 
     def describe(self) -> str:
         frames = f"x{self.frames}" if self.frames > 1 else ""
@@ -181,10 +194,37 @@ class Workload:
                 f"({self.trained_timesteps} trained), {self.prompts_per_step}x{self.group_size} samples, "
                 f"{'CFG ' + format(self.cfg_scale, 'g') if self.branches == 2 else 'no CFG'}, "
                 f"{'LoRA r' + str(self.lora_rank) if self.finetune == 'lora' else 'full FT'}"
-                f"{', checkpointing' if self.gradient_checkpointing else ''}{', KL' if self.kl else ''}")
+                f"{', checkpointing' if self.gradient_checkpointing else ''}{', KL' if self.kl else ''}"
+                f"{', old-policy forward, clean samples' if self.old_policy else ''}"
+                f"{f', rewards served on {self.reward_gpus} GPU(s)' if self.reward_gpus else ''}")
 
     def with_(self, **kw) -> "Workload":
         return replace(self, **kw)
+
+
+ALGORITHMS = ("flow_grpo", "dance_grpo", "flow_grpo_fast", "mixgrpo", "nft")
+
+
+def for_algorithm(base: Workload, algorithm: str, *, window: int = 2, fraction: float | None = None) -> Workload:
+    """`base` (its model, shape, batch and fine-tuning) as `algorithm` prices it (rl/algorithms.py):
+    the trained (sample, t) pairs per sample of its K rollout steps, and what each one costs.
+    flow_grpo: floor(0.99 K); dance_grpo: round(0.6 K) of K - 1; flow_grpo_fast and mixgrpo: the
+    window (a sliding window trains as many steps as a fixed one until it reaches K - 2); nft:
+    floor(0.99 K) of the K sigmas, plus the old policy's forward, clean samples on the wire (and
+    its KL to the reference as `base.kl` says)."""
+    k = base.sampling_steps
+    if algorithm == "flow_grpo":
+        trained = max(1, int(k * (0.99 if fraction is None else fraction)))
+    elif algorithm == "dance_grpo":
+        trained = max(1, min(k - 1, round(k * (0.6 if fraction is None else fraction))))
+    elif algorithm in ("flow_grpo_fast", "mixgrpo"):
+        trained = min(window, k)
+    elif algorithm == "nft":
+        trained = max(1, int(k * (0.99 if fraction is None else fraction)))
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    nft = algorithm == "nft"
+    return replace(base, trained_timesteps=trained, old_policy=nft, clean_samples=nft)
 
 
 def ceil_div(a: float, b: float) -> int:
@@ -208,4 +248,4 @@ def parse_shape_mix(text: str) -> tuple[tuple[int, int, int, float], ...]:
     return tuple(out)
 
 
-__all__ = ["REWARDS", "Workload", "ceil_div", "parse_shape_mix", "reward_model"]
+__all__ = ["ALGORITHMS", "REWARDS", "Workload", "ceil_div", "for_algorithm", "parse_shape_mix", "reward_model"]

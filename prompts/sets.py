@@ -1,7 +1,13 @@
 """Prompt sets: a .txt file (one prompt per line) or a .jsonl file (a `prompt` field plus free metadata;
-`height`, `width` and `frames`, when present, give the prompt its own shape: prompts/shapes.py)."""
+`height`, `width` and `frames`, when present, give the prompt its own shape: prompts/shapes.py).
+
+A run reads each prompt file once, before anything loads (`read_prompt_file`, through
+config.validate.RunFacts), and keeps the records: a file edited while the model loads cannot change
+the prompts a run trains on, and the SHA-256 of the bytes it read goes into config.json and every
+checkpoint, so a resume can tell when the file changed since."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -18,12 +24,33 @@ class PromptRecord:
     line: int = 0  # line in the prompt file (1-based; 0: not from a file), for error messages
 
 
-def load_prompts(path: str) -> list[PromptRecord]:
-    if not os.path.isfile(path):
+@dataclass(frozen=True)
+class PromptSet:
+    """The records of one prompt file as read once, and the SHA-256 of the bytes they came from."""
+
+    path: str
+    records: tuple[PromptRecord, ...]
+    sha256: str
+
+
+def read_prompt_file(path: str) -> PromptSet:
+    """The prompt file `path`, read once: a ValueError names a missing, unreadable or malformed file."""
+    if not os.path.lexists(path):
         raise ValueError(f"prompt file {path!r} does not exist")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:  # a folder, a broken link or a symlink loop, no permission
+        raise ValueError(f"prompt file {path!r} cannot be read ({e.strerror})") from None
+    return PromptSet(path, tuple(_parse(path, raw)), hashlib.sha256(raw).hexdigest())
+
+
+def load_prompts(path: str) -> list[PromptRecord]:
+    return list(read_prompt_file(path).records)
+
+
+def _parse(path: str, raw: bytes) -> list[PromptRecord]:
     records: list[PromptRecord] = []
-    with open(path, "rb") as f:
-        raw = f.read()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -53,10 +80,13 @@ def load_prompts(path: str) -> list[PromptRecord]:
     return records
 
 
-def eval_records(path: str, num_prompts: int | None, samples_per_prompt: int = 1) -> list[PromptRecord]:
-    """The first `num_prompts` prompts of `path` (None: all), each repeated `samples_per_prompt` times
-    in a row. Every copy is its own sample id, hence its own fixed seed."""
+def eval_records(path: str, num_prompts: int | None, samples_per_prompt: int = 1,
+                 prompts: PromptSet | None = None) -> list[PromptRecord]:
+    """The first `num_prompts` prompts of `path` (None: all; `prompts`: the file as already read),
+    each repeated `samples_per_prompt` times in a row. Every copy is its own sample id, hence its
+    own fixed seed."""
     if (num_prompts is not None and num_prompts < 1) or samples_per_prompt < 1:
         raise ValueError(f"evaluation needs >= 1 prompt and >= 1 sample per prompt, got {num_prompts} prompts x "
                          f"{samples_per_prompt} samples")
-    return [r for r in load_prompts(path)[:num_prompts] for _ in range(samples_per_prompt)]
+    records = (prompts or read_prompt_file(path)).records
+    return [r for r in records[:num_prompts] for _ in range(samples_per_prompt)]

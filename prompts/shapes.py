@@ -31,6 +31,16 @@ def shape_name(shape: Shape) -> str:
     return f"{h}x{w}" if f is None else f"{f}x{h}x{w}"
 
 
+def rows_by_shape(records, sampling: sampler.SamplingConfig) -> dict[Shape, list[int]]:
+    """Record indices grouped by shape, each group in record order and the groups in order of first
+    appearance: batches of one shape, as training and evaluation sample them."""
+    default = default_shape(sampling)
+    out: dict[Shape, list[int]] = {}
+    for j, r in enumerate(records):
+        out.setdefault(record_shape(r, default), []).append(j)
+    return out
+
+
 def sampling_for(sampling: sampler.SamplingConfig, shape: Shape | None) -> sampler.SamplingConfig:
     """The run's sampling config at another shape (None: the run's own)."""
     if shape is None:

@@ -1,5 +1,8 @@
 """Rewards: one signature, an explicit name -> factory registry, weighted combination.
 
+A reward may also be scored by an HTTP reward service: `http://HOST:PORT/NAME[:WEIGHT]` names a
+registered reward that the service at that URL computes (rewards/remote.py, rewards/server.py).
+
 Every reward is called as `reward(images, prompts, metadata) -> Tensor[B]` (float32, CPU); see
 rewards/base.py and rewards/README.md. Factories are "module:Class" strings imported on first use,
 so naming a reward costs nothing until it is built and a model reward's dependencies are needed only
@@ -9,10 +12,13 @@ from __future__ import annotations
 
 import importlib
 import math
+from concurrent.futures import Future
 from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from rewards.remote import DEFAULT_TIMEOUT_S, HttpReward, is_url, split_url_spec
 
 _REWARDS = {
     "shapes": "rewards.shapes:ShapesReward",
@@ -47,21 +53,27 @@ def reward_class(name: str):
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def build_reward(name: str, device: str | torch.device = "cpu", model_path: str | None = None):
-    """Build one reward by name. Model rewards need `model_path`; rule rewards refuse one."""
+def build_reward(name: str, device: str | torch.device = "cpu", model_path: str | None = None,
+                 dtype: torch.dtype = torch.float32):
+    """Build one reward by name. Model rewards need `model_path` and hold their weights in `dtype`;
+    rule rewards refuse a model path."""
     cls = reward_class(name)
     if name in MODEL_REWARDS:
-        return cls(device=device, model_path=model_path)
+        return cls(device=device, model_path=model_path, dtype=dtype)
     if model_path is not None:
         raise ValueError(f"reward {name!r} loads no weights, but a model path was given ({model_path!r})")
     return cls(device=device)
 
 
 def parse_reward_spec(spec: str) -> tuple[str, float]:
-    """"name[:weight]" -> (name, weight); weight defaults to 1.0."""
-    name, sep, weight_text = spec.strip().partition(":")
+    """"name[:weight]" or "http://HOST:PORT/name[:weight]" -> (name, weight); weight defaults to 1.0."""
+    if is_url(spec):
+        _, name, weight_text = split_url_spec(spec)
+        sep = weight_text is not None
+    else:
+        name, sep, weight_text = spec.strip().partition(":")
     if not name:
-        raise ValueError(f"bad reward spec {spec!r}: expected NAME or NAME:WEIGHT")
+        raise ValueError(f"bad reward spec {spec!r}: expected NAME, NAME:WEIGHT or http://HOST:PORT/NAME[:WEIGHT]")
     if name not in _REWARDS:
         raise ValueError(f"bad reward spec {spec!r}: unknown reward {name!r}; known rewards: {reward_names()}")
     if not sep:
@@ -75,6 +87,11 @@ def parse_reward_spec(spec: str) -> tuple[str, float]:
         raise ValueError(f"bad reward spec {spec!r}: weight {weight_text} must be a finite number in "
                          f"[-{MAX_WEIGHT:g}, {MAX_WEIGHT:g}]")
     return name, weight
+
+
+def reward_url(spec: str) -> str | None:
+    """The URL of the service that scores a reward spec, None for a reward computed in the run."""
+    return split_url_spec(spec)[0] if is_url(spec) else None
 
 
 def reward_model_paths(items: Sequence[str]) -> dict[str, str]:
@@ -109,24 +126,51 @@ def parse_reward_specs(specs: Sequence[str], model_paths: dict[str, str] | None 
         if name not in MODEL_REWARDS:
             raise ValueError(f"model path given for {name!r}, which is not a model reward; "
                              f"model rewards: {sorted(MODEL_REWARDS)}")
-    missing = [n for n in names if n in MODEL_REWARDS and not model_paths.get(n)]
+    served = {n: reward_url(s) for (n, _), s in zip(parsed, specs) if reward_url(s)}
+    both = sorted(set(served) & set(model_paths))
+    if both:
+        raise ValueError(f"reward(s) {both} are scored by {[served[n] for n in both]}: their weights are the "
+                         f"service's, so leave out --reward-model for them")
+    missing = [n for n in names if n in MODEL_REWARDS and n not in served and not model_paths.get(n)]
     if missing:
         raise ValueError(f"reward(s) {missing} load weights from a local folder: give "
                          + " ".join(f"--reward-model {n}=DIR" for n in missing) + " (see rewards/README.md)")
     return parsed
 
 
+class PendingScores:
+    """The scores of one batch on their way: `result()` waits for the rewards served over HTTP and
+    returns every score plus "combined", as `RewardSet.score_combined` does."""
+
+    def __init__(self, reward_set: "RewardSet", parts: dict[str, Tensor | Future]):
+        self.reward_set, self.parts = reward_set, parts
+
+    def result(self) -> dict[str, Tensor]:
+        scores = {n: (v.result() if isinstance(v, Future) else v).float().cpu().contiguous()
+                  for n, v in self.parts.items()}
+        scores["combined"] = self.reward_set.combine(scores).float().cpu().contiguous()
+        return scores
+
+
 class RewardSet:
     """The rewards of a run and their weights. `score` returns every reward separately (for per-reward
-    logging); `combine` makes the weighted sum that the advantages are computed from (docs/ALGORITHMS.md)."""
+    logging); `combine` makes the weighted sum that the advantages are computed from (docs/ALGORITHMS.md).
+    A reward given as a URL is scored by that service (`timeout_s`: how long a batch's scores may take,
+    retries included); `remote` says whether any is."""
 
     def __init__(self, specs: Sequence[str], device: str | torch.device = "cpu",
-                 model_paths: dict[str, str] | None = None):
+                 model_paths: dict[str, str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 dtype: torch.dtype = torch.float32):
+        """`timeout_s`: of a reward service (--reward-timeout-s); `dtype`: the weights of the model
+        rewards (--reward-dtype)."""
         parsed = parse_reward_specs(specs, model_paths)  # all checks before any model loads
         self.names = [n for n, _ in parsed]
         self.weights = [w for _, w in parsed]
         model_paths = model_paths or {}
-        self.rewards = {n: build_reward(n, device=device, model_path=model_paths.get(n)) for n in self.names}
+        self.rewards = {n: HttpReward(reward_url(s), n, timeout_s) if reward_url(s)
+                        else build_reward(n, device=device, model_path=model_paths.get(n), dtype=dtype)
+                        for (n, _), s in zip(parsed, specs)}
+        self.remote = any(isinstance(r, HttpReward) for r in self.rewards.values())
 
     def score(self, images: Tensor, prompts: Sequence[str],
               metadata: Sequence[dict] | None = None) -> dict[str, Tensor]:
@@ -139,17 +183,22 @@ class RewardSet:
             raise ValueError(f"scores for {sorted(scores)} but this set has rewards {sorted(self.names)}")
         return sum(w * scores[n].float() for n, w in zip(self.names, self.weights))
 
+    def submit(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> PendingScores:
+        """Send the batch to every reward service first, then compute the local rewards while the
+        services work; the result is collected later."""
+        sent = {n: r.submit(images, prompts, metadata) for n, r in self.rewards.items() if isinstance(r, HttpReward)}
+        parts = {n: sent[n] if n in sent else r(images, prompts, metadata) for n, r in self.rewards.items()}
+        return PendingScores(self, parts)
+
     def score_combined(self, images: Tensor, prompts: Sequence[str],
                        metadata: Sequence[dict] | None = None) -> dict[str, Tensor]:
         """Every reward and their weighted sum under "combined", float32 on CPU: what a generator,
         a scorer rank and evaluation all report, combined alike wherever it is computed."""
-        scores = {n: v.float().cpu().contiguous() for n, v in self.score(images, prompts, metadata).items()}
-        scores["combined"] = self.combine(scores).float().cpu().contiguous()
-        return scores
+        return self.submit(images, prompts, metadata).result()
 
     def __repr__(self) -> str:
         return "RewardSet(" + ", ".join(f"{n}:{w:g}" for n, w in zip(self.names, self.weights)) + ")"
 
 
-__all__ = ["MODEL_REWARDS", "VIDEO_REWARDS", "RewardSet", "build_reward", "parse_reward_spec", "parse_reward_specs",
-           "reward_class", "reward_model_paths", "reward_names"]
+__all__ = ["MODEL_REWARDS", "VIDEO_REWARDS", "PendingScores", "RewardSet", "build_reward", "parse_reward_spec", "parse_reward_specs",
+           "reward_class", "reward_model_paths", "reward_names", "reward_url"]

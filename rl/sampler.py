@@ -18,12 +18,14 @@ from torch import Tensor
 
 from rl.seeding import initial_noise, step_noise
 from rl.conditioning import Conditioning
+from rl.window import WindowSchedule
 
 # Adapters (models.DiTAdapter) are passed in and used through their interface only: the sampler
 # imports no model family.
 
 SDE_TYPES = ("sde", "cps", "dance")
 SCHEDULES = ("dynamic", "static", "dance")
+ODE_SOLVERS = ("euler", "dpm2")
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -46,17 +48,24 @@ def flow_scheduler(adapter: "DiTAdapter") -> FlowMatchEulerDiscreteScheduler:
 
 def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, schedule: str,
                 image_seq_len: int | None = None, shift: float | None = None) -> Tensor:
-    """sigmas [K+1] float32 ending in 0, computed by diffusers' scheduler (docs/ALGORITHMS.md, "Timestep schedules").
+    """sigmas [K+1] float32 ending in 0 (docs/ALGORITHMS.md, "Timestep schedules"): diffusers'
+    scheduler's, or DanceGRPO's own.
 
     dynamic: linspace(1, 1/K, K) shifted by mu(image_seq_len) (FLUX, Qwen-Image pipelines);
     static:  the scheduler's own K-step schedule with a static shift (SD3, Wan, HunyuanVideo);
-    dance:   DanceGRPO's linspace(1, 0, K+1) with a static shift.
+    dance:   DanceGRPO's linspace(1, 0, K+1) with a static shift, in float32 as DanceGRPO computes it
+             without a scheduler (train_grpo_flux.py:127-128, 311-313): a float64 shift rounds one
+             sigma of K=50 the other way, and int(sigma * 1000) with it.
     """
     if num_steps < 1:
         raise ValueError(f"number of sampling steps must be >= 1, got {num_steps}")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
     config = dict(scheduler.config)
+    if schedule == "dance":
+        s = float(config.get("shift", 1.0) if shift is None else shift)
+        t = torch.linspace(1, 0, num_steps + 1, dtype=torch.float32)
+        return s * t / (1 + (s - 1) * t)
     if schedule == "dynamic":
         if image_seq_len is None:
             raise ValueError("the dynamic schedule needs image_seq_len")
@@ -69,10 +78,7 @@ def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, sche
         if shift is not None:
             overrides["shift"] = shift
         sched = FlowMatchEulerDiscreteScheduler.from_config({**config, **overrides})
-        if schedule == "static":
-            sched.set_timesteps(num_inference_steps=num_steps)
-        else:
-            sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
+        sched.set_timesteps(num_inference_steps=num_steps)
     sigmas = sched.sigmas.to(torch.float32).cpu()
     if sigmas.shape != (num_steps + 1,) or sigmas[-1] != 0:
         raise RuntimeError(f"the scheduler gave sigmas {sigmas.tolist()} for {num_steps} steps")
@@ -86,13 +92,28 @@ class StepOutput:
     log_prob: Tensor   # (B,) float32: log p(x_next | x), averaged over non-batch dims
     mean: Tensor       # (B, ...) float32, carries the velocity's gradient
     std: Tensor        # (B,) float32 std of the Gaussian step (0 for a deterministic step)
+    std_dev_t: Tensor  # (B,) float32: the std the peer's step function returns and Flow-GRPO's KL divides
+    #                    by: std_t without sqrt(-dt) for sde (sd3_sde_with_logprob.py:47), the step's std for
+    #                    cps (54809b5:71) and dance (train_grpo_flux.py:148)
+    x0: Tensor | None = None  # (B, ...) float32 x - sigma v, the data prediction a multistep solver keeps
 
 
 def _bcast(v: Tensor | float, like: Tensor) -> Tensor:
+    if isinstance(v, (int, float)):  # filled on the device: no host-to-device copy in the denoising loop
+        v = torch.full((like.shape[0],), float(v), dtype=torch.float32, device=like.device)
     v = torch.as_tensor(v, dtype=torch.float32, device=like.device)
     if v.dim() == 0:
         v = v.expand(like.shape[0])
     return v.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def to_device(t: Tensor, device) -> Tensor:
+    """A CPU tensor on `device` without waiting for the device: drawn noise goes through pinned
+    memory asynchronously (a plain copy from pageable memory synchronizes the stream)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.is_cuda:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _mean_over_sample(t: Tensor) -> Tensor:
@@ -119,20 +140,21 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
     s_next = _bcast(sigma_next, x)
     dt = s_next - s
 
+    std_dev_t = None
     if noise_level == 0:
         mean = x + v * dt
         std = torch.zeros_like(s)
-    elif sde_type == "sde":
+    elif sde_type == "sde":  # Flow-GRPO sd3_sde_with_logprob.py:47-50
         # At sigma = 1 use the next sigma in the denominator (Flow-GRPO) to avoid dividing by zero.
-        std_t = noise_level * torch.sqrt(s / (1 - torch.where(s == 1, s_next, s)))
-        mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
-        std = std_t * torch.sqrt(-dt)
-    elif sde_type == "cps":
+        std_dev_t = noise_level * torch.sqrt(s / (1 - torch.where(s == 1, s_next, s)))
+        mean = x * (1 + std_dev_t**2 / (2 * s) * dt) + v * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * dt
+        std = std_dev_t * torch.sqrt(-dt)
+    elif sde_type == "cps":  # Flow-GRPO 54809b5 sd3_sde_with_logprob.py:70-74
         std = s_next * math.sin(noise_level * math.pi / 2)
         x0_hat = x - s * v
         eps_hat = x + (1 - s) * v
         mean = (1 - s_next) * x0_hat + torch.sqrt(s_next**2 - std**2) * eps_hat
-    else:  # dance
+    else:  # dance: DanceGRPO train_grpo_flux.py:141-153
         x0_hat = x - s * v
         score = -(x - (1 - s) * x0_hat) / s**2
         mean = x + dt * v - 0.5 * noise_level**2 * score * dt
@@ -142,15 +164,36 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
         x_next = mean + std * noise.to(device=x.device, dtype=torch.float32)
     x_next = x_next.detach().float()
 
-    deterministic = bool((std == 0).all())
-    if deterministic:
+    if noise_level == 0:  # the ODE step has no density: log-prob 0, whatever the batch holds
         log_prob = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
     elif sde_type == "cps":
-        # CPS's "log-prob" drops the variance and the constants (docs/ALGORITHMS.md).
+        # CPS's "log-prob" drops the variance and the constants (54809b5:86, 89); at sigma' = 0 its
+        # std is 0 and it still scores x' against the mean, as every other row.
         log_prob = _mean_over_sample(-((x_next - mean) ** 2))
-    else:
+    else:  # the Gaussian log-density averaged over the sample (sd3_sde_with_logprob.py:61-68)
         log_prob = _mean_over_sample(-((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI)
-    return StepOutput(x_next=x_next, log_prob=log_prob, mean=mean, std=std.reshape(-1))
+    std = std.reshape(-1)
+    return StepOutput(x_next=x_next, log_prob=log_prob, mean=mean, std=std,
+                      std_dev_t=std if std_dev_t is None else std_dev_t.reshape(-1))
+
+
+def score_rows(cfg: "SamplingConfig", x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, timesteps: list[int],
+               x_next: Tensor, step: int | None = None) -> StepOutput:
+    """`sde_step` scoring rows at different timesteps (a TSP micro-batch) of training step `step`:
+    one call per distinct noise level (a windowed sampler is deterministic outside its window),
+    rows put back in order."""
+    levels = [cfg.noise_level_at(t, step) for t in timesteps]
+    if len(set(levels)) == 1:
+        return sde_step(x, v, sigma, sigma_next, sde_type=cfg.sde_type, noise_level=levels[0], x_next=x_next)
+    parts, order = [], []
+    for level in sorted(set(levels)):
+        rows = to_device(torch.tensor([j for j, l in enumerate(levels) if l == level]), x.device)
+        parts.append(sde_step(x[rows], v[rows], sigma[rows], sigma_next[rows], sde_type=cfg.sde_type,
+                              noise_level=level, x_next=x_next[rows]))
+        order.append(rows)
+    inverse = torch.argsort(torch.cat(order))
+    return StepOutput(*(torch.cat([getattr(p, k) for p in parts])[inverse]
+                        for k in ("x_next", "log_prob", "mean", "std", "std_dev_t")))
 
 
 # ----- the denoising loop -----------------------------------------------------------------------
@@ -174,7 +217,14 @@ class SamplingConfig:
     seed: int = 0
     num_frames: int | None = None
     sde_window: tuple[int, int] | None = None
-    """Flow-GRPO-Fast / MixGRPO: SDE steps only for t in [start, end), ODE elsewhere."""
+    """Flow-GRPO-Fast: SDE steps only for t in [start, end), ODE elsewhere."""
+    window_schedule: WindowSchedule | None = None
+    """MixGRPO: the window of each training step (rl/window.py), in place of a fixed sde_window."""
+    ode_solver: str = "euler"
+    """deterministic steps: euler, or dpm2 (DPM-Solver++(2M) after the last SDE step; docs/ALGORITHMS.md)"""
+    quantize_timestep: bool = False
+    """Feed the model int(sigma * 1000) / 1000 (DanceGRPO train_grpo_flux.py:231, 238); the step
+    itself uses the exact sigma."""
 
     @classmethod
     def for_adapter(cls, adapter: "DiTAdapter", **overrides) -> "SamplingConfig":
@@ -199,15 +249,42 @@ class SamplingConfig:
             raise ValueError(f"number of sampling steps must be >= 1, got {self.num_steps}")
         if not (math.isfinite(self.cfg_scale) and self.cfg_scale >= 1):
             raise ValueError(f"cfg scale must be >= 1 (1 disables CFG), got {self.cfg_scale}")
+        if self.ode_solver not in ODE_SOLVERS:
+            raise ValueError(f"unknown ODE solver {self.ode_solver!r}; choose one of {ODE_SOLVERS}")
         if self.sde_window is not None:
             start, end = self.sde_window
             if not 0 <= start < end <= self.num_steps:
                 raise ValueError(f"sde window {self.sde_window} must satisfy 0 <= start < end <= {self.num_steps}")
 
-    def noise_level_at(self, t: int) -> float:
-        if self.sde_window is None or self.sde_window[0] <= t < self.sde_window[1]:
+    def model_sigma(self, sigma: Tensor) -> Tensor:
+        """The sigma the model sees: exact, or truncated to thousandths in float32 as DanceGRPO
+        computes int(sigma * 1000) and FLUX receives it divided by 1000."""
+        if not self.quantize_timestep:
+            return sigma
+        return torch.floor(sigma.float() * 1000) / 1000
+
+    def window_at(self, step: int | None) -> tuple[int, int] | None:
+        """The SDE window of training step `step`: the fixed one, or the sliding window's."""
+        if self.window_schedule is None:
+            return self.sde_window
+        if step is None:
+            raise ValueError("a sliding SDE window (MixGRPO) needs the training step")
+        return self.window_schedule.window(step)
+
+    def noise_level_at(self, t: int, step: int | None = None) -> float:
+        window = self.window_at(step)
+        if window is None or window[0] <= t < window[1]:
             return self.noise_level
         return 0.0
+
+    def second_order_at(self, t: int, step: int | None = None) -> bool:
+        """dpm2 takes the multistep second-order update at deterministic step t after the last SDE
+        step, neither the first nor the last step (those stay first order, as NVlabs/DiffusionNFT
+        solver.py dpm_step and MixGRPO's post-window DPM-Solver++ take them)."""
+        if self.ode_solver != "dpm2" or not 0 < t < self.num_steps - 1 or self.noise_level_at(t, step) != 0:
+            return False
+        window = self.window_at(step)
+        return self.noise_level == 0 or window is None or t >= window[1]
 
 
 @dataclass
@@ -228,7 +305,9 @@ def sigmas_for(adapter: "DiTAdapter", cfg: SamplingConfig) -> Tensor:
 def guided_velocity(adapter: "DiTAdapter", x: Tensor, sigma: Tensor, cond: Conditioning,
                     neg_cond: Conditioning | None, cfg: SamplingConfig) -> Tensor:
     """Velocity with the family's guidance: the guidance embedding and/or CFG. Training calls this
-    too, so the log-prob is taken on the same guided velocity with the same scale (docs/ALGORITHMS.md)."""
+    too, so the log-prob is taken on the same guided velocity with the same scale (docs/ALGORITHMS.md).
+    `sigma` is the step's exact sigma; the model sees `cfg.model_sigma(sigma)`."""
+    sigma = cfg.model_sigma(sigma)
     v = adapter.velocity(x, sigma, cond, cfg.guidance)
     if cfg.cfg_scale == 1.0:
         return v
@@ -241,16 +320,39 @@ def guided_velocity(adapter: "DiTAdapter", x: Tensor, sigma: Tensor, cond: Condi
 def initial_latents(cfg: SamplingConfig, step: int, init_ids: list[int], latent_shape: tuple[int, ...],
                     device) -> Tensor:
     """x at sigma = 1 for a batch: the seeded initial noise of each id, (B, *latent_shape)."""
-    return torch.stack([initial_noise(cfg.seed, step, i, latent_shape) for i in init_ids]).to(device)
+    return to_device(torch.stack([initial_noise(cfg.seed, step, i, latent_shape) for i in init_ids]), device)
+
+
+def dpm2_update(x: Tensor, x0: Tensor, x0_prev: Tensor, sigma_prev: float, sigma: float,
+                sigma_next: float) -> Tensor:
+    """DPM-Solver++(2M), data prediction, midpoint form, on the flow grid (alpha = 1 - sigma,
+    lambda = log(alpha / sigma)): x' = (sigma'/sigma) x - alpha' (e^-h - 1) (x0 + D1 / 2),
+    h = lambda' - lambda, D1 = (x0 - x0_prev) h / (lambda - lambda_prev) (Lu et al. 2022; diffusers'
+    DPMSolverMultistepScheduler with solver_type midpoint). Coefficients in float64."""
+    def lam(s: float) -> float:  # -inf at sigma = 1: the step after it is first order (D1 = 0)
+        return -math.inf if s >= 1.0 else math.log((1.0 - s) / s)
+
+    h = lam(sigma_next) - lam(sigma)
+    r0 = (lam(sigma) - lam(sigma_prev)) / h
+    coef = (1.0 - sigma_next) * math.expm1(-h)
+    return (sigma_next / sigma) * x.float() - coef * (x0 + 0.5 / r0 * (x0 - x0_prev))
 
 
 def sample_step(x: Tensor, v: Tensor, sigmas: Tensor, t: int, sample_ids: list[int], step: int,
-                cfg: SamplingConfig) -> StepOutput:
-    """Denoising step t of a batch: draw each sample's seeded step noise and take the SDE step.
-    The one step of rollout, whether one rank runs the whole DiT or GAP stages share it."""
-    eps = torch.stack([step_noise(cfg.seed, step, i, t, tuple(x.shape[1:])) for i in sample_ids]).to(x.device)
-    return sde_step(x, v, sigmas[t].item(), sigmas[t + 1].item(), sde_type=cfg.sde_type,
-                    noise_level=cfg.noise_level_at(t), noise=eps)
+                cfg: SamplingConfig, x0_prev: Tensor | None = None) -> StepOutput:
+    """Denoising step t of a batch: draw each sample's seeded step noise and take the SDE step (an
+    ODE step outside the step's window: Euler, or with dpm2 the multistep update from `x0_prev`,
+    the previous step's data prediction). The one step of rollout, whether one rank runs the whole
+    DiT or GAP stages share it; the returned x0 is the next step's `x0_prev`."""
+    level = cfg.noise_level_at(t, step)
+    sigma, sigma_next = float(sigmas[t]), float(sigmas[t + 1])  # sigmas live on the host: no device wait
+    eps = (to_device(torch.stack([step_noise(cfg.seed, step, i, t, tuple(x.shape[1:])) for i in sample_ids]),
+                     x.device) if level > 0 else torch.zeros_like(x, dtype=torch.float32))
+    out = sde_step(x, v, sigma, sigma_next, sde_type=cfg.sde_type, noise_level=level, noise=eps)
+    out.x0 = x.float() - sigma * v.float()
+    if x0_prev is not None and cfg.second_order_at(t, step):
+        out.x_next = out.mean = dpm2_update(x, out.x0, x0_prev, float(sigmas[t - 1]), sigma, sigma_next)
+    return out
 
 
 @torch.no_grad()
@@ -265,12 +367,12 @@ def denoise(adapter: "DiTAdapter", cond: Conditioning, neg_cond: Conditioning | 
     sigmas = sigmas_for(adapter, cfg) if sigmas is None else sigmas
     device = adapter.device
     x = initial_latents(cfg, step, sample_ids if init_ids is None else init_ids, latent_shape, device)
-    latents, log_probs = [x], []
+    latents, log_probs, x0 = [x], [], None
     for t in range(cfg.num_steps):
-        sigma = sigmas[t].to(device).expand(len(sample_ids))
+        sigma = torch.full((len(sample_ids),), float(sigmas[t]), device=device)  # no host-to-device copy
         v = guided_velocity(adapter, x, sigma, cond, neg_cond, cfg)
-        out = sample_step(x, v, sigmas, t, sample_ids, step, cfg)
-        x = out.x_next
+        out = sample_step(x, v, sigmas, t, sample_ids, step, cfg, x0)
+        x, x0 = out.x_next, out.x0
         latents.append(x)
         log_probs.append(out.log_prob)
     return Trajectory(latents=torch.stack(latents, dim=1), log_probs=torch.stack(log_probs, dim=1), sigmas=sigmas)

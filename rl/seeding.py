@@ -31,3 +31,9 @@ def initial_noise(seed: int, step: int, sample_id: int, shape: tuple[int, ...]) 
 
 def step_noise(seed: int, step: int, sample_id: int, t: int, shape: tuple[int, ...]) -> Tensor:
     return noise(shape, seed, step, sample_id, "sde", t)
+
+
+def forward_noise(seed: int, step: int, sample_id: int, t: int, shape: tuple[int, ...]) -> Tensor:
+    """The noise a forward-process algorithm (DiffusionNFT) adds to sample i's clean latent at the
+    schedule's sigma t on the trainer: keyed like every other noise, so any trainer draws the same."""
+    return noise(shape, seed, step, sample_id, "forward", t)

@@ -16,11 +16,13 @@ import torch.distributed as dist
 from checkpointing import checkpoint
 from checkpointing import folder as runfolder
 from checkpointing import resume as runstate
+from config import preflight
 from config.schema import RunConfig
 from config.validate import RunFacts
-from models import DiTAdapter, autocast, load_model, model_dtypes, resolve_device, set_attention
+from models import TEXT_ENCODERS, DiTAdapter, autocast, load_model, model_dtypes, resolve_device, resolve_dtype
+from models import set_attention
 from models.lora import apply_lora
-from parallel import compress, publish
+from parallel import commhooks, compress, publish
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
 from parallel.intake import TrainingSpec, make_intake
@@ -30,10 +32,10 @@ from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
 from prompts import shapes as buckets
-from prompts.sets import eval_records, load_prompts
-from rewards import RewardSet, reward_model_paths
+from prompts.embeds import PromptEmbeddings
+from rewards import RewardSet, parse_reward_specs, reward_model_paths
 from rl import algorithms, sampler
-from rollout import Generator, VersionSync, generator_step
+from rollout import Generator, VersionSync, drain_sends, generator_step
 from runtime import guard as runguard
 from runtime import memory, probe
 from runtime.evaluation import evaluate_on_trainers
@@ -56,6 +58,9 @@ class RankContext:
     records: list  # list[prompts.sets.PromptRecord]: the training prompt set
     intake: object  # parallel.intake.ChunkIntake or TransitionIntake: routing and the trainer's intake
     slowdown: Slowdown  # --debug-slow-rank: wraps every kind of this rank's work
+    comms: ProcessGroups  # the communicators, one per direction of traffic
+    rewards: RewardSet | None = None
+    """this rank's rewards (a generator's, a scorer's, a TAG trainer's), built before any rank waits"""
 
     @property
     def topo(self) -> Topology:
@@ -89,6 +94,8 @@ class Rank:
     """TCSS: (step, sends) still in flight"""
     saved: int = 0
     """the last step a checkpoint holds"""
+    run: dict = field(default_factory=dict)
+    """the run record (checkpointing/runrecord.py) that config.json and every checkpoint carry"""
 
     @property
     def cfg(self) -> RunConfig:
@@ -108,21 +115,26 @@ class Rank:
         Returns (the fragment results, what stays on this rank for its own training: colocated)."""
         if self.generator is None:
             return [], {}
-        return generator_step(self.ctx, self.generator, self.versions, plan, lambda: self._reward_std(plan.step),
-                              self.replica, self.store, self.deferred if self.ctx.facts.tcss else None)
+        out = generator_step(self.ctx, self.generator, self.versions, plan, lambda: self._reward_std(plan.step),
+                             self.replica, self.store, self.deferred if self.ctx.facts.tcss else None)
+        self._offload()
+        return out
 
     def score(self, plan) -> None:
         """A scorer rank's step: score the fragments sent to it."""
         if self.scorer_rewards is not None:
-            scorer_step(self.ctx, self.scorer_rewards, plan, _image_source(self.ctx, self.store, plan))
+            scorer_step(self.ctx, self.scorer_rewards, plan, _image_source(self.ctx, self.store, plan),
+                        self.groups.images[self.ctx.rank], self.groups.scores)
 
     def train(self, plan, local: dict) -> tuple[dict | None, list]:
         """A trainer's step: train what lands, one update, publish. Returns (its statistics, the
         fragments its TAG helper generated: their rewards count too)."""
         if self.trainer is None:
             return None, []
+        self.store.put(f"begin/{plan.step}/{self.ctx.rank}", 1)  # generators may wait for their sends now
         stats = trainer_step(self.ctx, self.trainer, plan, local, self.publish_names, self.publisher, self.assistant,
                              self.store, self._reward_std(plan.step))
+        self._offload()  # a TAG helper encoded prompts
         return stats, (self.assistant.results if self.assistant is not None else [])
 
     def record(self, plan, started: float, gen_out: list, train_stats: dict | None) -> None:
@@ -143,7 +155,7 @@ class Rank:
                                       lora, write=self.ctx.rank == self.topo.trainer_ranks[0],
                                       extra=runstate.extra_state(self.trainer, self.log.std_history, done),
                                       stale=self.publisher.kept(done - 1) if self.ctx.facts.tcss else None,
-                                      config=c.to_dict(), keep=c.output.keep_checkpoints,
+                                      config={**c.describe(), "run": self.run}, keep=c.output.keep_checkpoints,
                                       export_dtype=c.output.export_dtype)
         self.saved = done
 
@@ -152,7 +164,8 @@ class Rank:
         self.guard.set_phase("evaluation")
         c = self.ctx
         evaluate_on_trainers(c.cfg, c.adapter, c.sampling, c.topo, c.rank, done, self.log.logger, c.tracer,
-                             self.groups.trainers)
+                             self.groups.trainers, records=list(c.facts.eval_records))
+        self._offload()
 
     def finish(self) -> None:
         """After the last step (or a signal): the publications still addressed to generators are
@@ -163,9 +176,7 @@ class Rank:
         guard.set_phase("exit")
         if self.versions is not None:
             self.versions.drain(last, last)  # the trainers publish after every step
-        for _, handles in self.deferred:  # after the drain: the trainers need the publications to get there
-            for h in handles:
-                h.wait()
+        drain_sends(self.store, self.deferred)  # after the drain: the trainers need the publications to get there
         if guard.stopping and self.saved != last and last > start:
             self.save(last)  # a signal stopped the run: the steps it finished are kept
         if guard.stopping:
@@ -177,6 +188,16 @@ class Rank:
             runguard.write_error_file(line)  # torchrun's summary shows why the exit code is 4
             if self.log.logging:
                 runguard.say(line)
+        self._meet_at_exit()
+
+    def _meet_at_exit(self) -> None:
+        """Wait, with no time limit (the heartbeats name a dead or silent rank), until every rank is
+        here: the trainers' last checkpoint and evaluation may outlast any timeout, and the final
+        barrier, posted at once on NCCL, would count its timeout from posting."""
+        self.store.put(f"exit/{self.ctx.rank}", 1)
+        for rank in range(self.topo.world_size):
+            while not self.store.ready(f"exit/{rank}"):
+                time.sleep(0.05)  # rank wait: the trainers' last checkpoint and evaluation
 
     def close(self) -> None:
         self.log.close()
@@ -185,6 +206,12 @@ class Rank:
 
     def exit_code(self) -> int:
         return runguard.EXIT_STOPPED if self.guard.stopping else runguard.EXIT_OK
+
+    def _offload(self) -> None:
+        """--offload-text-encoders: the text encoders go back to host memory after a phase that
+        encodes prompts, so the rest of the step has their device memory."""
+        if self.cfg.model.offload_text_encoders:
+            self.ctx.adapter.offload_text_encoders()
 
     def _reward_std(self, step: int) -> float | None:
         """The advantage std: None (each group's own) or the running std of the batches before this
@@ -200,72 +227,139 @@ class Rank:
 def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     """Everything rank `rank` runs its steps with. Collective: every rank calls it."""
     topo, t = facts.topology, cfg.topology
+    commhooks.install()  # DIGENRL_COMM_TRACE: every collective from here on is recorded
     store = StepStore(t.dist_timeout_s)
-    groups = ProcessGroups.create(topo, t.dist_timeout_s)
+    groups = ProcessGroups.create(topo, t.dist_timeout_s, runguard.pending_timeout_s(t.dist_timeout_s),
+                                  exchange=facts.tsp and not facts.disagg)
     guard = runguard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
                               stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
                               groups=_member_groups(topo, rank, groups),
                               start_step=facts.resume.step if facts.resume else 0).start()
-    if rank == 0:
-        runfolder.prepare(cfg, facts.resume, say=runguard.say)  # before any other rank writes there
-    ctx, shapes = _context(cfg, facts, rank)
-    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, shapes)  # sync point: before FSDP shards the model
-    if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
-        shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
+    ctx, shapes = _context(cfg, facts, rank, groups)  # every check that needs the model: nothing written yet
     trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
         if topo.is_trainer(rank) else None
+    cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
+    # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
+    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
+    run = _prepare_folder(cfg, facts, rank, store)  # sync point: every rank passed its checks, the folder is ready
+    if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
+        shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     in_place = facts.resume is not None and facts.resume.same_folder
     log = StepLog(cfg, rank, rank == facts.log_rank, store, topo.world_size, facts.resume.step if facts.resume else 0,
                   in_place, algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl).SUMMARY)
     begin = runstate.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
     log.std_history = begin.std_history
     all_names = _publish_names(ctx.adapter, facts.lora)
-    runstate.check_same_weights(ctx.adapter, all_names, begin.version)  # every rank starts from its version
-    layouts = _stage_layouts(ctx) if topo.gap_stages > 1 else {}
+    sampled = trainer.sampling_tensors(all_names) if trainer is not None else None  # NFT trainers: the old policy
+    runstate.check_same_weights(ctx.adapter, all_names, begin.version,  # every rank starts from its version
+                                resolve_dtype(cfg.model.dtype, ctx.device), sampled)
+    layouts = _stage_layouts(ctx, cond) if topo.gap_stages > 1 else {}
     shares = replica_speeds({g: speeds[g]["generate_s"] for g in topo.generator_ranks},
                             [topo.replica_ranks(r) for r in range(topo.num_replicas)])
     publish_names = {g: _stage_names(ctx.adapter, all_names, layouts.get(g)) for g in topo.generator_ranks}
     r = Rank(ctx, store, groups, guard, log, begin.step, shares, shapes, publish_names, trainer=trainer,
-             saved=begin.step)
+             saved=begin.step, run=run)
     _build_generator(r, layouts, begin.version)
     if trainer is not None:
         _build_trainer_side(r, speeds, all_names)
     if topo.is_scorer(rank):
-        r.scorer_rewards = _reward_set(cfg, ctx.device)
+        ctx.adapter.release_components(["transformer"])  # a scorer runs the rewards only
+        r.scorer_rewards = ctx.rewards
+    guard.expect_step(_expected_step_s(r, speeds))
     return r
 
 
-def _context(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[RankContext, object]:
+def _expected_step_s(r: Rank, speeds: list) -> float:
+    """A generous prediction of the first step, which its timeouts scale with: every denoising and
+    training forward of the step as if one rank ran them all at the slowest rank's probed speed."""
+    plan, s = r.plan(r.start), r.ctx.sampling
+    probed = [x for x in speeds if x]
+    forwards = (len(plan.chunks) * s.num_steps, sum(len(f) for f in r.ctx.intake.forward_fragments(plan)))
+    per_forward = (max(x["generate_s"] for x in probed), max(x.get("train_s", 0.0) for x in probed))
+    return (2 if s.cfg_scale != 1.0 else 1) * sum(n * t for n, t in zip(forwards, per_forward))
+
+
+def _prepare_folder(cfg: RunConfig, facts: RunFacts, rank: int, store: StepStore) -> dict:
+    """Rank 0 clears or cuts back the run folder and writes config.json once every rank has loaded
+    and passed its checks (a user error found on the way leaves nothing behind); every rank then
+    reads the run record its checkpoints carry."""
+    if rank == 0:
+        run = runfolder.prepare(cfg, facts.resume, facts.digests, say=runguard.say)
+        store.put("run/record", run)
+    dist.barrier()  # sync point: the folder is ready before any rank writes into it
+    return store.get("run/record")
+
+
+def _load(cfg: RunConfig, device: torch.device, master: bool, release: tuple[str, ...]) -> DiTAdapter:
+    """The base model without the components this rank never runs (`release`), float32 weights
+    where a full fine-tune trains them (`master`); weights that do not fit the folder's config are a
+    user error naming the folder."""
+    try:
+        return load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
+                          dtype=model_dtypes(cfg.model.dtype, device, master=master), device=device, release=release)
+    except ValueError as e:
+        where = f"--model-path {cfg.model.model_path}" if cfg.model.model_path else f"--preset {cfg.model.preset}"
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGroups) -> tuple[RankContext, object]:
     """The model and what every role reads; checks every size and prompt before any rank waits."""
     topo = facts.topology
     device = _device(cfg)
+    if device.type == "cuda" and cfg.model.dtype != "float32":  # TF32 for the float32 matmuls that remain
+        torch.set_float32_matmul_precision("high")  # (float32 rewards); --dtype float32 asks for true float32
     torch.manual_seed(cfg.seed)
-    adapter = load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
-                         dtype=model_dtypes(cfg.model.dtype, device), device=device)
+    master = topo.is_trainer(rank) and not facts.lora  # float32 weights only where a full fine-tune trains them
+    adapter = _load(cfg, device, master, released_components(cfg, facts, rank))
+    if topo.gap_stages > len(adapter.blocks):
+        raise ValueError(f"--gap-stages {topo.gap_stages}: the model has {len(adapter.blocks)} DiT blocks, fewer than "
+                         f"the stages that would split them")
+    if cfg.model.prompt_embeds:  # precomputed: no rank encodes
+        adapter.prompt_cache = PromptEmbeddings(cfg.model.prompt_embeds, adapter.max_sequence_length)
+    if cfg.model.offload_text_encoders:
+        adapter.offload_text_encoders()  # on the device only while a step encodes (Rank.offload)
     set_attention(adapter, cfg.model.attention)
     if facts.lora:
         apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
-    s = cfg.sampling
-    sampling = sampler.SamplingConfig.for_adapter(
-        adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
-        noise_level=s.noise_level, guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed,
-        num_frames=s.num_frames, sde_window=s.sde_window)
+    compute = resolve_dtype(cfg.model.dtype, device)
+    memory.check_budget(cfg, facts, adapter)  # --memory-budget-gb: the same on every rank, before any wait
+    if not topo.is_trainer(rank):  # generators (and scorers) hold frozen weights in the compute dtype, no gradient
+        adapter.transformer.requires_grad_(False).to(compute)
+    sampling = run_sampling(cfg, adapter)
     adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails alike everywhere
-    records = load_prompts(cfg.rl.prompts)
+    records = list(facts.prompts.records)  # as read before anything loaded
     shapes = buckets.shape_table(adapter, records, sampling, cfg.rl.prompts)  # before any wait: names a bad line
     if cfg.output.eval_every:
-        buckets.check_shapes(adapter, eval_records(cfg.output.eval_prompts, cfg.output.eval_num_prompts), sampling,
-                             cfg.output.eval_prompts)
-    memory.check_budget(cfg, facts, adapter)  # --memory-budget-gb: the same on every rank
-    tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,
-                    sync=torch.cuda.synchronize if device.type == "cuda" else None)
+        buckets.check_shapes(adapter, facts.eval_records, sampling, cfg.output.eval_prompts)
+    replica = topo.replica_ranks(topo.replica_of(rank)) if topo.is_generator(rank) else ()
+    scores = bool(replica) and replica[-1] == rank and not topo.scorer_ranks  # a replica scores on its last stage
+    needs_rewards = scores or topo.is_scorer(rank) or (facts.tag and topo.is_trainer(rank))
+    rewards = _reward_set(cfg, device) if needs_rewards else None  # a reward model's folder fails before any wait
+    tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,  # timed with device events, never a sync
+                    event=(lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None)
     is_train = topo.is_trainer(rank)
     intake = make_intake(facts.tsp, TrainingSpec.of(cfg, sampling), topo.trainer_ranks,
                          lambda r: topo.replica_ranks(r)[-1], facts.train_micro_batch,
-                         topo.trainer_ranks.index(rank) if is_train else None, tracer)
+                         topo.trainer_ranks.index(rank) if is_train else None, tracer, groups)
     slow = cfg.output.debug_slow_rank
     slowdown = Slowdown(slow[1] if slow and slow[0] == rank else 1.0)
-    return RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown), shapes
+    return RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown, groups,
+                       rewards), shapes
+
+
+def released_components(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[str, ...]:
+    """The pipeline components rank `rank` never runs, freed before the model moves to its device.
+    Text encoders run where prompts are encoded: a replica's first stage (the conditioning travels
+    to the other stages and, with every fragment, to the trainers), and trainers that generate (TAG)
+    or evaluate; with --prompt-embeds nowhere. The VAE runs where samples are decoded: a replica's
+    last stage, and trainers that generate or evaluate. Scorers run neither (nor, once the start-up
+    checks are done, the transformer)."""
+    topo = facts.topology
+    replica = topo.replica_ranks(topo.replica_of(rank)) if topo.is_generator(rank) else ()
+    samples = topo.is_trainer(rank) and (facts.tag or cfg.output.eval_every > 0)  # generates or evaluates
+    encodes = (bool(replica) and replica[0] == rank or samples) and not cfg.model.prompt_embeds
+    decodes = bool(replica) and replica[-1] == rank or samples
+    return (() if encodes else TEXT_ENCODERS) + (() if decodes else ("vae",))
 
 
 def _build_generator(r: Rank, layouts: dict, version: int) -> None:
@@ -274,15 +368,18 @@ def _build_generator(r: Rank, layouts: dict, version: int) -> None:
     rank = ctx.rank
     if not topo.is_generator(rank):
         return
-    scorer = RemoteScorer(topo.scorer_ranks) if topo.scorer_ranks else LocalScorer(_reward_set(ctx.cfg, ctx.device))
-    r.generator = _generator(ctx, scorer)
+    scorer = RemoteScorer(topo.scorer_ranks, r.groups.images, r.groups.scores.get(rank)) if topo.scorer_ranks else \
+        LocalScorer(ctx.rewards)
+    r.generator = _generator(ctx, scorer, r.store, r.trainer)
     if layouts:
-        release_other_blocks(ctx.adapter, layouts[rank].blocks)
-        r.replica = PipelinedReplica(r.generator, layouts[rank])
+        layout = layouts[rank]
+        release_other_blocks(ctx.adapter, layout.blocks)
+        links = r.groups.stage_links(topo.replica_of(rank), layout.stage, layout.num_stages)
+        r.replica = PipelinedReplica(r.generator, layout, links)
     if facts.disagg:
         receiver = publish.WeightReceiver(_params(ctx.adapter, r.publish_names[rank]))
         r.versions = VersionSync(receiver, r.store, topo.trainer_ranks[0], version, 1 if facts.tcss else 0,
-                                 layouts.get(rank), topo.replica_of(rank), ctx.tracer)
+                                 layouts.get(rank), topo.replica_of(rank), ctx.tracer, r.groups.publish)
 
 
 def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
@@ -292,30 +389,55 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
     if facts.tag:
         helper = GroupAssistant if facts.train_sharding == "fsdp" else Assistant  # FSDP trainers generate together
         replica_s = sum(speeds[g]["generate_s"] for g in topo.generator_ranks) / len(topo.generator_ranks)
-        r.assistant = helper(ctx, _generator(ctx, LocalScorer(_reward_set(cfg, ctx.device))), r.store,
+        r.assistant = helper(ctx, _generator(ctx, LocalScorer(ctx.rewards), r.store, trainer), r.store,
                              facts.num_trainers, topo.trainer_ranks.index(rank),
                              trainer_ratio=speeds[rank]["generate_s"] / replica_s)
     if facts.disagg:  # with TCSS the sending trainer keeps the last two versions for checkpoints
         r.publisher = publish.WeightPublisher(compression=cfg.topology.publish_compression,
-                                              link_mbps=cfg.output.debug_link_bandwidth,
-                                              keep=facts.tcss and rank == topo.trainer_ranks[0])
+                                              link_mbps=cfg.output.debug_link_bandwidth, keep=facts.tcss,
+                                              holds=rank == topo.trainer_ranks[0])
     if compress.lossy(cfg.topology.publish_compression):  # every placement trains through the codec
         trainer.start_codec(cfg.topology.publish_compression, all_names, runstate.residual(facts))
     if facts.tcss:  # the generators' version at the next checkpoint; resent at a resume
         runstate.publish_start(facts, rank, trainer, r.publisher, r.publish_names, r.start,
-                               facts.resume is not None and facts.resume.has_stale, r.store)
+                               facts.resume is not None and facts.resume.has_stale, r.store, r.groups.publish)
 
 
-def _generator(ctx: RankContext, scorer) -> Generator:
+def run_sampling(cfg: RunConfig, adapter: DiTAdapter) -> sampler.SamplingConfig:
+    """The run's sampler: the flags over the family's defaults, and what the algorithm prescribes
+    (DiffusionNFT samples with the ODE unless --noise-level says otherwise; MixGRPO's window slides)."""
+    s, algo = cfg.sampling, algorithms.algorithm(cfg.rl.algorithm)
+    noise = 0.0 if s.noise_level is None and algo.forward_process else s.noise_level
+    sampling = sampler.SamplingConfig.for_adapter(
+        adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type, noise_level=noise,
+        guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed, num_frames=s.num_frames, sde_window=s.sde_window,
+        ode_solver=s.ode_solver, quantize_timestep=s.quantize_timestep)
+    if algo.sliding_window:
+        sampling.window_schedule = preflight.window_schedule(cfg, sampling.num_steps)
+    return sampling
+
+
+def _generator(ctx: RankContext, scorer, store: StepStore, trainer: Trainer | None) -> Generator:
+    """A rank's generator; on a rank that also trains (colocated, a TAG helper) it samples with the
+    trainer's sampling policy (DiffusionNFT: the old policy)."""
     cfg = ctx.cfg
+    weights = tuple(parse_reward_specs(cfg.rl.reward, reward_model_paths(cfg.rl.reward_model)))
+    rule = algorithms.algorithm(cfg.rl.algorithm).advantages(cfg.rl, weights)
     return Generator(ctx.adapter, ctx.sampling, scorer, ctx.records, seed=cfg.seed,
                      negative_prompt=cfg.sampling.negative_prompt, same_group_noise=cfg.sampling.same_group_noise,
-                     adv_clip=cfg.rl.adv_clip, drop_zero_std=cfg.rl.drop_zero_std,
-                     autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype), slowdown=ctx.slowdown)
+                     rule=rule, store=store, autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype),
+                     slowdown=ctx.slowdown, clean_only=algorithms.algorithm(cfg.rl.algorithm).forward_process,
+                     policy=trainer.sampling_policy if trainer is not None else None)
 
 
 def _reward_set(cfg: RunConfig, device) -> RewardSet:
-    return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model))
+    return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model),
+                     timeout_s=cfg.rl.reward_timeout_s, dtype=reward_dtype(cfg, device))
+
+
+def reward_dtype(cfg: RunConfig, device) -> torch.dtype:
+    """The model rewards' weights (--reward-dtype): float32, or auto: the compute dtype."""
+    return torch.float32 if cfg.rl.reward_dtype == "float32" else resolve_dtype(cfg.model.dtype, device)
 
 
 def _member_groups(topo: Topology, rank: int, groups: ProcessGroups) -> list:
@@ -360,14 +482,16 @@ def _publish_names(adapter, lora: bool) -> list[str]:
     return [n for n, _ in named if ".lora_" in n] if lora else [n for n, _ in named]
 
 
-def _stage_layouts(ctx: RankContext) -> dict:
-    """GAP stages: every generator rank measures its per-block cost (scaled by its slow-down);
-    every rank then computes the same partition of every replica from the gathered measurements."""
+def _stage_layouts(ctx: RankContext, cond) -> dict:
+    """GAP stages: every generator rank measures its per-block cost (scaled by its slow-down) with
+    the probes' conditioning `cond`; every rank then computes the same partition of every replica
+    from the gathered measurements."""
     cfg, topo, rank, adapter = ctx.cfg, ctx.topo, ctx.rank, ctx.adapter
     costs = None
     if topo.is_generator(rank):
         with autocast(adapter.device, cfg.model.dtype):
-            costs = [c * ctx.slowdown.factor for c in measure_block_costs(adapter, ctx.sampling, cfg.rl.micro_batch)]
+            costs = [c * ctx.slowdown.factor
+                     for c in measure_block_costs(adapter, ctx.sampling, cfg.rl.micro_batch, cond=cond)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, costs)  # sync point
     layouts = {}

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from models import autocast
 from prompts import shapes as buckets
 from prompts.sets import eval_records
 from rewards import RewardSet, reward_model_paths
@@ -28,12 +29,10 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
     `progress`; a sample does not depend on its batch, so the batch size changes no score. The
     images are a tensor [n, 3, H, W] (videos [n, 3, F, H, W]) when they share one shape, else a list
     in record order (metrics.image_grid pads them to the largest)."""
-    ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None)
-    default = buckets.default_shape(sampling)
+    # Euler whatever the rollout's solver or window, so every algorithm is evaluated alike (NFT too)
+    ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None, window_schedule=None, ode_solver="euler")
     keep = len(records) if keep_images is None else min(keep_images, len(records))
-    by_shape: dict = {}
-    for j, r in enumerate(records):
-        by_shape.setdefault(buckets.record_shape(r, default), []).append(j)
+    by_shape = buckets.rows_by_shape(records, sampling)
     images, scores = [None] * keep, {}
     bar = tqdm(total=len(records), desc="evaluate", unit="sample", disable=not progress, dynamic_ncols=True,
                leave=False)
@@ -71,13 +70,16 @@ def summarize(scores: dict[str, list[float]], shape_names: list[str] | None = No
     return out
 
 
-def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, logger, tracer, group) -> None:
+def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, logger, tracer, group,
+                         records=None) -> None:
     """During training: trainer ranks hold the newest version (k+1 right after update k) and the
     whole model, so they evaluate. The held-out prompts of each shape are split evenly over them
     (equal counts, so FSDP ranks run equally many forwards); results are gathered on the first
-    trainer, which logs. Other ranks return at once."""
+    trainer, which logs. Other ranks return at once. `records`: the held-out records as the run
+    read them before anything loaded (else the file is read now)."""
     out = cfg.output
-    records = eval_records(out.eval_prompts, out.eval_num_prompts, out.eval_samples_per_prompt)
+    if records is None:
+        records = eval_records(out.eval_prompts, out.eval_num_prompts, out.eval_samples_per_prompt)
     evaluators = list(topo.trainer_ranks)
     if rank not in evaluators:
         return
@@ -85,8 +87,12 @@ def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, log
     names = [buckets.shape_name(buckets.record_shape(r, default)) for r in records]
     share = buckets.evaluation_share(names, len(evaluators), evaluators.index(rank))
     rows = [j for j, _ in share]  # record j is sample j: its fixed seed
-    rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model))
-    with tracer.span("evaluate", "eval", done):
+    rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model),
+                        timeout_s=cfg.rl.reward_timeout_s,
+                        dtype=torch.float32 if cfg.rl.reward_dtype == "float32" else adapter.dtype)
+    # Under the run's autocast, as the generators sample (FSDP2 trainers gather compute-dtype weights;
+    # TF32 is on for what stays float32, runtime/build.py): float32 sampling of a 12B model takes minutes.
+    with tracer.span("evaluate", "eval", done), autocast(adapter.device, cfg.model.dtype):
         scores, images = evaluate(adapter, sampling, [records[j] for j in rows], rewards,
                                   batch_size=cfg.rl.micro_batch, sample_ids=rows,
                                   negative_prompt=cfg.sampling.negative_prompt, thumbnail=thumbnails,

@@ -1,27 +1,41 @@
-"""Run safety of one rank: heartbeats, faults reported by name, stop on signal, adaptive timeouts.
+"""Run safety of one rank: heartbeats, faults blamed on the rank that failed, stop on signal,
+adaptive timeouts.
 
 Every rank runs a heartbeat thread over a store connection of its own (parallel/store.py; a
 blocking get holds its connection, so the main thread's waits never delay a beat):
 
-- Beats. Every `interval` seconds the thread writes guard/hb/{rank} = "seq step phase" and reads
-  the beats of the peers it watches (all of them up to 16 ranks, else the next two in a ring). A
-  peer whose beat has not changed for --heartbeat-timeout-s (5 s while a stop is under way, when
-  every rank should be beating) is reported as "generator rank 0 (replica 0) stopped answering at
-  step 17". The first report is written to guard/fault; every rank polls it each beat, prints it
-  and exits with code 3. A rank that fails writes its own report there before it exits.
+- Faults. A rank whose own code raises (anything but a broken connection to a peer) publishes
+  its error first, to guard/fault: "trainer rank 1 failed at step 0: RuntimeError: ...". Every
+  other rank polls it each beat, prints it and exits (3; 2 when it was a user error). A rank whose
+  connection to a peer broke looks for that report (the peer wrote it before it exited), and only
+  when none comes blames silence: a peer whose beat has not changed for SILENCE_BEATS beats and
+  a second. The heartbeat thread itself reports a peer silent for --heartbeat-timeout-s (5 s while
+  a stop is under way, when every rank should be beating): "generator rank 0 (replica 0) stopped
+  answering at step 17".
+- Torchrun's death. A worker whose parent (torchrun's agent) is gone says so in one line and exits
+  3, without touching the store the agent hosted (each touch of a dead store prints a C++ trace).
 - Signals. SIGTERM and SIGINT reach the thread through signal.set_wakeup_fd, even while the main
   thread waits in a collective. The rank that claims guard/stop/claim first decides the stop step
   S = 1 + the highest step any rank has begun (each rank writes guard/began/{rank} before it
   checks for a stop, so no rank has begun S); every rank finishes the steps before S, the trainers
-  write checkpoint step-S, and all exit with code 4. A second signal, 2 s or more after the
-  first, exits at once; --stop-grace-s bounds the whole stop.
-- Timeouts. After each step, collectives, point-to-point waits and store waits time out after 5 x
-  the slowest step so far (at least 60 s, at most --dist-timeout-s); around scheduled checkpoints
-  and evaluations, and at the end, they go back to --dist-timeout-s.
+  write checkpoint step-S, and all exit with code 4; --stop-grace-s bounds the whole stop. A second
+  SIGTERM or SIGINT 2 s or more after the first exits at once (128 + N), without a checkpoint; one
+  within 2 s belongs to the same stop: SLURM and a terminal's Ctrl-C signal every process of the job,
+  and torchrun forwards its own copy, so each rank receives the one request twice.
+- Timeouts. After each step, collectives, point-to-point and store waits time out after 5 x the
+  slowest step so far (at least 60 s); before the first, after --dist-timeout-s or 5 x the step the
+  start-up probe predicts, whichever is longer (`expect_step`); around scheduled checkpoints and
+  evaluations, and at the end, after --dist-timeout-s or the step's timeout, whichever is longer.
+  Each point-to-point wait counts from when it starts (parallel/p2p.py). The NCCL watchdog counts
+  an op from when it was posted, and an op may stay posted through a long evaluation or checkpoint:
+  the point-to-point communicators get `pending_timeout_s` as theirs, a backstop; a dead or silent
+  rank is named by the heartbeats long before.
+- Exits. Every way out that runs code (shutdown, a fault, a second signal) runs the exit hooks
+  (`at_exit`: rank 0 releases the run folder's lock, checkpointing/lock.py).
 
 Exit codes (README, "Reliability"): 0 done; 1 unexpected error (traceback); 2 user error, one
-line, before anything loads; 3 the run stopped on a fault it names (a peer died or stopped
-answering, non-finite values N steps in a row, a timeout, the stop grace ran out); 4 stopped by
+line; 3 the run stopped on a fault it names (a peer failed, died or stopped answering, torchrun
+died, non-finite values N steps in a row, a timeout, the stop grace ran out); 4 stopped by
 SIGTERM/SIGINT after writing a checkpoint; 128 + N a second signal N.
 """
 from __future__ import annotations
@@ -37,23 +51,44 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
+from tqdm import tqdm
 
+from config.preflight import RAISE_ENV
 from rl.nonfinite import RunAbort
 from parallel import p2p
 from parallel.store import StepStore
 
 EXIT_OK, EXIT_ERROR, EXIT_USER, EXIT_ABORT, EXIT_STOPPED = 0, 1, 2, 3, 4
 STOP_SILENCE_S = 5.0  # during a stop every rank beats: a silent one is gone
+SILENCE_BEATS = 4  # a peer is silent only when its beat stayed the same this many beats (and a second)
+SECOND_SIGNAL_S = 2.0  # a signal this soon after the first is the same request (torchrun forwards its copy)
 MIN_TIMEOUT_S, TIMEOUT_FACTOR = 60.0, 5.0
+PENDING_S = 6 * 3600.0  # the watchdog backstop of point-to-point communicators (module docstring)
 _ACTIVE: "RunGuard | None" = None
+_EXIT_HOOKS: list = []
 
 
 def active() -> "RunGuard | None":
     return _ACTIVE
 
 
+def at_exit(hook) -> None:
+    """Run `hook()` on every way out of this process that runs code (run_exit_hooks)."""
+    _EXIT_HOOKS.append(hook)
+
+
+def run_exit_hooks() -> None:
+    while _EXIT_HOOKS:
+        try:
+            _EXIT_HOOKS.pop()()
+        except Exception:  # noqa: BLE001 - an exit goes on
+            pass
+
+
 def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """A line on stderr, on a line of its own even while the logging rank's progress bar is drawn."""
+    tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def write_error_file(line: str) -> None:
@@ -67,6 +102,12 @@ def write_error_file(line: str) -> None:
                                                                   "timestamp": str(int(time.time()))}}}, f)
     except OSError:
         pass
+
+
+def pending_timeout_s(dist_timeout_s: float) -> float:
+    """The NCCL watchdog timeout of a point-to-point communicator: it counts from posting, and a
+    fragment sent before the trainers' evaluation or checkpoint waits for all of it."""
+    return max(float(dist_timeout_s), PENDING_S)
 
 
 def first_line(exc: BaseException) -> str:
@@ -92,6 +133,7 @@ class RunGuard:
         self.step, self.phase, self.start_step = start_step, "loading", start_step
         self.stop_at: int | None = None
         self.slowest = 0.0
+        self.expected = 0.0  # the step the start-up probe predicts, until one is measured
         self.timeout_s = self.flat_s
         self.peers = [p for p in range(self.world) if p != rank] if self.world <= 16 else \
             sorted({(rank + 1) % self.world, (rank + 2) % self.world} - {rank})
@@ -103,8 +145,14 @@ class RunGuard:
         self._stop_since: float | None = None
         self._decided = False
         self._done = threading.Event()
+        self._exiting = threading.Lock()  # the first way out (main thread or heartbeat thread) prints and exits
         self._thread: threading.Thread | None = None
         self._wake = -1
+        # torchrun's agent, the parent of a worker it started (None otherwise: a shell may end before its job)
+        under_agent = "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self.parent = os.getppid() if under_agent else None
+        fault = os.environ.get(RAISE_ENV, "")
+        self._inject = tuple(map(int, fault.split(":"))) if fault else None  # test hook: (rank, step)
 
     # ----- lifecycle (main thread) ------------------------------------------------------------
     def start(self) -> "RunGuard":
@@ -157,14 +205,26 @@ class RunGuard:
     def stopping(self) -> bool:
         return self.stop_at is not None
 
+    def injected_fault(self, step: int) -> None:
+        """Test hook (DIGENRL_DEBUG_RAISE=RANK:STEP): this rank's own code fails at that step."""
+        if self._inject == (self.rank, step):
+            raise RuntimeError(f"injected fault ({RAISE_ENV}={self.rank}:{step})")
+
     def step_done(self, seconds: float) -> None:
         self.slowest = max(self.slowest, seconds)
 
+    def expect_step(self, seconds: float) -> None:
+        """The first step's predicted seconds (the start-up probe): its timeouts scale with it."""
+        self.expected = float(seconds)
+
     def set_timeouts(self, relaxed: bool) -> None:
-        """Adaptive timeouts for the coming step; `relaxed` (a checkpoint or an evaluation is due,
-        or the run ends): --dist-timeout-s."""
-        t = self.flat_s if relaxed or not self.slowest else \
-            min(self.flat_s, max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * self.slowest))
+        """Adaptive timeouts for the coming step (module docstring); `relaxed`: a checkpoint or an
+        evaluation is due, or the run ends."""
+        if self.slowest:
+            t = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * self.slowest)
+            t = max(self.flat_s, t) if relaxed else t
+        else:  # a prediction without the first step's one-off costs never shortens --dist-timeout-s
+            t = max(self.flat_s, TIMEOUT_FACTOR * self.expected)
         if t == self.timeout_s:
             return
         self.timeout_s = t
@@ -174,31 +234,39 @@ class RunGuard:
         p2p.configure(timeout_s=t)
 
     # ----- failures (main thread) ------------------------------------------------------------------
-    def report(self, description: str) -> str:
+    @property
+    def silence_window_s(self) -> float:
+        """How long a peer's beat must stay the same before it counts as silent: several beats and
+        a margin, never less than the interval between beats."""
+        return SILENCE_BEATS * self.interval + 1.0
+
+    def report(self, description: str, code: int = EXIT_ABORT) -> str:
         """Publish a fault for every rank (the first report wins); returns the one that stands."""
         try:
             if self.main.add("guard/fault_claim", 1) == 1:
-                self.main.put("guard/fault", description)
+                _publish_fault(self.main, description, code)
                 return description
             deadline = time.monotonic() + 2
             while time.monotonic() < deadline:
-                first = self.main.get_if_set("guard/fault")
+                first = _read_fault(self.main)
                 if first is not None:
-                    return first
+                    return first[0]
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the store may be gone
             pass
         return description
 
-    def diagnose(self, window_s: float) -> str | None:
-        """A peer's fault report, or the peers whose beat did not change for `window_s`."""
+    def diagnose(self, window_s: float | None = None) -> str | None:
+        """A peer's fault report, or the peers whose beat did not change for `window_s` (default:
+        the silence window)."""
+        window_s = self.silence_window_s if window_s is None else window_s
         try:
             first = {p: self.main.get_if_set(f"guard/hb/{p}") for p in range(self.world) if p != self.rank}
             deadline = time.monotonic() + window_s
             while True:
-                fault = self.main.get_if_set("guard/fault")
+                fault = _read_fault(self.main)
                 if fault is not None:
-                    return fault
+                    return fault[0]
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.25)
@@ -212,21 +280,56 @@ class RunGuard:
         """(exit code, the one line to print, whether a traceback helps) for an exception of the
         main thread; peers learn of it through guard/fault."""
         self._done.set()  # this rank reports and exits itself: the thread must not race it to the exit
+        self._exiting.acquire(timeout=30)  # held by the heartbeat thread only while it ends the process itself
         if isinstance(exc, ValueError) and not isinstance(exc, p2p.PeerError):
-            self.report(f"{self.me} stopped on a user error: {exc}")
+            self.report(f"{self.me} stopped on a user error: {exc}", EXIT_USER)
             return EXIT_USER, f"error: {exc}", False
         if isinstance(exc, RunAbort):
             self.report(f"{self.me} stopped the run at step {self.step}: {exc}")
             return EXIT_ABORT, f"error: {exc}", False
-        cause = self.diagnose(4 * self.interval + 1 if is_comm_error(exc) else 0.5)
+        if not is_comm_error(exc):  # this rank's own failure: said first, before any diagnosis
+            line = f"{self.me} failed at step {self.step}: {first_line(exc)}"
+            stands = self.report(line, EXIT_ERROR)
+            if stands != line:  # a peer failed first: this error follows from it
+                return self._code_of_fault(), f"error: {stands}; {self.me} stopped at step {self.step} " \
+                                              f"({first_line(exc)})", False
+            return EXIT_ERROR, f"error: {line}", True
+        if self.agent_gone(wait_s=0.5):  # before the store: touching a dead store prints C++ traces
+            return EXIT_ABORT, f"error: {self.agent_line()}", False
+        cause = self.diagnose()
         if cause is None and isinstance(exc, p2p.PeerError):
             cause = str(exc)
         if cause is not None:
             cause = self.report(cause)
-            return EXIT_ABORT, f"error: {cause}; {self.me} stopped at step {self.step} ({first_line(exc)})", False
+            return self._code_of_fault(), f"error: {cause}; {self.me} stopped at step {self.step} ({first_line(exc)})", \
+                False
         line = f"{self.me} failed at step {self.step}: {first_line(exc)}"
-        self.report(line)
+        self.report(line, EXIT_ERROR)
         return EXIT_ERROR, f"error: {line}", True
+
+    def _code_of_fault(self) -> int:
+        """This rank's exit code for the fault that stands: 2 when it was a user error, else 3."""
+        try:
+            fault = _read_fault(self.main)
+        except Exception:  # noqa: BLE001 - the store may be gone
+            fault = None
+        return EXIT_USER if fault is not None and fault[1] == EXIT_USER else EXIT_ABORT
+
+    def agent_gone(self, wait_s: float = 0.0) -> bool:
+        """torchrun's agent (this worker's parent) has died: the worker was handed to another parent.
+        `wait_s`: the kernel closes a dying process's sockets just before it hands its children on."""
+        if self.parent is None:
+            return False
+        deadline = time.monotonic() + wait_s
+        while os.getppid() == self.parent:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def agent_line(self) -> str:
+        return (f"torchrun (pid {self.parent}) is gone, and the rendezvous store with it: {self.me} stops at step "
+                f"{self.step} without a new checkpoint")
 
     # ----- the heartbeat thread -------------------------------------------------------------------
     def _beat(self, store: StepStore | None = None) -> None:
@@ -239,9 +342,14 @@ class RunGuard:
         return f"{self.topo.describe(peer)} stopped answering at step {step} (no heartbeat for {age:.0f} s{phase})"
 
     def _die(self, code: int, line: str) -> None:
+        """The heartbeat thread ends the process, unless the main thread is already on its way out."""
+        if not self._exiting.acquire(blocking=False):
+            self._done.set()
+            return
         say(line)
         write_error_file(line)
         sys.stdout.flush()
+        run_exit_hooks()
         os._exit(code)
 
     def _loop(self) -> None:
@@ -253,6 +361,9 @@ class RunGuard:
             except (OSError, ValueError):
                 time.sleep(self.interval)
             if self._done.is_set():
+                return
+            if self.agent_gone():
+                self._die(EXIT_ABORT, f"error: {self.agent_line()}")
                 return
             try:
                 self._tick()
@@ -267,9 +378,11 @@ class RunGuard:
 
     def _tick(self) -> None:
         self._beat()
-        fault = self.beats.get_if_set("guard/fault")
+        fault = _read_fault(self.beats)
         if fault is not None:
-            self._die(EXIT_ABORT, f"error: {fault}; {self.me} stops")
+            line, code = fault
+            self._die(EXIT_USER if code == EXIT_USER else EXIT_ABORT, f"error: {line}; {self.me} stops")
+            return
         if self._signal is not None and not self._decided:
             self._decide_stop()
         if self._stop_since is None and self.beats.ready("guard/stop/request"):
@@ -277,8 +390,9 @@ class RunGuard:
         if self._stop_since is not None and time.monotonic() - self._stop_since > self.grace_s:
             line = (f"the stop did not finish within --stop-grace-s {self.grace_s:g} s; exiting without a new "
                     f"checkpoint")
-            self.beats.put("guard/fault", f"{self.me}: {line}")
+            _publish_fault(self.beats, f"{self.me}: {line}", EXIT_ABORT)
             self._die(EXIT_ABORT, f"error: {self.me}: {line}")
+            return
         self._watch()
 
     def _on_signals(self, data: bytes) -> None:
@@ -288,8 +402,9 @@ class RunGuard:
             name, now = signal.Signals(sig).name, time.monotonic()
             if self._signal is None:
                 self._signal = (name, now)
-            elif now - self._signal[1] >= 2.0:
-                self._die(128 + sig, f"error: {self.me}: a second {name}: exiting now, without a checkpoint")
+            elif now - self._signal[1] >= SECOND_SIGNAL_S:
+                self._die(128 + sig, f"error: {self.me}: a second {name}, {now - self._signal[1]:.1f} s after the "
+                                     f"first: exiting now (code {128 + sig}), without a checkpoint")
 
     def _decide_stop(self) -> None:
         self._decided = True
@@ -301,7 +416,9 @@ class RunGuard:
         at = max((int(b) for b in began if b is not None), default=self.start_step - 1) + 1
         self.beats.put("guard/stop/at", at)
         say(f"{self.signal_name} on {self.me}: the run stops before step {at} (every rank finishes the steps before "
-            f"it, the trainers write checkpoint step-{at}; --stop-grace-s {self.grace_s:g}; a second signal exits now)")
+            f"it, the trainers write checkpoint step-{at}; --stop-grace-s {self.grace_s:g}). A second SIGTERM or SIGINT "
+            f"{SECOND_SIGNAL_S:g} s or more after this one exits at once without a checkpoint; one sooner is this "
+            f"request again (torchrun forwards the signal that SLURM or Ctrl-C also sent every rank)")
 
     @property
     def signal_name(self) -> str | None:
@@ -324,5 +441,18 @@ class RunGuard:
                     continue
                 line = self._silent(p, beat, age)
                 if self.beats.add("guard/fault_claim", 1) == 1:
-                    self.beats.put("guard/fault", line)
+                    _publish_fault(self.beats, line, EXIT_ABORT)
                 self._die(EXIT_ABORT, f"error: {line}; {self.me} stops")
+                return
+
+
+def _publish_fault(store: StepStore, line: str, code: int) -> None:
+    """The fault every rank prints (the caller holds guard/fault_claim) and the code they exit with."""
+    store.put("guard/fault", {"line": line, "code": code})
+
+
+def _read_fault(store: StepStore) -> tuple[str, int] | None:
+    fault = store.get_if_set("guard/fault")
+    if fault is None:
+        return None
+    return (fault["line"], fault["code"]) if isinstance(fault, dict) else (str(fault), EXIT_ABORT)

@@ -30,6 +30,7 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
                 break
             r.guard.set_timeouts(relaxed=_saves_or_evaluates(cfg, step) or _saves_or_evaluates(cfg, step - 1))
             plan = r.plan(step)
+            r.guard.injected_fault(step)  # test hook only (DIGENRL_DEBUG_RAISE)
             started = time.time()
             gen_out, local = r.generate(plan)
             r.score(plan)

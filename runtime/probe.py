@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from rl import sampler
 from models import autocast
+from parallel import commhooks
 from prompts import shapes as buckets
 from telemetry.tracing import Slowdown
-
 
 
 def _timed(fn, slowdown: Slowdown, device: torch.device, repeats: int = 3) -> float:
@@ -28,27 +28,38 @@ def _timed(fn, slowdown: Slowdown, device: torch.device, repeats: int = 3) -> fl
     minimum is the least disturbed by other processes sharing the device or the CPU."""
     best = float("inf")
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        commhooks.synchronize(device)  # start-up, before any rank posts a send: nothing else to wait for
         start = time.perf_counter()
         with slowdown():
             fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            commhooks.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def probe_speed(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocast) -> dict[str, float]:
-    """{"generate_s", "train_s"}: one denoising forward (no grad) and one training forward +
-    backward of the run's transformer at the run's micro-batch and resolution. Draws its inputs
-    from a private generator (the global RNG is untouched) and leaves no gradient behind."""
+def probe_conditioning(ctx):
+    """The conditioning of `micro_batch` empty prompts, which every rank's probe runs with: the
+    first rank encodes it (rank 0 always encodes: a generator's first stage, or colocated) and
+    every rank receives it, since trainers and GAP stages hold no text encoder. A sync point."""
+    batch = [ctx.adapter.encode_prompts([""] * ctx.cfg.rl.micro_batch).to("cpu")] if ctx.rank == 0 else [None]
+    dist.broadcast_object_list(batch, src=0)  # sync point: every rank
+    return batch[0].to(ctx.device)
+
+
+def probe_speed(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocast,
+                training: bool = True, cond=None) -> dict[str, float]:
+    """{"generate_s"[, "train_s"]}: one denoising forward (no grad) and, with `training`, one
+    training forward + backward of the run's transformer at the run's micro-batch and resolution.
+    Trainers probe training as they train: after FSDP2 shards the model (a collective over the
+    trainers, which all probe), with the run's activation checkpointing and under the trainer's
+    autocast; generators, whose weights are frozen, never run a backward. Draws its inputs from a
+    private generator (the global RNG is untouched) and leaves no gradient behind."""
     shape = adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)
     device = adapter.device
     rng = torch.Generator().manual_seed(0)
     x = torch.randn(micro_batch, *shape, generator=rng).to(device)
     sigma = torch.full((micro_batch,), 0.5, device=device)
-    cond = adapter.encode_prompts([""] * micro_batch)
+    cond = adapter.encode_prompts([""] * micro_batch) if cond is None else cond
 
     def generate():
         with torch.no_grad(), autocast():
@@ -57,31 +68,34 @@ def probe_speed(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocas
     def train():
         with torch.enable_grad(), autocast():
             v = adapter.velocity(x, sigma, cond, sampling.guidance)
-        if v.requires_grad:
-            v.float().square().mean().backward()
+        v.float().square().mean().backward()
         for p in adapter.transformer.parameters():
             p.grad = None
 
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):  # whatever the model draws (dropout) leaves the run's RNG as it was
-        return {"generate_s": _timed(generate, slowdown, device), "train_s": _timed(train, slowdown, device)}
+        out = {"generate_s": _timed(generate, slowdown, device)}
+        if training:
+            out["train_s"] = _timed(train, slowdown, device)
+        return out
 
 
-def probe_shapes(adapter, sampling, micro_batch: int, shapes, slowdown: Slowdown, autocast) -> dict:
+def probe_shapes(adapter, sampling, micro_batch: int, shapes, slowdown: Slowdown, autocast, cond) -> dict:
     """{shape: seconds} to generate one chunk of `micro_batch` samples at each shape (height, width,
     frames): encoding its prompts, K denoising steps (one step timed, counted K times: the forward,
-    the seeded noise and the SDE step) and decoding. The measured cost of the run's prompt shapes
-    (buckets.measured_table). Like probe_speed, it leaves the run's RNG as it was."""
+    the seeded noise and the SDE step) and decoding, each where this rank does it (a GAP stage that
+    does not encode or decode counts neither). The measured cost of the run's prompt shapes
+    (buckets.measured_table). `cond`: the probe's conditioning (`probe_conditioning`). Like
+    probe_speed, it leaves the run's RNG as it was."""
     device = adapter.device
-    prompts = [""] * micro_batch
+    encodes = adapter.prompt_cache is not None or all(adapter.holds(n) for n in adapter.text_encoders())
 
     def encode():
-        return adapter.encode_prompts(prompts)
+        return adapter.encode_prompts([""] * micro_batch)
 
     out = {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        cond = encode()
-        encode_s = _timed(encode, slowdown, device)
+        encode_s = _timed(encode, slowdown, device) if encodes else 0.0
         for shape in shapes:
             cfg = dataclasses.replace(sampling, height=shape[0], width=shape[1], num_frames=shape[2], num_steps=1,
                                       sde_window=None)
@@ -99,21 +113,23 @@ def probe_shapes(adapter, sampling, micro_batch: int, shapes, slowdown: Slowdown
                     adapter.decode(latents[0])
 
             step_s = _timed(step, slowdown, device)
-            out[shape] = encode_s + sampling.num_steps * step_s + _timed(decode, slowdown, device)
+            decode_s = _timed(decode, slowdown, device) if adapter.holds("vae") else 0.0
+            out[shape] = encode_s + sampling.num_steps * step_s + decode_s
     return out
 
 
-def gather_speeds(ctx, out_dir: str, shapes=None) -> list[dict | None]:
-    """Every rank's start-up speed probe (`probe_speed`; scorer ranks: None), gathered on every
-    rank; the first rank writes them to DIR/speeds.json. With prompts of several shapes, generator
-    ranks also time a chunk at each shape ("shape_s", for the dispatch's costs)."""
+def gather_speeds(ctx, out_dir: str, cond, shapes=None, training: bool = False) -> list[dict | None]:
+    """Every rank's start-up speed probe (`probe_speed` with the conditioning `cond`, training only on
+    trainers: `training`; scorer ranks: None), gathered on every rank; the first rank writes them to
+    DIR/speeds.json. With prompts of several shapes, generator ranks also time a chunk at each shape
+    ("shape_s", for the dispatch's costs)."""
     mine = None
     if not ctx.topo.is_scorer(ctx.rank):
         amp = lambda: autocast(ctx.device, ctx.cfg.model.dtype)  # noqa: E731
-        mine = probe_speed(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch, ctx.slowdown, amp)
+        mine = probe_speed(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch, ctx.slowdown, amp, training, cond)
         if shapes is not None and ctx.topo.is_generator(ctx.rank):
             seconds = probe_shapes(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch,
-                                   sorted(shapes.costs, key=buckets.shape_name), ctx.slowdown, amp)
+                                   sorted(shapes.costs, key=buckets.shape_name), ctx.slowdown, amp, cond)
             mine["shape_s"] = {buckets.shape_name(k): s for k, s in seconds.items()}
     everyone = [None] * ctx.topo.world_size
     dist.all_gather_object(everyone, mine)  # sync point

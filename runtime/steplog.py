@@ -73,7 +73,7 @@ class StepLog:
         """Thumbnails of this step's first samples, for the logging rank's grid: from the rank that
         generated fragment 0, every --log-images-every steps."""
         every = self.cfg.output.log_images_every
-        if not (gen_out and every and step % every == 0 and gen_out[0].chunks[0].fragment == 0):
+        if not (gen_out and every and step % every == 0 and gen_out[0].fragment == 0):
             return None
         images = thumbnails(gen_out[0].images, 16)
         pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).contiguous()  # what the grid keeps anyway

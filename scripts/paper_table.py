@@ -12,8 +12,12 @@ Below it, the cross-site table: FLUX full fine-tuning with the generators on H20
 the trainers on H100 in another, joined by a 25 Gb/s link, publishing uncompressed (fp32) or with
 delta-topk:0.01, against the best colocated plan of the same GPUs in one site.
 
-Peers on the mixed testbed run in lockstep, so they are modelled on N GPUs of the slower type;
-VeRL-Omni is its mechanism model without the per-step overhead fitted on its published runs (so
+Peers on the mixed testbed run in lockstep, so they are modelled on N GPUs of the slower type,
+except VeRL-Omni, whose column is the stronger of its two on-policy modes (planner.systems.
+verl_omni_best): its colocated hybrid engine, or separate-async at its best split of actor and
+standalone rollout GPUs (on the mixed testbed: actors on the H100 half, rollout on the H20 half),
+with delta weight sync for full fine-tuning; "(sep)" marks the cells where separate-async is the
+stronger. It is its mechanism model without the per-step overhead fitted on its published runs (so
 its column understates VeRL-Omni's measured step times; see docs/calibration.md).
 """
 from __future__ import annotations
@@ -27,8 +31,9 @@ from planner import timeline as plot_timeline
 from planner.hardware import gpu
 from planner.placements import Pool, best_colocated, enumerate_plans, recommend
 from planner.systems import Prediction
-from planner.systems import predict_system
-from planner.workload import Workload
+from planner.systems import predict_system, verl_omni_best
+from planner import phases as ph
+from planner.workload import Workload, for_algorithm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,6 +48,23 @@ WORKLOADS = {
     # DanceGRPO's HunyuanVideo setting (480^2 x 53, 16 steps, 60% of them trained), 16 x 8 videos.
     "hunyuan_video": Workload("hunyuan_video", 480, 480, 53, 16, 9, 16, 8, 1.0, "full", 32, True,
                               rewards=("videoalign",)),
+}
+# The algorithms' workloads (planner/workload.py for_algorithm): what changes the regime is how many
+# (sample, t) pairs each sample trains and what each costs, against the rollout's K steps.
+ALGORITHM_WORKLOADS = {
+    # DanceGRPO's FLUX row above, trained as Flow-GRPO-Fast: the same 16-step rollout, a 2-step window.
+    "flux flow_grpo_fast": for_algorithm(WORKLOADS["flux"], "flow_grpo_fast", window=2),
+    # MixGRPO's published FLUX run (scripts/finetune/finetune_flux_grpo_MixGRPO.sh): 720^2, 25 steps, a
+    # window of 4, 32 prompts x 12, full fine-tuning, HPS-v2.1 + PickScore (+ ImageReward, left out).
+    "flux mixgrpo": for_algorithm(Workload("flux", 720, 720, 1, 25, 4, 32, 12, 1.0, "full", 32, True,
+                                           rewards=("hpsv2", "pickscore")), "mixgrpo", window=4),
+    # DiffusionNFT on the FLUX row above: its 10-step ODE rollout, 9 of 10 sigmas trained, the old
+    # policy's forward and the KL reference's (lambda 1e-4) per pair; NFT publishes no FLUX config.
+    "flux nft": for_algorithm(WORKLOADS["flux"].with_(sampling_steps=10, kl=True), "nft"),
+    # VeRL-Omni's published DiffusionNFT run (examples/diffusionnft_trainer/qwen_image/
+    # run_qwen_image_ocr_lora.sh): 512^2, 10 steps without CFG, all 10 trained, 24 x 16, LoRA 64, KL 1e-4.
+    "qwen_image nft": for_algorithm(Workload("qwen_image", 512, 512, 1, 10, 10, 24, 16, 1.0, "lora", 64, True,
+                                             kl=True, rewards=("ocr_vlm",)), "nft", fraction=1.0),
 }
 TESTBEDS = ("h100", "h800", "mixed")
 PEERS = ("verl-omni", "dance-grpo", "genrl", "flow-grpo")
@@ -59,6 +81,38 @@ def pools_of(testbed: str, n: int) -> list[Pool]:
     return [Pool(gpu(testbed), n)]
 
 
+def train_rollout_ratio(wl: Workload, g) -> float:
+    """GPU-seconds of training over those of rollout for one step on one GPU (micro-batches of the
+    workload's sizes): below 1 the step is rollout-bound."""
+    return (ph.train_s(wl, g, wl.transitions, wl.train_micro_batch, with_reference=True)
+            / ph.denoise_s(wl, g, wl.samples, wl.rollout_micro_batch))
+
+
+def algorithm_cell(name: str, testbed: str, n: int, top_k: int) -> dict:
+    """One algorithm workload on one testbed: our recommended plan, the best colocated and the best
+    disaggregated plan (no peer column: the peers' models run GRPO as they publish it)."""
+    wl = ALGORITHM_WORKLOADS[name]
+    preds, _ = enumerate_plans(wl, pools_of(testbed, n), top_k=top_k)
+    ours, col = recommend(preds), best_colocated(preds)
+    best_disagg = next((p for p in preds if p.system == "digenrl" and not p.knobs.get("stale")), None)
+    return {"workload": name, "testbed": testbed, "gpus": n, "description": wl.describe(),
+            "train_rollout": train_rollout_ratio(wl, gpu("h100")), "plan": ours.label, "step_s": ours.step_s,
+            "bubble": ours.bubble, "colocated": {"label": col.label, "step_s": col.step_s},
+            "best_disagg": None if best_disagg is None else {"label": best_disagg.label,
+                                                             "step_s": best_disagg.step_s}}
+
+
+def algorithm_markdown(cells: list[dict]) -> str:
+    lines = ["| workload | train : rollout work | testbed | GPUs | recommended plan | step s | vs best colocated "
+             "| best disagg vs colocated (plan) |", "|" + "---|" * 8]
+    for c in cells:
+        d, col = c["best_disagg"], c["colocated"]
+        dvc = f"{col['step_s'] / d['step_s']:.2f}x ({d['label']})" if d else "-"
+        lines.append(f"| {c['workload']} | {c['train_rollout']:.2f} | {c['testbed']} | {c['gpus']} | {c['plan']} | "
+                     f"{c['step_s']:.0f} | {col['step_s'] / c['step_s']:.2f}x ({col['label']}) | {dvc} |")
+    return "\n".join(lines)
+
+
 def cell(model: str, testbed: str, n: int, top_k: int) -> dict:
     wl = WORKLOADS[model]
     preds, _ = enumerate_plans(wl, pools_of(testbed, n), top_k=top_k)
@@ -66,20 +120,23 @@ def cell(model: str, testbed: str, n: int, top_k: int) -> dict:
     col = best_colocated(preds)
     best_disagg = next((p for p in preds if p.system == "digenrl" and not p.knobs.get("stale")), None)
     slow = gpu("h20") if testbed == "mixed" else gpu(testbed)
-    peers = {s: predict_system(s, wl, slow, n) for s in PEERS}
+    peers = {s: predict_system(s, wl, slow, n) for s in PEERS if s != "verl-omni"}
+    peers["verl-omni"] = verl_omni_best(wl, gpu("h100"), n, rollout_gpu=slow) if testbed == "mixed" else \
+        verl_omni_best(wl, slow, n)
     return {"model": model, "testbed": testbed, "gpus": n, "workload": wl.describe(), "plan": ours.label,
             "plan_gpus": ours.gpu_label(), "step_s": ours.step_s, "bubble": ours.bubble, "mfu": ours.mfu,
             "samples_per_dollar": ours.samples_per_dollar,
             "best_disagg": None if best_disagg is None else {"label": best_disagg.label, "step_s": best_disagg.step_s,
                                                            "bubble": best_disagg.bubble, "mfu": best_disagg.mfu},
             "colocated": {"label": col.label, "step_s": col.step_s, "bubble": col.bubble, "mfu": col.mfu},
-            "peers": {s: {"step_s": p.step_s, "bubble": p.bubble, "mfu": p.mfu, "fits": p.feasible}
+            "peers": {s: {"step_s": p.step_s, "bubble": p.bubble, "mfu": p.mfu, "fits": p.feasible, "label": p.label}
                       for s, p in peers.items()},
             "_preds": (ours, col, best_disagg, peers)}
 
 
 def ratio(peer: dict, ours: float) -> str:
-    return f"{peer['step_s'] / ours:.2f}x" + ("" if peer.get("fits", True) else "*")
+    return (f"{peer['step_s'] / ours:.2f}x" + ("" if peer.get("fits", True) else "*")
+            + (" (sep)" if "separate-async" in peer.get("label", "") else ""))
 
 
 def markdown(cells: list[dict]) -> str:
@@ -170,6 +227,14 @@ def main(argv=None) -> int:
                       f"colocated {c['colocated']['step_s']:8.1f}  VeRL-Omni {c['peers']['verl-omni']['step_s']:8.1f}  "
                       f"DanceGRPO {c['peers']['dance-grpo']['step_s']:8.1f}  GenRL {c['peers']['genrl']['step_s']:8.1f}",
                       flush=True)
+    algo_cells = []
+    for name in ([] if a.quick else ALGORITHM_WORKLOADS):
+        for testbed in TESTBEDS:
+            for n in sizes:
+                c = algorithm_cell(name, testbed, n, a.tag_candidates)
+                algo_cells.append(c)
+                print(f"{name:20s} {testbed:6s} {n:3d}: {c['plan']:36s} {c['step_s']:8.1f} s  colocated "
+                      f"{c['colocated']['step_s']:8.1f}  train:rollout {c['train_rollout']:.2f}", flush=True)
     rows = [dict(r, total_gpus=n) for n in sizes for r in cross_site(n, a.tag_candidates)]
     for r in rows:
         print(f"cross-site {r['total_gpus']:3d}: {r['placement']:22s} {r['publication']:16s} {r['plan']:36s} "
@@ -178,12 +243,19 @@ def main(argv=None) -> int:
     table = (markdown(cells) + "\n\nCross-site: FLUX 720^2 full fine-tuning, generators on H20 in one site, trainers "
              f"on H100 in another, {LINK_GBPS:g} Gb/s between (the planner's GPU prices). {STREAMRL}.\n\n"
              + cross_site_markdown(rows))
+    if algo_cells:
+        table += ("\n\nBy algorithm (planner/workload.py `for_algorithm`): train : rollout is training's GPU-seconds "
+                  "over rollout's on one H100 at the workload's micro-batches (below 1: rollout-bound).\n\n"
+                  + algorithm_markdown(algo_cells))
     with open(os.path.join(a.out, "paper-table.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(a.out, "paper-table.json"), "w") as f:
         json.dump([{k: v for k, v in c.items() if k != "_preds"} for c in cells], f, indent=1)
     with open(os.path.join(a.out, "cross-site.json"), "w") as f:
         json.dump(rows, f, indent=1)
+    if algo_cells:
+        with open(os.path.join(a.out, "algorithms.json"), "w") as f:
+            json.dump(algo_cells, f, indent=1)
     ref = next(c for c in cells if c["model"] == "flux" and c["testbed"] == "h100" and c["gpus"] == 16)
     for path in timelines(ref, a.out):
         print(f"wrote {path}")

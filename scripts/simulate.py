@@ -31,7 +31,7 @@ from planner import costs as cm
 from planner import published
 from planner.hardware import GPUS
 from planner.simulator import simulate_run
-from planner.specs import MODELS
+from planner.released import model_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,7 +105,7 @@ def print_run_report(out: dict, skip: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 CLUSTER_MODELS = {"flux-12b": "flux", "wan2.1-14b": "wan", "qwen-image-20b": "qwen_image",
-                  "hunyuanvideo-13b": "hunyuan_video", **{m: m for m in MODELS}}
+                  "hunyuanvideo-13b": "hunyuan_video", **{m: m for m in model_names()}}
 
 
 def cluster_argv(args) -> list[str]:

@@ -27,8 +27,8 @@ op is one of
                       other on their communicator's stream. Use record_batch() so the bracket and its
                       ops are written contiguously even when other threads record.
 
-The recorder imports nothing from the project (only the standard library, and torch.distributed
-lazily for the rank and group names), so any module can call it without import cycles. When the
+The recorder imports nothing from the project (only the standard library; torch.distributed is read
+from sys.modules for the rank and group names), so any module can call it without import cycles. When the
 variable is unset, record() returns None at the cost of one dict lookup.
 """
 from __future__ import annotations
@@ -47,6 +47,7 @@ _file = None          # the open trace file
 _key: tuple | None = None  # (directory, rank, pid) the file was opened for
 _count = 0            # lines in the file: the index the next record gets
 _names: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, name); the group is held so its id stays unique
+_plumbing: set[str] = {os.path.abspath(__file__)}  # files whose frames "where" skips (helpers that post ops)
 
 
 def enabled() -> bool:
@@ -66,12 +67,28 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _where(depth: int) -> str:
-    """file:line of the frame `depth` levels above record()'s caller's caller, relative to the repo."""
+def plumbing(path: str) -> None:
+    """Mark a module (its __file__) as communication plumbing: "where" then names the first frame
+    outside it, the call site that decided to communicate (rollout.py, not p2p.py)."""
+    _plumbing.add(os.path.abspath(path))
+
+
+def _where(depth: int | None) -> str:
+    """file:line relative to the repo: with `depth`, of the frame `depth` levels above record()'s
+    caller's caller; else of the first frame of the project that is not plumbing (torch's own
+    frames, when a collective is recorded from inside a library, are skipped too)."""
     try:
-        frame = sys._getframe(depth + 1)
+        frame = sys._getframe(2 if depth is None else depth + 1)
     except ValueError:
         return "?"
+    if depth is None:
+        first = frame
+        while frame is not None:
+            path = os.path.abspath(frame.f_code.co_filename)
+            if path.startswith(_ROOT + os.sep) and path not in _plumbing and "site-packages" not in path:
+                break
+            frame = frame.f_back
+        frame = frame or first
     path = os.path.abspath(frame.f_code.co_filename)
     if path.startswith(_ROOT + os.sep):
         path = os.path.relpath(path, _ROOT)
@@ -121,11 +138,10 @@ def _write_locked(entry: dict) -> int:
 
 
 def record(op: str, group: str, peer: int | None = None, nbytes: int = 0, name: str = "",
-           members=None, target: int | None = None, depth: int = 1) -> int | None:
+           members=None, target: int | None = None, depth: int | None = None) -> int | None:
     """Append one posted op; returns its line index (the "target" of a later wait on it), or None
-    when tracing is off. `depth` counts frames above record()'s caller: 1 names the caller's line,
-    2 its caller's (for wrappers such as p2p helpers, so "where" points at the call site that
-    matters)."""
+    when tracing is off. "where" is the first project frame outside the plumbing (`plumbing`), or
+    with `depth` the frame that many levels above record()'s caller (1: the caller's line)."""
     directory = os.environ.get(ENV)
     if not directory:
         return None
@@ -135,7 +151,7 @@ def record(op: str, group: str, peer: int | None = None, nbytes: int = 0, name: 
         return _write_locked(_line(op, group, peer, nbytes, name, members, target, where))
 
 
-def record_batch(ops: list[dict], group: str = "", depth: int = 1) -> list[int] | None:
+def record_batch(ops: list[dict], group: str = "", depth: int | None = None) -> list[int] | None:
     """Record a grouped p2p call (batch_isend_irecv): group_start, the ops, group_end, under one
     lock hold so no other thread's line lands inside the bracket. Each op is a dict with keys op
     ("send"/"recv"), group, peer, and optionally nbytes/bytes and name. Returns the ops' line
@@ -171,8 +187,8 @@ def group_name(group=None) -> str:
     entry = _names.get(id(group))
     if entry is not None and entry[0] is group:
         return entry[1]
+    dist = sys.modules.get("torch.distributed")  # loaded by whoever created the group
     try:
-        import torch.distributed as dist
         if group is dist.GroupMember.WORLD:
             return "world"
         ranks = dist.get_process_group_ranks(group)
@@ -193,4 +209,4 @@ def reset() -> None:
         _file, _key, _count = None, None, 0
 
 
-__all__ = ["ENV", "enabled", "group_name", "name_group", "record", "record_batch", "reset"]
+__all__ = ["ENV", "enabled", "group_name", "name_group", "plumbing", "record", "record_batch", "reset"]

@@ -67,16 +67,21 @@ def _check_cat(cat: str) -> None:
 class Tracer:
     """Records the spans of one rank.
 
-    `sync` (e.g. `torch.cuda.synchronize`) is called before the clock is read at the start and
-    the end of each span, so that asynchronous device work is charged to the span that launched
-    it. A disabled tracer records nothing but still validates categories."""
+    A span's clock is the host's. On an accelerator, where work is queued and runs later, `event`
+    (e.g. `lambda: torch.cuda.Event(enable_timing=True)`) makes each span last at least as long
+    as the device took for the work it queued: two events recorded on the current stream at its
+    start and end, read when the spans are read (`settle`, at the end of a step). Nothing here
+    synchronizes the device: a device-wide synchronize would also wait for every send and receive
+    the rank has posted, which on NCCL can wait for the rank's own later work (docs/communication.md).
+    A disabled tracer records nothing but still validates categories."""
 
-    def __init__(self, rank: int, role: str, enabled: bool = True, sync: Callable[[], Any] | None = None):
+    def __init__(self, rank: int, role: str, enabled: bool = True, event: Callable[[], Any] | None = None):
         self.rank = rank
         self.role = role
         self.enabled = enabled
-        self.sync = sync
+        self.event = event
         self.spans: list[Span] = []
+        self._pending: list[tuple[Span, Any, Any]] = []  # spans whose device events are not read yet
         self._origin_ns = time.time_ns()
         self._perf_origin_ns = time.perf_counter_ns()
 
@@ -92,15 +97,31 @@ class Tracer:
         if not self.enabled:
             yield args
             return
-        if self.sync is not None:
-            self.sync()
+        begin = self._mark()
         start = self.now_us()
         try:
             yield args
         finally:
-            if self.sync is not None:
-                self.sync()
-            self.spans.append(Span(name, cat, step, fragment, start, self.now_us() - start, args))
+            span = Span(name, cat, step, fragment, start, self.now_us() - start, args)
+            self.spans.append(span)
+            if begin is not None:
+                self._pending.append((span, begin, self._mark()))
+
+    def _mark(self):
+        """A device event recorded on the current stream now (None without `event`)."""
+        if self.event is None:
+            return None
+        e = self.event()
+        e.record()
+        return e
+
+    def settle(self) -> None:
+        """Stretch every span whose device work took longer than its host time. Waits only for the
+        end event of each span (the current stream up to it), never for the whole device."""
+        for span, begin, end in self._pending:
+            end.synchronize()
+            span.dur_us = max(span.dur_us, begin.elapsed_time(end) * 1000.0)  # elapsed_time: ms
+        self._pending = []
 
     def record(self, name: str, cat: str, step: int, start_us: float, dur_us: float,
                fragment: int | None = None, **args) -> None:
@@ -118,12 +139,14 @@ class Tracer:
         intervals, so nested or overlapping spans count once)."""
         for cat in cats:
             _check_cat(cat)
+        self.settle()
         intervals = sorted((s.start_us, s.end_us) for s in self.spans if s.step == step and s.cat in cats)
         return _union_length(intervals) / 1e6
 
     def step_window(self, step: int) -> tuple[float, float]:
         """(first start, last end) of the spans of step `step`, in seconds since the epoch.
         Raises ValueError when this rank recorded nothing for the step."""
+        self.settle()
         spans = [s for s in self.spans if s.step == step]
         if not spans:
             raise ValueError(f"rank {self.rank} ({self.role}) recorded no span for step {step}")
@@ -140,6 +163,7 @@ class Tracer:
 
     def chrome_events(self) -> list[dict[str, Any]]:
         """Complete events ("ph": "X") plus process and thread name metadata."""
+        self.settle()
         events: list[dict[str, Any]] = [
             {"ph": "M", "name": "process_name", "pid": self.rank, "args": {"name": f"rank {self.rank} ({self.role})"}},
             {"ph": "M", "name": "process_sort_index", "pid": self.rank, "args": {"sort_index": self.rank}},

@@ -2,18 +2,21 @@
 
 Reads a JSON list of cases on stdin ({"name", "argv", "world", "env"}), imports train_disagg once,
 then forks one process per rank of each case with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-MASTER_PORT set as torchrun sets them, so every rank runs the real entry point, exit path
-included, without paying the imports again. Cases run in batches in parallel. Prints one JSON
-line per case: {"name", "ranks": [{"rank", "code", "seconds", "stderr"}]}; a rank still running
-after --limit seconds is killed and reported with code null.
+MASTER_PORT set as torchrun sets them, and hosts each case's rendezvous store itself as torchrun's
+agent does (TORCHELASTIC_USE_AGENT_STORE), so a rank that exits takes no store with it: every rank
+runs the real entry point, exit path included, without paying the imports again. Cases run in
+batches in parallel. Prints one JSON line per case: {"name", "ranks": [{"rank", "code", "seconds",
+"stderr"}]}; a rank still running after --limit seconds is killed and reported with code null.
 """
 import json
 import os
 import select
 import signal
-import socket
 import sys
 import time
+from datetime import timedelta
+
+from torch.distributed import TCPStore
 
 import train_disagg
 from models import adapter_class, model_names
@@ -26,14 +29,13 @@ for family in model_names():  # the children find every family imported
     adapter_class(family)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def agent_store(world: int) -> TCPStore:
+    """The store torchrun's agent would host for the case's ranks (they connect as clients)."""
+    return TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=300), wait_for_workers=False)
 
 
-def start(case: dict) -> list[dict]:
-    ranks, port = [], free_port()
+def start(case: dict, port: int) -> list[dict]:
+    ranks = []
     for rank in range(case.get("world", 2)):
         read, write = os.pipe()
         pid = os.fork()
@@ -42,7 +44,8 @@ def start(case: dict) -> list[dict]:
             os.dup2(write, 1)
             os.dup2(write, 2)
             os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(case.get("world", 2)),
-                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **case.get("env", {})})
+                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                               "TORCHELASTIC_USE_AGENT_STORE": "True", **case.get("env", {})})
             train_disagg.cli(case["argv"])  # ends with os._exit
             os._exit(99)
         os.close(write)
@@ -82,8 +85,10 @@ def main() -> None:
     batch = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 6
     cases = json.load(sys.stdin)
     for i in range(0, len(cases), batch):
-        running = [(case, start(case)) for case in cases[i:i + batch]]
+        stores = [agent_store(case.get("world", 2)) for case in cases[i:i + batch]]
+        running = [(case, start(case, store.port)) for case, store in zip(cases[i:i + batch], stores)]
         collect([r for _, ranks in running for r in ranks], limit)  # times every rank of the batch as it ends
+        del stores
         for case, ranks in running:
             print(json.dumps({"name": case["name"], "ranks": [
                 {"rank": r["rank"], "code": r["code"], "seconds": round(r["seconds"], 3),

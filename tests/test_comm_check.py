@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
+from parallel import p2p
 from telemetry import commcheck, commtrace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -421,3 +423,19 @@ def test_cli_exit_codes(tmp_path):
     out = _cli(broken)
     assert out.returncode == 2 and "not JSON" in out.stderr, out
     assert _cli(tmp_path / "missing").returncode == 2
+
+
+# ------------------------------------------------------------------ waits counted from when they start
+
+def test_a_wait_is_bounded_from_when_it_starts_not_from_posting(monkeypatch):
+    """NCCL counts work.wait(timeout) from posting: p2p.wait adds the time an op has been posted, so
+    a fragment sent before a long evaluation still gets the whole allowance once its wait starts."""
+    class Work:
+        def wait(self, timeout):
+            self.timeout = timeout
+
+    monkeypatch.setattr(p2p, "_timeout_s", 60.0)
+    monkeypatch.setattr(p2p.time, "monotonic", lambda: 1000.0)
+    op = p2p.Posted(Work(), peer=1, group=None, posted_s=1000.0 - 900.0, line=None)  # posted 900 s ago
+    p2p.wait(op, "send to")
+    assert op.work.timeout == timedelta(seconds=960.0)

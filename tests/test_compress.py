@@ -10,6 +10,7 @@ from checkpointing.checkpoint import RESIDUAL, read_state
 
 from runtime.launch import TINY, torchrun
 from telemetry.metrics import read_metrics
+from traced import assert_nccl_ok, traced
 from parallel import compress
 from parallel.publish import checksum
 
@@ -86,7 +87,8 @@ def test_runs_publish_through_every_codec(tmp_path):
     sent = {}
     for spec in ("none", "bf16", "delta-topk:0.01"):
         out = tmp_path / spec.replace(":", "-")
-        torchrun(2, [*args, "--publish-compression", spec, "--output-dir", str(out)])
+        torchrun(2, [*args, "--publish-compression", spec, "--output-dir", str(out)], env=traced(out))
+        assert_nccl_ok(out, ["data.to", "publish"])
         rows = read_metrics(str(out / "metrics.jsonl"))
         assert all(r["publish/seconds"] > 0 for r in rows)
         sent[spec] = rows[-1]["publish/bytes"]

@@ -1,7 +1,11 @@
 """Faults injected into runs under torchrun, and exact resume in every mode.
 
-- kill -9 of a generator or of a trainer: every other rank exits within 60 s, naming the dead
-  rank by role;
+- kill -9 of a generator, of a trainer or of torchrun itself: every other process exits within
+  60 s, naming the dead one by role (torchrun: in one line per worker, with no traceback);
+- an exception raised by a generator, a trainer or a scorer: every rank's line names that rank
+  and its exception, and no rank is blamed as silent;
+- --overwrite of a live run is refused on every rank, naming the host and pid that hold it, and
+  the live run goes on untouched (the second-signal rule: tests/test_reliability.py);
 - SIGTERM on one rank: every rank finishes the same steps, a checkpoint is written, the run exits
   within --stop-grace-s, and resuming from it is bitwise equal to an uninterrupted run (disagg +
   TSP);
@@ -9,10 +13,13 @@
   name, loads the previous checkpoint and ends bitwise equal (colocated);
 - resume is bitwise equal to the uninterrupted run with TAG and with TCSS (and, in test_runtime,
   for plain disaggregation).
+Every resume here is `--resume DIR --output-dir DIR` and at most --steps: the run's config comes from
+its checkpoint (issue 32).
 """
 import os
 import shutil
 import signal
+import socket
 import time
 
 import pytest
@@ -20,8 +27,11 @@ import torch
 
 from checkpointing import files as checkpoint_files
 from checkpointing.checkpoint import KILL_ENV
+from checkpointing.lock import LOCK
+from forked import run_cases
 from runtime.launch import TINY, alive, torchrun, torchrun_background, trained_weights, worker_pids
 from telemetry.metrics import read_metrics
+from traced import assert_nccl_ok, traced
 
 BASE = [*TINY, "--lora-rank", "4", "--log-images-every", "0"]
 FOUR = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]
@@ -56,7 +66,9 @@ def _end(proc):
 
 
 @pytest.mark.parametrize("victim,named", [(0, "generator rank 0 (replica 0) stopped answering"),
-                                          (1, "trainer rank 1 stopped answering")], ids=["generator", "trainer"])
+                                          (1, "trainer rank 1 stopped answering"),
+                                          ("torchrun", "is gone, and the rendezvous store with it")],
+                         ids=["generator", "trainer", "torchrun"])
 def test_kill_9_is_named_by_every_rank_and_all_exit_within_60_s(tmp_path, victim, named):
     run, log = tmp_path / "run", tmp_path / "log"
     proc = torchrun_background(2, [*BASE, "--steps", "500", "--save-every", "1000", "--output-dir", str(run)],
@@ -66,18 +78,84 @@ def test_kill_9_is_named_by_every_rank_and_all_exit_within_60_s(tmp_path, victim
         pids = worker_pids(proc.pid)
         assert set(pids) == {0, 1}, pids
         start = time.monotonic()
-        os.kill(pids[victim], signal.SIGKILL)
-        survivor = pids[1 - victim]
-        while alive(survivor) and time.monotonic() - start < 90:
+        os.kill(proc.pid if victim == "torchrun" else pids[victim], signal.SIGKILL)
+        survivors = [p for r, p in pids.items() if r != victim]
+        while any(alive(p) for p in survivors) and time.monotonic() - start < 90:
             time.sleep(0.1)
         exit_s = time.monotonic() - start
         proc.wait(timeout=90)
     finally:
         _end(proc)
     text = log.read_text()
-    assert exit_s < 60, f"the survivor took {exit_s:.1f} s\n{text[-3000:]}"
-    assert named in text and f"rank {1 - victim}" in text, text[-3000:]
+    assert exit_s < 60, f"the survivors took {exit_s:.1f} s\n{text[-3000:]}"
+    if victim == "torchrun":  # each worker: one line naming torchrun's death, nothing else
+        lines = [line for line in text.splitlines() if line.startswith("error:")]
+        assert len(lines) == 2 and all(f"error: torchrun (pid {proc.pid}) {named}" in line for line in lines), text
+        assert {"generator rank 0 (replica 0) stops", "trainer rank 1 stops"} == \
+            {line.split(": ", 2)[2].split(" at step")[0] for line in lines}, lines
+        assert "Traceback" not in text, text[-3000:]  # (torch's C++ store client may log a receive it had in flight)
+        assert not (run / LOCK).exists()  # rank 0 released the folder on its way out
+    else:
+        assert named in text and f"rank {1 - victim}" in text, text[-3000:]
     assert proc.returncode != 0
+
+
+@pytest.fixture(scope="module")
+def injected(tmp_path_factory):
+    """One exception injected into each role at step 1 (DIGENRL_DEBUG_RAISE), the three runs forked
+    side by side (tests/forked.py), every rank's exit code and stderr on its own."""
+    tmp = tmp_path_factory.mktemp("injected")
+    roles = {"generator": (2, [], 0), "trainer": (2, [], 1), "scorer": (3, ["--scorers", "1"], 2)}
+    table = [{"name": role, "world": world, "env": {"DIGENRL_DEBUG_RAISE": f"{rank}:1"},
+              "argv": [*BASE, *extra, "--steps", "4", "--output-dir", str(tmp / role)]}
+             for role, (world, extra, rank) in roles.items()]
+    return run_cases(table, limit=120), {role: rank for role, (_, _, rank) in roles.items()}
+
+
+@pytest.mark.parametrize("role", ["generator", "trainer", "scorer"])
+def test_an_exception_on_any_role_is_that_ranks_on_every_rank(injected, role):
+    """The failing rank prints its traceback and its line (exit 1); every other rank prints the same
+    rank, role, step and exception (exit 3); no rank calls another silent."""
+    results, failing = injected
+    ranks = results[role]["ranks"]
+    who = {"generator": "generator rank 0 (replica 0)", "trainer": "trainer rank 1", "scorer": "scorer rank 2"}[role]
+    fault = f"{who} failed at step 1: RuntimeError: injected fault (DIGENRL_DEBUG_RAISE={failing[role]}:1)"
+    for r in ranks:
+        lines = [line for line in r["stderr"].splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and lines[0].startswith(f"error: {fault}"), (r["rank"], r["stderr"][-3000:])
+        assert "stopped answering" not in r["stderr"], r["stderr"][-3000:]
+        mine = r["rank"] == failing[role]
+        assert r["code"] == (1 if mine else 3) and ("Traceback" in r["stderr"]) == mine, (r["rank"], r["code"])
+        assert r["seconds"] < 60
+
+
+def test_a_live_runs_folder_is_refused_on_every_rank_and_the_run_goes_on(tmp_path):
+    """While a run trains, --overwrite into its folder is refused on every rank of the second
+    launch, naming the host and pid holding it, and the live run goes on with every byte it wrote;
+    stopped by SIGTERM to torchrun, it saves a checkpoint and its lock leaves with it."""
+    run, log = tmp_path / "run", tmp_path / "log"
+    proc = torchrun_background(2, [*BASE, "--steps", "500", "--save-every", "1", "--keep-checkpoints", "0",
+                                   "--output-dir", str(run)], str(log))
+    try:
+        _wait_rows(run, 2, proc, log)
+        pids = worker_pids(proc.pid)
+        rows = (run / "metrics.jsonl").read_text()
+        saved = checkpoint_files.find_valid(str(run / "checkpoints"))
+        second = run_cases([{"name": "overwrite", "world": 2, "env": {},
+                             "argv": [*BASE, "--overwrite", "--output-dir", str(run)]}])["overwrite"]
+        _wait_rows(run, len(rows.splitlines()) + 1, proc, log)  # the live run goes on
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        _end(proc)
+    holder = f"pid {pids[0]} on host {socket.gethostname()}"
+    for r in second["ranks"]:
+        assert r["code"] == 2 and f"--overwrite would delete the files of a live run: {run / LOCK} is held by " \
+            f"{holder}" in r["stderr"], r["stderr"][-2000:]
+    assert (run / "metrics.jsonl").read_text().startswith(rows)
+    checkpoint_files._VERIFIED.clear()
+    assert checkpoint_files.read_manifest(saved.path)["step"] == saved.step  # every byte of it
+    assert "stopped on a signal after step" in log.read_text() and not (run / LOCK).exists()
 
 
 def test_sigterm_on_one_rank_writes_a_checkpoint_and_resume_is_bitwise(tmp_path):
@@ -102,7 +180,7 @@ def test_sigterm_on_one_rank_writes_a_checkpoint_and_resume_is_bitwise(tmp_path)
     found = checkpoint_files.find_valid(str(stopped / "checkpoints"))
     steps = found.step
     assert steps >= 1 and [r["step"] for r in _rows(stopped)] == list(range(steps))
-    torchrun(2, [*args, "--steps", str(steps + 1), "--resume", str(stopped), "--output-dir", str(stopped)])
+    torchrun(2, ["--resume", str(stopped), "--output-dir", str(stopped), "--steps", str(steps + 1)])
     torchrun(2, [*args, "--steps", str(steps + 1), "--output-dir", str(tmp_path / "straight")])
     _bitwise(trained_weights(str(tmp_path / "straight"), steps + 1), trained_weights(str(stopped), steps + 1),
              "SIGTERM and resume")
@@ -124,7 +202,7 @@ def test_a_kill_during_a_checkpoint_write_and_a_torn_checkpoint_are_skipped_by_n
     weights = ckpts / "step-2" / "pytorch_lora_weights.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
-    resumed = torchrun(2, [*args, "--resume", str(run), "--output-dir", str(run)])
+    resumed = torchrun(2, ["--resume", str(run), "--output-dir", str(run)])
     said = resumed.stderr
     assert f"skipped {ckpts / 'step-2'}: pytorch_lora_weights.safetensors has" in said, said[-3000:]
     assert f"skipped {ckpts / 'step-2.tmp'}: an unfinished write" in said
@@ -146,7 +224,9 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(tmp_path, mode):
     shutil.copytree(straight, run)
     for step in range(2, steps + 1):
         shutil.rmtree(run / "checkpoints" / f"step-{step}")
-    torchrun(nproc, [*args, "--resume", str(run), "--output-dir", str(run)])
+    hooks = args[args.index("--debug-slow-rank"):][:2] if "--debug-slow-rank" in args else []
+    torchrun(nproc, ["--resume", str(run), "--output-dir", str(run), *hooks], env=traced(run))  # hooks never carried
+    assert_nccl_ok(run, ["data.to", "publish"])  # with TCSS version N is sent again at the start
     _bitwise(trained_weights(str(straight), steps), trained_weights(str(run), steps), mode)
     keys = ("step", "reward/mean", "train/loss", "train/staleness_mean", "train/num_transitions")
     assert [[r[k] for k in keys] for r in _rows(run)] == [[r[k] for k in keys] for r in _rows(straight)]

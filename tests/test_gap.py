@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from traced import assert_nccl_ok, merged, traced
 from parallel.schedule import (Action, ScheduleError, fragments_in_flight, gap_schedule, idle_slots,
                                partition_blocks, render_grid, validate_schedule)
 
@@ -134,9 +135,10 @@ def test_pipelined_replica_equals_one_stage(tmp_path, stages):
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(stages),
            "-m", "tests.dist_scripts.gap_equivalence", str(out)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **traced(tmp_path)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_nccl_ok(tmp_path, [f"gap.s{s}->s{(s + 1) % stages}" for s in range(stages)])  # every link, S = 2 and 3
     report = json.loads(out.read_text())
     assert set(report) == {"flux", "wan", "hunyuan_video"}
     for family, r in report.items():
@@ -153,11 +155,17 @@ def test_placement_invariance_across_fragments_and_stages(tmp_path):
     runs = {"colocated": (2, ["--mode", "colocated"]),
             "stream": (2, ["--fragment-groups", "1"]),
             "stages-2": (3, ["--generators", "2", "--trainers", "1", "--gap-stages", "2", "--fragment-groups", "1"])}
+    links = {"colocated": [], "stream": ["data.to"], "stages-2": ["gap.r0.s0->s1", "gap.r0.s1->s0"]}
     weights = {}
     for name, (nproc, placement) in runs.items():
         out = tmp_path / name
-        torchrun(nproc, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement])
+        torchrun(nproc, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement],
+                 env=traced(out))
+        assert_nccl_ok(out, links[name])
         weights[name] = trained_weights(str(out), 2)
+    # Both links on one communicator, as before: stage 0's early receive from stage 1 holds back its send.
+    old = merged(tmp_path / "stages-2", ["gap."])
+    assert old.deadlock and old.cycles == [[0, 1]], old.message
     for name, w in weights.items():
         assert_same_weights(w, weights["colocated"], name)
 

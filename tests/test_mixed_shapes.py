@@ -11,6 +11,7 @@ import torch
 
 from prompts import shapes as buckets
 from runtime.launch import TINY, torchrun, trained_weights
+from traced import assert_nccl_ok, traced
 from weights import assert_same_weights
 from telemetry.metrics import image_grid, pad_to_largest, read_metrics
 from parallel.stepplan import (ShapeTable, assign_fragments, assign_lpt, choose_prompts, plan_step, replica_finish,
@@ -277,9 +278,12 @@ def test_mixed_shapes_placement_invariance(tmp_path):
                                  "--eval-every", "2", "--eval-prompts", prompts, "--eval-num-prompts", "5"]),
             "gap2stage-rr": (3, ["--generators", "2", "--gap-stages", "2", "--trainers", "1",
                                  "--dispatch", "round-robin"])}
+    checked = {"colocated": ([], []), "2g1t-lpt-tsp": (["data.to"], ["trainers:all_gather_object"]),  # evaluation
+               "gap2stage-rr": (["gap.r0.s0->s1"], [])}
     weights, metrics = {}, {}
     for name, (nproc, placement) in runs.items():
-        torchrun(nproc, [*args, *placement, "--output-dir", str(tmp_path / name)])
+        torchrun(nproc, [*args, *placement, "--output-dir", str(tmp_path / name)], env=traced(tmp_path / name))
+        assert_nccl_ok(tmp_path / name, *checked[name])
         weights[name] = trained_weights(str(tmp_path / name), 2)
         metrics[name] = [r for r in read_metrics(str(tmp_path / name)) if "reward/mean" in r]
     for name in runs:

@@ -11,9 +11,11 @@ from planner import phases as ph
 from planner import placements as plans, published
 from planner.memory import colocated_memory, trainer_memory, training_state
 from planner.profile import DeviceProfile, with_profile
-from planner.specs import (MODELS, Resolution, attention_share, forward_flops, image_tokens, lora_params,
-                           model_spec)
-from planner.systems import dance_grpo, predict_system, verl_omni
+from planner.hardware import gpu
+from planner.released import model_spec
+from planner.specs import Resolution, attention_share, forward_flops, image_tokens, lora_params
+from planner.systems import (dance_grpo, delta_sync_s, predict_system, separate_async_step_s, sync_s, verl_omni,
+                             verl_omni_best, verl_omni_separate)
 from planner.workload import Workload
 from planner import cli as plan_cli
 from scripts import simulate as simulate_cli
@@ -55,9 +57,9 @@ def test_two_params_tokens_overestimates_the_mmdits():
         ratios[model] = (2 * spec.params * (n_img + n_txt) + attention) / split
     assert all(1.1 < r < 3.0 for r in ratios.values()), ratios
     assert ratios["flux"] > 1.5 and ratios["qwen_image"] > 2.2
-    assert MODELS["flux"].params == pytest.approx(11.90e9, rel=0.01)
-    assert MODELS["wan"].p_img == pytest.approx(11.95e9, rel=0.01) and MODELS["wan"].p_txt == pytest.approx(2.14e9,
-                                                                                                             rel=0.01)
+    assert model_spec("flux").params == pytest.approx(11.90e9, rel=0.01)
+    assert model_spec("wan").p_img == pytest.approx(11.95e9, rel=0.01)
+    assert model_spec("wan").p_txt == pytest.approx(2.14e9, rel=0.01)
 
 
 # ----- efficiency ----------------------------------------------------------------------------
@@ -281,3 +283,67 @@ def test_plan_cli_mixed_pools(tmp_path, capsys):
     assert any(set(r["gpus"].split("+")) == {"4xh20", "4xh100"} and r["system"] == "digenrl" for r in rows)
     with pytest.raises(ValueError, match="TYPE:COUNT"):
         plan_cli.main(["--gpus", "h100:x"])
+
+
+# ----- VeRL-Omni's separate-async mode and delta sync ------------------------------------------
+
+def test_separate_async_step_reproduces_the_published_switch_table():
+    """VeRL-Omni PR #575's table (a 5B video model, 128 videos per step, medians): OFF with 2 hybrid
+    + 1 standalone GPUs 377.9 s, of which 130.4 s waiting for samples, so training takes 247.5 s and
+    one standalone replica generates a step's batch in 377.9 s. From those two loads alone, the
+    model's overlap and switch accounting predicts the other two columns: ON (the 2 hybrids join
+    generation, switch_to_rollout 9.1 s + switch_to_trainer 3.3 s) 307.8 s, and OFF with 2
+    standalone GPUs 250.4 s. (Model, GPU type and resolution are not published: no absolute anchor.)"""
+    train_s, gen_work_s = 377.9 - 130.4, 377.9
+    off = separate_async_step_s(train_s, gen_work_s, standalone=1, hybrid=2)
+    on = separate_async_step_s(train_s, gen_work_s, standalone=1, hybrid=2, switch_s=9.1 + 3.3, switch=True)
+    off_two = separate_async_step_s(train_s, gen_work_s, standalone=2, hybrid=2)
+    assert off == pytest.approx(377.9)
+    assert on == pytest.approx(307.8, rel=0.03) and off_two == pytest.approx(250.4, rel=0.03)
+    # on-policy (sync_compatible, the shipped recipe): generation and training alternate
+    assert separate_async_step_s(train_s, gen_work_s, standalone=2, overlap=False) == pytest.approx(
+        train_s + gen_work_s / 2)
+
+
+def test_delta_sync_fits_verl_7060_and_applies_to_full_fine_tuning_only():
+    """verl#7060 (H100, offload off): 32B nccl 14.2 s, delta 6.2 s; 72B nccl 28.5-29.1 s, delta
+    12.0-13.0 s. The full-sync constants predict the nccl times, the delta ones the delta times."""
+    for params, nccl, delta in ((32e9, 14.2, 6.2), (72e9, 28.8, 12.5)):
+        assert sync_s(2 * params) == pytest.approx(nccl, rel=0.05)
+        assert delta_sync_s(2 * params) == pytest.approx(delta, rel=0.05)
+    assert delta_sync_s(2 * 8.2e9) == pytest.approx(3.17, rel=0.3)  # held out: verl#7324, A800, 3.00-3.34 s
+    full = Workload("flux", 720, 720, 1, 16, 9, 24, 16, 1.0, "full", 32, True)
+    on, off = (verl_omni_separate(full, gpu("h100"), 12, rollout_gpus=4, delta=d) for d in (True, False))
+    assert on.knobs["delta"] and on.step_s < off.step_s
+    with pytest.raises(ValueError, match="full fine-tuning"):
+        verl_omni_separate(full.with_(finetune="lora"), gpu("h100"), 12, rollout_gpus=4, delta=True)
+
+
+def test_the_peer_column_takes_the_stronger_verl_omni_mode():
+    """verl_omni_best is the faster feasible one of the colocated engine and every split of
+    separate-async; on the mixed testbed separate-async trains on the H100 half and generates on
+    the H20 half, while the colocated engine runs in lockstep at H20 speed."""
+    wl = Workload("flux", 720, 720, 1, 16, 9, 24, 16, 1.0, "full", 32, True, rewards=("hpsv2",))
+    h100, h20 = gpu("h100"), gpu("h20")
+    best = verl_omni_best(wl, h100, 16)
+    splits = [verl_omni_separate(wl, h100, 16 - r, rollout_gpus=r) for r in range(1, 16)]
+    assert best.step_s == min(p.step_s for p in [verl_omni(wl, h100, 16), *splits] if p.feasible)
+    mixed = verl_omni_best(wl, h100, 16, rollout_gpu=h20)
+    assert mixed.step_s <= verl_omni(wl, h20, 16).step_s
+    assert {g.key for g, _ in mixed.pools} == ({"h100", "h20"} if mixed.system == "verl-omni-separate" else {"h20"})
+
+
+def test_a_reward_service_takes_the_reward_off_the_ranks_and_is_paid_for():
+    """--reward-gpus R (a run scoring through --reward http://...): no rank holds or runs the reward
+    model, every plan's pools gain R GPUs, and a step is at least the service's scoring of the
+    whole batch plus the last fragment's."""
+    wl = Workload("qwen_image", 512, 512, 1, 10, 2, 32, 16, 4.0, "lora", 64, True, rewards=("ocr_vlm",))
+    pool = [plans.Pool(gpu("h800"), 4)]
+    local, _ = plans.enumerate_plans(wl, pool)
+    served_wl = wl.with_(reward_gpus=1)
+    served, _ = plans.enumerate_plans(served_wl, pool)
+    assert ph.reward_s(served_wl, gpu("h800"), 64) == 0 and ph.reward_bytes(served_wl) == 0
+    assert ph.reward_s(served_wl, gpu("h800"), 64, served=True) == ph.reward_s(wl, gpu("h800"), 64) > 0
+    service = ph.reward_s(served_wl, gpu("h800"), wl.samples, served=True)
+    assert all(p.num_gpus == 5 and p.step_s >= service for p in served)
+    assert served[0].step_s < local[0].step_s  # a judge of 8B parameters is worth a GPU of its own here

@@ -12,6 +12,8 @@ import torch
 from config.schema import FULL_LR, LORA_LR, RunConfig
 from config.cli import build_parser, load_config_files, parse_config
 from models.released import meta_adapter, parameter_counts, released_names
+from planner.released import MODELS as PLANNER_MODELS
+from rewards import reward_url
 from rl.conditioning import Conditioning
 
 
@@ -21,9 +23,14 @@ TOPOLOGIES = [os.path.join(ROOT, "recipes", "topology", f"{n}gpus.toml") for n i
 PROMPTS = os.path.join(ROOT, "data", "shapes_train.txt")
 
 
+SERVED = "http://reward-host:8000/ocr"  # what a recipe that needs --reward is given here
+
+
 def _loaded(*paths: str) -> tuple[RunConfig, dict]:
     cfg, recipe = load_config_files(list(paths))
-    cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights/reward" for spec in cfg.rl.reward]
+    if "--reward" in recipe.get("needs", {}):
+        cfg.rl.reward = [SERVED]
+    cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights/reward" for spec in cfg.rl.reward if not reward_url(spec)]
     cfg.rl.prompts = cfg.output.eval_prompts = PROMPTS
     cfg.model.model_path = "/w/model"  # stand-ins for what a recipe needs: nothing is loaded
     cfg.resolve_defaults()
@@ -106,6 +113,8 @@ PUBLISHED = {  # (sources in each file's [recipe]): size, frames, K, sampler, no
     "flow_grpo/sd35_medium.toml": (512, 512, None, 10, "sde", 0.7, None, 4.5, 24, 32, 3e-4, 0.01),
     "flow_grpo/qwen_image.toml": (512, 512, None, 10, "sde", 1.2, None, 4.0, 16, 64, 3e-4, 0.0),
     "flow_grpo/wan2_1_t2v_14b.toml": (240, 416, 33, 20, "sde", 0.7, None, 4.5, 4, 32, 1e-4, 0.004),
+    "flow_grpo/wan2_1_t2v_1_3b.toml": (240, 416, 33, 20, "sde", 0.7, None, 4.5, 4, 32, 1e-4, 0.004),
+    "flow_grpo/sd35_medium_ocr_http.toml": (512, 512, None, 10, "sde", 0.7, None, 4.5, 24, 32, 3e-4, 0.04),
     "dance_grpo/flux_dev.toml": (720, 720, None, 16, "dance", 0.3, 3.5, None, 12, 0, 1e-5, 0.0),
     "dance_grpo/hunyuan_video.toml": (480, 480, 53, 16, "dance", 0.25, 6.0, None, 24, 0, 1e-5, 0.0),
 }
@@ -115,8 +124,13 @@ def test_recipes_carry_the_published_settings():
     assert sorted(os.path.relpath(p, os.path.join(ROOT, "recipes")) for p in RECIPES) == sorted(PUBLISHED)
     for rel, expected in PUBLISHED.items():
         cfg, recipe = _loaded(os.path.join(ROOT, "recipes", rel))
-        assert set(recipe["needs"]) == {"--model-path", "--reward-model", "--prompts", "--eval-prompts"}, rel
+        served = "--reward" in recipe["needs"]  # the reward is a service's URL, not a weights folder
+        assert set(recipe["needs"]) == {"--model-path", "--reward" if served else "--reward-model", "--prompts",
+                                        "--eval-prompts"}, rel
         reward_models = [flag for r in cfg.rl.reward_model for flag in ("--reward-model", r)]
+        if served:
+            reward_models = ["--reward", SERVED]
+            assert cfg.rl.reward == [SERVED] and not cfg.rl.reward_model, rel
         given = parse_config(["--config", os.path.join(ROOT, "recipes", rel), "--model-path", "/w/model",
                               "--prompts", PROMPTS, "--eval-prompts", PROMPTS, *reward_models])
         given.resolve_defaults()
@@ -142,12 +156,29 @@ def adapters():
     return {name: meta_adapter(name) for name in released_names()}
 
 
-def test_released_parameter_counts():
+@pytest.fixture(scope="module")
+def counts():
+    return {name: parameter_counts(name) for name in released_names()}
+
+
+def test_released_parameter_counts(counts):
     assert sorted(released_names()) == sorted(BLOCKS)
     for name, expected in PARAMS.items():
-        counts = parameter_counts(name)
-        assert counts["transformer"] == pytest.approx(expected, rel=0.01), name
-    assert parameter_counts("flux1_dev")["text_encoder_2"] == pytest.approx(4.76e9, rel=0.01)  # T5-XXL encoder
+        assert counts[name]["transformer"] == pytest.approx(expected, rel=0.01), name
+    assert counts["flux1_dev"]["text_encoder_2"] == pytest.approx(4.76e9, rel=0.01)  # T5-XXL encoder
+
+
+def test_the_planners_specs_count_the_released_models_parameters(counts):
+    """planner/released.py derives each spec from the same JSON with formulas, without torch: its
+    transformer and text-encoder counts equal the meta-device modules' exactly, its VAEs (a table)
+    within 0.01%, and every released config has a spec."""
+    assert sorted(PLANNER_MODELS) == sorted(released_names())
+    for name, spec in PLANNER_MODELS.items():
+        assert spec.params == counts[name]["transformer"], name
+        encoders = [counts[name][k] for k in ("text_encoder", "text_encoder_2", "text_encoder_3") if k in counts[name]]
+        assert [e.params for e in spec.text_encoders] == encoders, name
+        assert spec.vae.params == pytest.approx(counts[name]["vae"], rel=1e-4), name
+        assert spec.num_blocks == BLOCKS[name], name
 
 
 def _meta_conditioning(adapter) -> Conditioning:
@@ -209,28 +240,27 @@ def test_split_runs_the_released_transformers_on_meta(adapters):
 
 
 def test_precision_per_component():
-    """--dtype: the transformer in the named dtype (auto: float32), frozen text encoders in half
-    precision on CUDA, the VAE in float32; LoRA weights stay float32 on a bf16 base."""
+    """--dtype is the compute dtype (auto: bf16 on CUDA, float32 on CPU): every component loads in it
+    except a full fine-tune's trained transformer (float32 master weights); LoRA weights stay float32
+    on a bf16 base."""
     from models import load_model, model_dtypes
     from models.lora import apply_lora
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert set(model_dtypes("auto", cpu).values()) == {torch.float32}
-    auto = model_dtypes("auto", cuda)
-    assert (auto["transformer"], auto["text_encoder_2"], auto["default"]) == (torch.float32, torch.bfloat16,
-                                                                               torch.float32)
-    assert model_dtypes("bfloat16", cuda)["transformer"] == torch.bfloat16
+    assert model_dtypes("auto", cuda) == {"transformer": torch.float32, "default": torch.bfloat16}
+    assert model_dtypes("auto", cuda, master=False) == {"transformer": torch.bfloat16, "default": torch.bfloat16}
+    assert model_dtypes("bfloat16", cpu, master=False)["transformer"] == torch.bfloat16  # the CPU bf16 tests
     assert set(model_dtypes("float32", cuda).values()) == {torch.float32}
-    adapter = load_model("flux", preset="tiny", dtype={"transformer": torch.bfloat16, "text_encoder": torch.bfloat16,
-                                                       "default": torch.float32})
+    adapter = load_model("flux", preset="tiny", dtype=model_dtypes("bfloat16", cpu, master=False))
     dtypes = {n: next(m.parameters()).dtype for n, m in adapter.pipe.components.items()
               if isinstance(m, torch.nn.Module)}
-    assert dtypes == {"transformer": torch.bfloat16, "text_encoder": torch.bfloat16, "text_encoder_2": torch.float32,
-                      "vae": torch.float32}
+    assert set(dtypes.values()) == {torch.bfloat16} and len(dtypes) == 4
     apply_lora(adapter.transformer, 4, None)
     trained = [p for p in adapter.transformer.parameters() if p.requires_grad]
     assert trained and all(p.dtype == torch.float32 for p in trained)
     x = torch.randn(1, *adapter.latent_shape(16, 16))
-    v = adapter.velocity(x, torch.tensor([0.5]), adapter.encode_prompts(["a red circle"]))
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        v = adapter.velocity(x, torch.tensor([0.5]), adapter.encode_prompts(["a red circle"]))
     v.float().square().mean().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trained)

@@ -1,19 +1,18 @@
-"""Run safety in process: atomic checkpoints and their verification, run folders that never mix
-runs, safe loading (and a grep for unsafe loads and asserts), the non-finite step guard, and the
-size factors the up-front checks read without loading a model."""
+"""Run safety in process: atomic checkpoints and their verification (run folders, locks and resumes:
+tests/test_run_folders.py), safe loading (and a grep for unsafe loads and asserts), the non-finite
+step guard, the size factors the up-front checks read without loading a model, and the guard's
+timeouts and signals."""
 import ast
 import json
 import os
 import pickle
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from checkpointing import files as checkpoint_files
-from checkpointing import folder as runfolder
 from runtime.launch import ROOT
 from rl.nonfinite import RunAbort, SkipTracker
 
@@ -71,71 +70,6 @@ def test_prune_keeps_the_newest_and_the_pinned(tmp_path):
     assert sorted(os.path.basename(p) for p in removed) == ["step-1", "step-3", "step-4"]
     assert sorted(os.listdir(tmp_path)) == ["step-2", "step-5", "step-6"]
     assert checkpoint_files.prune(str(tmp_path), keep=0) == []
-
-
-# ----- run folders --------------------------------------------------------------------------------
-def _cfg(out, resume=None, overwrite=False, steps=5, lora_rank=4):
-    config = {"model": {"model": "flux", "model_path": None, "preset": "tiny"},
-              "optim": {"lora_rank": lora_rank, "lora_alpha": None, "lora_targets": "attn"},
-              "rl": {"algorithm": "flow_grpo", "steps": steps}, "sampling": {"sde_type": "sde"}}
-    return SimpleNamespace(output=SimpleNamespace(output_dir=str(out), resume=resume and str(resume),
-                                                  overwrite=overwrite),
-                           rl=SimpleNamespace(steps=steps), to_dict=lambda: config)
-
-
-def _run_folder(folder, steps_done, saved):
-    folder.mkdir()
-    rows = [{"step": s, "time": 0, "reward/mean": s} for s in range(steps_done)]
-    rows += [{"step": s, "time": 0, "eval/reward": s} for s in range(0, steps_done + 1, 2)]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tor')
-    (folder / "samples").mkdir()
-    for s in range(steps_done):
-        (folder / "samples" / f"step-{s:06d}.png").write_bytes(b"png")
-    for s in saved:
-        checkpoint_files.write_atomic(str(folder / "checkpoints" / f"step-{s}"),
-                                      lambda tmp: Path(tmp, "w").write_text("w"),
-                                      {"step": s, "config": _cfg(folder).to_dict()})
-    (folder / "slurm-123.out").write_text("a launcher's log")
-
-
-def test_a_folder_that_holds_a_run_is_refused_unless_resumed_in_place_or_overwritten(tmp_path):
-    run = tmp_path / "run"
-    _run_folder(run, 4, [2, 4])
-    with pytest.raises(ValueError, match="already holds a run .*continue its run with --resume"):
-        runfolder.check(_cfg(run))
-    assert runfolder.check(_cfg(run, overwrite=True)) is None
-    point = runfolder.check(_cfg(run, resume=run, steps=6))
-    assert point.step == 4 and point.same_folder
-    with pytest.raises(ValueError, match="--lora-rank 4 \\(this run: 8\\)"):
-        runfolder.check(_cfg(run, resume=run, lora_rank=8))
-    with pytest.raises(ValueError, match="--steps 4 is not above the step of the checkpoint"):
-        runfolder.check(_cfg(run, resume=run, steps=4))
-    only_logs = tmp_path / "logs"
-    only_logs.mkdir()
-    (only_logs / "slurm-1.out").write_text("x")
-    assert runfolder.check(_cfg(only_logs)) is None  # a launcher's log is not a run
-    runfolder.prepare(_cfg(run, overwrite=True), None, say=lambda line: None)
-    assert sorted(os.listdir(run)) == ["config.json", "slurm-123.out"]
-
-
-def test_resuming_in_place_cuts_the_run_back_to_the_checkpoint(tmp_path):
-    run = tmp_path / "run"
-    _run_folder(run, 5, [2, 4])
-    with open(run / "checkpoints" / "step-4" / "w", "w") as f:
-        f.write("torn")  # the newest checkpoint no longer verifies
-    point = runfolder.check(_cfg(run, resume=run, steps=6))
-    assert point.step == 2 and point.skipped[0][0].endswith("step-4")
-    lines = []
-    runfolder.prepare(_cfg(run, resume=run, steps=6), point, say=lines.append)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], "eval/reward" in r) for r in rows] == [(0, False), (1, False), (0, True), (2, True)]
-    assert sorted(os.listdir(run / "checkpoints")) == ["step-2"]
-    assert sorted(os.listdir(run / "samples")) == ["step-000000.png", "step-000001.png"]
-    (aside,) = (run / "discarded").iterdir()
-    assert len((aside / "metrics.jsonl").read_text().splitlines()) == 5  # steps 2-4, eval 4, the torn line
-    assert (aside / "checkpoints" / "step-4").is_dir()
-    assert any("skipped" in line and "step-4" in line for line in lines)
-    assert [r["step"] for r in runfolder.rows_to_replay(str(run), 2)] == [2]
 
 
 # ----- safe loading, real checks --------------------------------------------------------------------
@@ -260,7 +194,9 @@ def test_tensorboard_shows_every_step_once_after_a_resume(tmp_path):
 
 
 def test_timeouts_follow_the_slowest_step():
-    """5 x the slowest step, at least 60 s, at most --dist-timeout-s; the flat value when relaxed."""
+    """5 x the slowest step, at least 60 s (above --dist-timeout-s for long steps: a video step may
+    take longer); before the first step --dist-timeout-s or 5 x the predicted step, whichever is
+    longer; when relaxed, never below --dist-timeout-s."""
     from parallel import p2p
     from parallel.topology import Topology
     from runtime.guard import RunGuard
@@ -287,6 +223,91 @@ def test_timeouts_follow_the_slowest_step():
         guard.set_timeouts(relaxed=True)
         guard.step_done(500.0)
         guard.set_timeouts(relaxed=False)
-        assert store.timeouts == [60.0, 200.0, 600.0]
+        assert store.timeouts == [60.0, 200.0, 600.0, 2500.0]
+        first = RunGuard(Topology.build(2), 0, store, heartbeat_timeout_s=30, stop_grace_s=25, dist_timeout_s=600,
+                         groups=[], start_step=0)
+        first.expect_step(50.0)
+        first.set_timeouts(relaxed=False)  # 5 x 50 s: not below --dist-timeout-s before a step is measured
+        first.expect_step(300.0)
+        first.set_timeouts(relaxed=False)
+        assert store.timeouts[4:] == [1500.0]
     finally:
         p2p.configure(timeout_s=600)
+
+
+class _Store:
+    """The StepStore calls the guard makes, in a dict (one connection for all)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def clone(self):
+        return self
+
+    def set_timeout(self, seconds):
+        pass
+
+    def put(self, key, obj):
+        self.data[key] = json.loads(json.dumps(obj))
+
+    def get_if_set(self, key):
+        return self.data.get(key)
+
+    def ready(self, key):
+        return key in self.data
+
+    def add(self, key, amount=1):
+        self.data[key] = self.data.get(key, 0) + amount
+        return self.data[key]
+
+
+def _guard(rank=0, store=None):
+    from parallel.topology import Topology
+    from runtime.guard import RunGuard
+
+    return RunGuard(Topology.build(2), rank, store or _Store(), heartbeat_timeout_s=30, stop_grace_s=25,
+                    dist_timeout_s=600, groups=[], start_step=0)
+
+
+def test_a_failing_rank_reports_its_own_error_first_and_peers_print_it():
+    """Its own exception: published at once (no silence diagnosed); a peer whose connection then
+    breaks prints that report, not a silent rank; silence needs several beats and a margin."""
+    from parallel.p2p import PeerError
+    from runtime.guard import EXIT_ABORT, EXIT_ERROR
+
+    store = _Store()
+    trainer = _guard(1, store)
+    trainer.step = 3
+    code, line, traceback = trainer.explain(RuntimeError("value cannot be converted to type float without overflow"))
+    fault = "trainer rank 1 failed at step 3: RuntimeError: value cannot be converted to type float without overflow"
+    assert (code, line, traceback) == (EXIT_ERROR, f"error: {fault}", True)
+    assert store.data["guard/fault"] == {"line": fault, "code": EXIT_ERROR}
+    generator = _guard(0, store)
+    generator.step = 3
+    code, line, traceback = generator.explain(PeerError(1, "receive from trainer rank 1 failed: Connection closed"))
+    assert code == EXIT_ABORT and line.startswith(f"error: {fault}; generator rank 0 (replica 0) stopped at step 3")
+    assert not traceback and "stopped answering" not in line
+    assert generator.silence_window_s >= 3 * generator.interval
+
+
+def test_a_second_signal_within_2_s_is_the_same_request_and_later_exits_at_once(monkeypatch):
+    """SLURM and Ctrl-C signal every rank and torchrun forwards its copy: one request arrives twice."""
+    import signal
+    from types import SimpleNamespace
+
+    from runtime import guard as runguard
+
+    clock, died = [100.0], []
+    monkeypatch.setattr(runguard, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    guard = _guard()
+    monkeypatch.setattr(guard, "_die", lambda code, line: died.append((code, line)))
+    guard._on_signals(bytes([signal.SIGTERM]))
+    clock[0] += 0.3
+    guard._on_signals(bytes([signal.SIGTERM]))
+    clock[0] += 1.6
+    guard._on_signals(bytes([signal.SIGINT]))
+    assert guard.signal_name == "SIGTERM" and died == []
+    clock[0] += 0.2
+    guard._on_signals(bytes([signal.SIGINT]))
+    assert died == [(130, "error: generator rank 0 (replica 0): a second SIGINT, 2.1 s after the first: exiting now "
+                          "(code 130), without a checkpoint")]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from runtime.launch import TINY, torchrun, trained_weights
+from traced import assert_nccl_ok, merged, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 
@@ -21,17 +22,31 @@ PLACEMENTS = {
     "disagg-1g1t": (2, ["--generators", "1", "--trainers", "1", "--fragment-groups", "0"]),  # naive
     "disagg-2g2t": (4, ["--generators", "2", "--trainers", "2"]),
 }
+TRAFFIC = {"colocated-2": ["world"], "disagg-1g1t": ["data.to", "publish"],
+           "disagg-2g2t": ["data.to", "publish", "trainers"]}
+"""the communicators each placement must have used (its recorded run is checked under NCCL's rules)"""
 
 
-@pytest.mark.parametrize("training", [["--lora-rank", "4"], ["--lora-rank", "0"]], ids=["lora", "full"])
-def test_placement_invariance(tmp_path, training):
+@pytest.mark.parametrize("training,dtype", [(["--lora-rank", "4"], "float32"), (["--lora-rank", "0"], "float32"),
+                                            (["--lora-rank", "0"], "bfloat16")], ids=["lora", "full", "full-bf16"])
+def test_placement_invariance(tmp_path, training, dtype):
     """Same seed and flags: every placement trains on the same transitions and ends with the same
-    weights after 2 steps, up to floating-point reduction order."""
+    weights after 2 steps, up to floating-point reduction order; what each rank posted completes
+    under NCCL's rules. In bf16 (compute dtype; float32 trained weights) too: generators hold the
+    bf16 weights, and trainers, replicated or FSDP2, compute with exactly those (docs/DESIGN.md,
+    precision), so on this CPU the placements agree to the same tolerance, and ratio == 1 exactly.
+    Generators run no training probe."""
     results = {}
-    for name, (nproc, placement) in PLACEMENTS.items():
+    placements = {**PLACEMENTS, **({"disagg-1g2t-fsdp": (3, ["--generators", "1", "--trainers", "2",
+                                                            "--train-sharding", "fsdp"])} if dtype != "float32" else {})}
+    for name, (nproc, placement) in placements.items():
         out = tmp_path / name
-        torchrun(nproc, [*TINY, *training, "--steps", "2", "--output-dir", str(out), *placement])
+        torchrun(nproc, [*TINY, *training, "--dtype", dtype, "--steps", "2", "--output-dir", str(out), *placement],
+                 env=traced(out))
+        assert_nccl_ok(out, TRAFFIC[name])
         results[name] = (trained_weights(str(out), 2), read_metrics(str(out / "metrics.jsonl")))
+        speeds = json.loads((out / "speeds.json").read_text())
+        assert all(("train_s" in row) == (row["role"] != "generator") for row in speeds), (name, speeds)
     ref_w, ref_m = results["colocated-2"]
     for name, (w, m) in results.items():
         assert_same_weights(ref_w, w, name)
@@ -52,14 +67,19 @@ def test_placement_invariance(tmp_path, training):
 
 
 def test_fsdp_placements_match_replicate(tmp_path):
-    """FSDP2 trainers and colocated FSDP generation reach the replicated weights."""
+    """FSDP2 trainers and colocated FSDP generation reach the replicated weights; the FSDP2 groups'
+    all-gathers and reduce-scatters are posted alike on every member (the NCCL check)."""
     runs = {"replicate": (2, ["--mode", "colocated"]),
             "colocated-fsdp": (2, ["--mode", "colocated", "--colocated-sharding", "fsdp"]),
             "disagg-fsdp": (3, ["--generators", "1", "--trainers", "2", "--train-sharding", "fsdp"])}
+    fsdp = {"replicate": [], "colocated-fsdp": ["world:all_gather_single", "world:reduce_scatter_single"],
+            "disagg-fsdp": ["trainers:all_gather_single", "trainers:reduce_scatter_single"]}
     weights = {}
     for name, (nproc, placement) in runs.items():
         out = tmp_path / name
-        torchrun(nproc, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement])
+        torchrun(nproc, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement],
+                 env=traced(out))
+        assert_nccl_ok(out, collectives=fsdp[name])
         weights[name] = trained_weights(str(out), 2)
     for name in runs:
         assert_same_weights(weights["replicate"], weights[name], name)
@@ -109,17 +129,22 @@ def test_full_finetune_checkpoint_loads_with_diffusers(tmp_path):
         assert torch.equal(p.detach(), saved[name].to(torch.bfloat16).float())
 
 
-def test_resume_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("training", [["--lora-rank", "4"], ["--lora-rank", "0", "--dtype", "bfloat16"]],
+                         ids=["lora", "full-bf16"])
+def test_resume_matches_uninterrupted_run(tmp_path, training):
     """Disaggregated, with an EMA: a copy of the run cut back to its step-1 checkpoint resumes in
     place and ends bitwise equal; metrics.jsonl holds every step once (test_faults.py: the other
-    modes, signals and torn checkpoints)."""
+    modes, signals and torn checkpoints). In bf16 too: the trainer's float32 weights and AdamW
+    state, sharded by its own mixed-precision FSDP2, resume exactly."""
     import shutil
 
-    args = [*TINY, "--lora-rank", "4", "--ema-decay", "0.9", "--steps", "2", "--save-every", "1"]
+    args = [*TINY, *training, "--ema-decay", "0.9", "--steps", "2", "--save-every", "1"]
     torchrun(2, [*args, "--output-dir", str(tmp_path / "straight")])
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step-2")
-    torchrun(2, [*args, "--resume", str(tmp_path / "resumed"), "--output-dir", str(tmp_path / "resumed")])
+    torchrun(2, [*args, "--resume", str(tmp_path / "resumed"), "--output-dir", str(tmp_path / "resumed")],
+             env=traced(tmp_path / "resumed"))
+    assert_nccl_ok(tmp_path / "resumed", ["data.to", "publish"])
     straight = trained_weights(str(tmp_path / "straight"), 2)
     resumed = trained_weights(str(tmp_path / "resumed"), 2)
     for name in straight:
@@ -168,7 +193,13 @@ def test_scorer_ranks_match_colocated(tmp_path):
     """Rewards computed on a scorer rank (while the generator denoises its next fragment) give the
     colocated run's weights."""
     args = [*TINY, "--lora-rank", "4", "--steps", "2", "--fragment-groups", "1"]
-    torchrun(3, [*args, "--generators", "1", "--trainers", "1", "--scorers", "1", "--output-dir", str(tmp_path / "s")])
+    torchrun(3, [*args, "--generators", "1", "--trainers", "1", "--scorers", "1", "--output-dir", str(tmp_path / "s")],
+             env=traced(tmp_path / "s"))
+    assert_nccl_ok(tmp_path / "s", ["images.to", "scores.to", "data.to", "publish"])
+    # Images and scores on one communicator, as before: the generator sends fragment 1's images
+    # before it receives fragment 0's scores, which the scorer sends before it receives them.
+    old = merged(tmp_path / "s", ["images.to", "scores.to"])
+    assert old.deadlock and old.cycles == [[0, 2]], old.message
     torchrun(2, [*args, "--mode", "colocated", "--output-dir", str(tmp_path / "c")])
     assert_same_weights(trained_weights(str(tmp_path / "c"), 2), trained_weights(str(tmp_path / "s"), 2), "scorers")
     trace = json.loads((tmp_path / "s" / "trace" / "rank2.json").read_text())

@@ -153,6 +153,44 @@ def test_sample_cli_writes_pngs_and_trajectory(tmp_path):
     assert torch.isfinite(t["log_probs"]).all()
 
 
+def test_sample_cli_honours_each_prompts_shape_in_prompt_order(tmp_path):
+    """A mixed-shape .jsonl samples each prompt at its own shape (the run's --height/--width for a
+    prompt without one), in batches of one shape, and writes prompt j to j.png with the noise of
+    sample id j: the same image as sampling that prompt alone at its shape with that id."""
+    import json
+    import numpy as np
+    from PIL import Image
+    from safetensors.torch import load_file
+    from prompts.shapes import sampling_for
+    from rollout import sample_images
+
+    rows = [{"prompt": "a red circle", "height": 16, "width": 32}, {"prompt": "a blue square"},
+            {"prompt": "two green triangles", "height": 32, "width": 16}, {"prompt": "a cyan circle", "height": 16,
+                                                                           "width": 32}]
+    prompts = tmp_path / "mixed.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, traj = tmp_path / "out", tmp_path / "traj.safetensors"
+    common = ["--model", "flux", "--preset", "tiny", "--height", "16", "--width", "16", "--sample-steps", "2"]
+    assert sample_script.main([*common, "--prompts", str(prompts), "--batch-size", "4", "--out-dir", str(out),
+                               "--save-trajectory", str(traj)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["0000.png", "0001.png", "0002.png", "0003.png"]
+    sizes = [Image.open(out / f"{j:04d}.png").size for j in range(4)]  # PIL: (width, height)
+    assert sizes == [(32, 16), (16, 16), (16, 32), (32, 16)]
+    t = load_file(str(traj))
+    assert t["sample_ids/16x32"].tolist() == [0, 3] and t["latents/32x16"].shape[:2] == (1, 3)
+    cfg, _ = sample_script.parse_args([*common, "--prompt", "x"])
+    adapter = load_model("flux", preset="tiny", seed=cfg.seed)
+    base = sampler.SamplingConfig.for_adapter(adapter, height=16, width=16, num_steps=2, seed=cfg.seed)
+    _, alone = sample_images(adapter, ["a cyan circle"], sampling_for(base, (16, 32, None)), sample_ids=[3])
+    expected = (alone[0].clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0)
+    assert torch.equal(torch.from_numpy(np.array(Image.open(out / "0003.png"))), expected)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x"}) + "\n" + json.dumps({"prompt": "y", "height": 18}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2: prompt shape 18x16"):
+        sample_script.main([*common, "--prompts", str(bad), "--out-dir", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "flx"], "unknown model 'flx'"),
     (["--model-path", "/no/such/folder"], "/no/such/folder"),

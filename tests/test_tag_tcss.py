@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.launch import TINY, torchrun, torchrun_module, trained_weights
+from traced import assert_nccl_ok, merged, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel.stepplan import plan_step
@@ -33,13 +34,15 @@ def test_training_seconds_are_observed_in_the_simulators_unit():
     plan = plan_step(0, seed=0, num_prompts=8, prompts_per_step=3, group_size=2, micro_batch=2, num_replicas=1,
                      num_trainers=2, fragment_groups=3)
     assert [c.trainer for c in plan.fragments[0].chunks] == [0, 1, 0]
-    spec = TrainingSpec("flow_grpo", 4, 0.99, 0, None)
+    spec = TrainingSpec("first", 4, 0.99, 0, None)
     for tsp, expected in ((False, 1.2 / 2 * 3 / 2), (True, 1.2)):
         ctx = SimpleNamespace(topo=SimpleNamespace(num_replicas=1))
         helper = Assistant(ctx, None, None, 2, 0)
         helper.plan, helper.intake = plan, make_intake(tsp, spec, (0, 1), lambda r: 0, micro_batch=2, me=0)
         helper.observe_training({0: 1.2})  # trainer 0's seconds on its share of fragment 0
-        assert helper.tracker.values["train_fragment_s"] == pytest.approx(expected)
+        # per trained transition: 6 samples x 3 trained timesteps of 4 (a window may change the count)
+        assert helper.intake.fragment_transitions(plan, 0) == 18
+        assert helper.tracker.values["train_fragment_s"] == pytest.approx(expected / 18)
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +90,18 @@ def test_tag_trains_the_colocated_data(tmp_path, colocated):
     and every fragment of every step is trained exactly once."""
     run = tmp_path / "tag"
     torchrun(3, [*ARGS, "--steps", "3", "--generators", "1", "--trainers", "2", "--tag", "--debug-slow-rank", "0:5",
-                 "--output-dir", str(run)])
+                 "--output-dir", str(run)], env=traced(run))
     _check_tag_run(run, colocated, 3, [0], [1, 2])
+    assert_nccl_ok(run, ["data.to", "publish"])
 
 
 def test_tag_with_fsdp_trainers_trains_the_colocated_data(tmp_path, colocated):
     """FSDP2 trainers generate together, between training forwards, what their leader claims."""
     run = tmp_path / "tag-fsdp"
     torchrun(3, [*ARGS, "--steps", "2", "--generators", "1", "--trainers", "2", "--tag", "--train-sharding", "fsdp",
-                 "--debug-slow-rank", "0:5", "--output-dir", str(run)])
+                 "--debug-slow-rank", "0:5", "--output-dir", str(run)], env=traced(run))
     _check_tag_run(run, colocated, 2, [0], [1, 2])
+    assert_nccl_ok(run, ["data.to", "publish"], ["trainers:all_gather_single"])
     rows = [r for r in read_metrics(str(run / "metrics.jsonl")) if "train/loss" in r]
     assert len({r["train/num_allgathers"] for r in rows}) == 1  # generation's gathers are not counted as training's
 
@@ -110,8 +115,10 @@ def test_tag_with_gap_stages_or_scorers_trains_the_colocated_data(tmp_path, colo
     """A 2-stage GAP replica claims its fragments a round at a time; with a scorer rank, the scorer
     scores what replicas generate and the trainers score their own fragments."""
     run = tmp_path / "tag"
-    torchrun(3, [*ARGS, "--steps", "2", *placement, "--tag", "--debug-slow-rank", "0:5", "--output-dir", str(run)])
+    torchrun(3, [*ARGS, "--steps", "2", *placement, "--tag", "--debug-slow-rank", "0:5", "--output-dir", str(run)],
+             env=traced(run))
     _check_tag_run(run, colocated, 2, generators, trainers)
+    assert_nccl_ok(run, ["gap.r0.s0->s1", "gap.r0.s1->s0"] if not scorers else ["images.to", "scores.to"])
     if scorers:
         scored = {x for spans in _spans(run, scorers, {"score"}).values() for x in spans}
         assert scored == {x for spans in _spans(run, generators, {"generate"}).values() for x in spans}
@@ -125,7 +132,11 @@ def test_fsdp_helper_generation_leaves_gradients_alone():
 @pytest.mark.parametrize("tcss", [False, True])
 def test_staleness_is_at_most_one_and_zero_without_tcss(tmp_path, tcss):
     out = tmp_path / "run"
-    torchrun(2, [*ARGS, "--steps", "4", "--output-dir", str(out), *(["--tcss"] if tcss else [])])
+    torchrun(2, [*ARGS, "--steps", "4", "--output-dir", str(out), *(["--tcss"] if tcss else [])], env=traced(out))
+    assert_nccl_ok(out, ["data.to", "publish"])
+    if tcss:  # on one communicator, as before: the generator sends step k+1's fragments before it receives
+        old = merged(out, ["data.to", "publish"])  # version k+1, which the trainer sends before those
+        assert old.deadlock and old.cycles == [[0, 1]], old.message
     rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "train/loss" in r]
     assert len(rows) == 4
     for r in rows:

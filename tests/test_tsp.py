@@ -8,6 +8,7 @@ import torch
 from rl import algorithms
 from rl.timesteps import trained_timesteps
 from runtime.launch import TINY, torchrun, trained_weights
+from traced import assert_nccl_ok, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel import tsp
@@ -175,7 +176,6 @@ def test_packed_steps_with_mixed_noise_levels_match_per_transition_steps():
     """A windowed sampler is deterministic outside its window: one packed micro-batch may hold
     transitions at different noise levels, each scored as sampler.sde_step scores it alone."""
     from rl import sampler
-    from trainer import Transitions
 
     trainer, _, chunks = _rollout("flow_grpo", 1.0, (1, 3), 0.0)
     c = chunks[0]
@@ -185,8 +185,7 @@ def test_packed_steps_with_mixed_noise_levels_match_per_transition_steps():
     x_next = torch.stack([c.latents[j, t + 1] for j, t in zip(rows, ts)])
     v = torch.randn_like(x_t)
     sigma, sigma_next = c.sigmas[ts], c.sigmas[[t + 1 for t in ts]]
-    rows_of = Transitions(x_t, x_next, sigma, sigma_next, ts, None, None, None, None)
-    out = trainer._score_steps(rows_of, v, x_next)
+    out = sampler.score_rows(trainer.sampling, x_t, v, sigma, sigma_next, ts, x_next)
     for n, t in enumerate(ts):
         one = sampler.sde_step(x_t[n:n + 1], v[n:n + 1], sigma[n].item(), sigma_next[n].item(), sde_type="sde",
                                noise_level=trainer.sampling.noise_level_at(t), x_next=x_next[n:n + 1])
@@ -226,10 +225,14 @@ def test_placement_invariance_with_tsp(tmp_path):
             "disagg-1g2t-tsp-fsdp": (3, ["--generators", "1", "--trainers", "2", *tsp_flags,
                                          "--train-sharding", "fsdp"]),
             "colocated-2-tsp": (2, ["--mode", "colocated", *tsp_flags])}
+    traffic = {"colocated-2": [], "disagg-1g2t-tsp": ["data.to"], "disagg-1g2t-tsp-fsdp": ["data.to"],
+               "colocated-2-tsp": ["data.to"]}  # the colocated TSP exchange
     results = {}
     for name, (nproc, placement) in runs.items():
         out = tmp_path / name
-        torchrun(nproc, [*TINY, *naive, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement])
+        torchrun(nproc, [*TINY, *naive, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement],
+                 env=traced(out))
+        assert_nccl_ok(out, traffic[name])
         results[name] = (trained_weights(str(out), 2), read_metrics(str(out / "metrics.jsonl")))
     ref_w, ref_m = results["colocated-2"]
     for name, (w, m) in results.items():

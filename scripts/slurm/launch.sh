@@ -21,9 +21,13 @@ if [ "$topology" != none ] && [ -f "$topology" ]; then
     configs+=(--config "$topology")
 fi
 
-# NCCL: uncomment what the cluster needs. Name the InfiniBand adapters and the interface of the
-# bootstrap network if NCCL picks the wrong ones; NCCL_DEBUG=INFO prints the chosen transports once.
-# export NCCL_DEBUG=WARN
+# NCCL (README, "The first NCCL run"): a failed or timed-out operation ends its process (never 0: a rank
+# would wait in a dead collective), NCCL's errors in the log, the pending operations dumped on a timeout.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+# Uncomment what the cluster needs. Name the InfiniBand adapters and the interface of the bootstrap
+# network if NCCL picks the wrong ones; NCCL_DEBUG=INFO prints the chosen transports once.
 # export NCCL_IB_HCA=mlx5
 # export NCCL_SOCKET_IFNAME=ib0          # or the Ethernet interface that reaches the other nodes
 # export NCCL_IB_DISABLE=0               # 1 only on clusters without InfiniBand (RoCE/TCP instead)

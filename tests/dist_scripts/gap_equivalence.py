@@ -14,6 +14,7 @@ from rl import sampler
 from models import load_model
 from parallel.stepplan import plan_step
 from parallel.schedule import partition_blocks
+from parallel import commhooks
 from parallel.gap import PipelinedReplica, StageLayout, release_other_blocks
 from prompts.sets import PromptRecord
 from rewards import RewardSet
@@ -28,7 +29,10 @@ PROMPTS = ["a red circle", "two blue squares on the left", "three green triangle
 
 def main(out_path: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    commhooks.install()  # DIGENRL_COMM_TRACE: the collectives too
     rank, world = dist.get_rank(), dist.get_world_size()
+    links = [commhooks.new_group(f"gap.s{s}->s{(s + 1) % world}", [s, (s + 1) % world], timedelta(seconds=120))
+             for s in range(world)]  # one communicator per link, as ProcessGroups makes them
     records = [PromptRecord(p) for p in PROMPTS]
     report = {}
     for family, extra in FAMILIES.items():
@@ -46,7 +50,8 @@ def main(out_path: str) -> None:
         blocks = partition_blocks([1.0] * len(adapter.blocks), [1.0] * world)[rank]
         release_other_blocks(adapter, blocks)
         gen = Generator(adapter, cfg, rewards, records, seed=0)
-        replica = PipelinedReplica(gen, StageLayout(tuple(range(world)), rank, blocks))
+        replica = PipelinedReplica(gen, StageLayout(tuple(range(world)), rank, blocks),
+                                   (links[(rank - 1) % world], links[rank]))
         emitted = []
         replica.run_step(plan, plan.fragments, 0, gen.stream(plan, None, emitted.append))
         results = emitted

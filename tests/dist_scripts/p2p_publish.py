@@ -84,7 +84,7 @@ def run(rank: int, checks: dict) -> None:
         expected = mixed_payload()
         checks["payload_received"] = same(got, {k: v.contiguous() for k, v in expected.items()}) and got_meta == meta
         handle = isend_payload(got, {**got_meta, "echo": True}, dst=0)
-        handle.wait(timeout=timedelta(seconds=30))
+        handle.wait()
         send_payload({}, {"empty": True}, dst=2, group=g12)
     else:
         got, got_meta = recv_payload(src=1, group=g12)

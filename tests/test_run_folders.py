@@ -1,0 +1,244 @@
+"""Run folders in process (README, "Reliability"): one run per folder, the lock a live run holds,
+what a resume continues from and what config.json records of it, and config files that describe a
+run, never an action. tests/test_bad_inputs.py runs the same refusals through the real entry point
+on every rank of a 2-rank world; tests/test_faults.py takes a live run's folder."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpointing import files as checkpoint_files
+from checkpointing import folder as runfolder
+from checkpointing import lock
+from config.cli import parse_config
+from config.schema import NOT_CARRIED, RunConfig
+
+
+def _cfg(out, resume=None, overwrite=False, steps=5, lora_rank=4, seed=0, anyway=False) -> RunConfig:
+    cfg = RunConfig(seed=seed)
+    cfg.model.preset, cfg.optim.lora_rank, cfg.rl.steps = "tiny", lora_rank, steps
+    o = cfg.output
+    o.output_dir, o.resume, o.overwrite, o.resume_anyway = str(out), resume and str(resume), overwrite, anyway
+    return cfg
+
+
+def _checkpoint(folder, step, config, name=None):
+    checkpoint_files.write_atomic(str(folder / "checkpoints" / (name or f"step-{step}")),
+                                  lambda tmp: Path(tmp, "w").write_text(f"weights of step {step}"),
+                                  {"step": step, "config": config})
+
+
+def _run_folder(folder, steps_done, saved, run_id="run-a", seed=0):
+    """A run that logged `steps_done` steps and saved `saved`, with its config.json and run record."""
+    folder.mkdir()
+    rows = [{"step": s, "time": 0, "reward/mean": s} for s in range(steps_done)]
+    rows += [{"step": s, "time": 0, "eval/reward": s} for s in range(0, steps_done + 1, 2)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tor')
+    (folder / "samples").mkdir()
+    for s in range(steps_done):
+        (folder / "samples" / f"step-{s:06d}.png").write_bytes(b"png")
+    record = {"id": run_id, "prompts_sha256": "p" * 64, "resumes": []}
+    config = {**_cfg(folder, seed=seed).describe(), "run": record}
+    for s in saved:
+        _checkpoint(folder, s, config)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "slurm-123.out").write_text("a launcher's log")
+
+
+def test_a_folder_that_holds_a_run_is_refused_unless_resumed_in_place_or_overwritten(tmp_path):
+    run = tmp_path / "run"
+    _run_folder(run, 4, [2, 4])
+    with pytest.raises(ValueError, match="already holds a run .*continue its run with --resume"):
+        runfolder.check(_cfg(run))
+    assert runfolder.check(_cfg(run, overwrite=True)) is None
+    point = runfolder.check(_cfg(run, resume=run, steps=6), "p" * 64, NOT_CARRIED)
+    assert point.step == 4 and point.same_folder and point.changed == {"rl.steps": [5, 6]} and not point.anyway
+    with pytest.raises(ValueError, match="--lora-rank 4 \\(this run: 8\\).*change what its weights mean"):
+        runfolder.check(_cfg(run, resume=run, lora_rank=8))
+    with pytest.raises(ValueError, match="--steps 4 is not above the step of the checkpoint"):
+        runfolder.check(_cfg(run, resume=run, steps=4))
+    only_logs = tmp_path / "logs"
+    only_logs.mkdir()
+    (only_logs / "slurm-1.out").write_text("x")
+    assert runfolder.check(_cfg(only_logs)) is None  # a launcher's log is not a run
+    record = runfolder.prepare(_cfg(run, overwrite=True), None, {"prompts_sha256": "q" * 64}, say=lambda line: None)
+    assert sorted(os.listdir(run)) == ["config.json", "slurm-123.out"]
+    written = json.loads((run / "config.json").read_text())
+    assert written["run"] == record and record["resumes"] == [] and record["id"] != "run-a"
+    assert "overwrite" not in written["output"] and "resume" not in written["output"]  # a run, not an action
+
+
+def test_resuming_in_place_cuts_the_run_back_and_config_json_records_the_resume(tmp_path):
+    run = tmp_path / "run"
+    _run_folder(run, 5, [2, 4])
+    with open(run / "checkpoints" / "step-4" / "w", "w") as f:
+        f.write("torn")  # the newest checkpoint no longer verifies
+    point = runfolder.check(_cfg(run, resume=run, steps=6), "p" * 64, NOT_CARRIED)
+    assert point.step == 2 and point.skipped[0][0].endswith("step-4")
+    lines = []
+    record = runfolder.prepare(_cfg(run, resume=run, steps=6), point, {"prompts_sha256": "p" * 64}, say=lines.append)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "eval/reward" in r) for r in rows] == [(0, False), (1, False), (0, True), (2, True)]
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-2"]
+    assert sorted(os.listdir(run / "samples")) == ["step-000000.png", "step-000001.png"]
+    (aside,) = (run / "discarded").iterdir()
+    assert len((aside / "metrics.jsonl").read_text().splitlines()) == 5  # steps 2-4, eval 4, the torn line
+    assert (aside / "checkpoints" / "step-4").is_dir()
+    assert json.loads((aside / "config.json").read_text())["run"]["resumes"] == []  # the description before
+    assert any("skipped" in line and "step-4" in line for line in lines)
+    assert [r["step"] for r in runfolder.rows_to_replay(str(run), 2)] == [2]
+    (event,) = json.loads((run / "config.json").read_text())["run"]["resumes"]
+    assert record["id"] == "run-a" and event["step"] == 2 and event["changed"] == {"rl.steps": [5, 6]}
+    assert event["from"] == str(run / "checkpoints" / "step-2")
+
+
+def test_a_checkpoint_copied_in_under_another_steps_name_is_skipped_by_name(tmp_path):
+    run = tmp_path / "run"
+    _run_folder(run, 2, [2])
+    shutil.copytree(run / "checkpoints" / "step-2", run / "checkpoints" / "step-4")
+    found = checkpoint_files.find_valid(str(run / "checkpoints"))
+    assert found.step == 2
+    assert found.skipped == [(str(run / "checkpoints" / "step-4"),
+                              "its manifest.json records step 2, not 4: a copy of another checkpoint under this name")]
+    shutil.rmtree(run / "checkpoints" / "step-2")
+    with pytest.raises(ValueError, match="holds no valid checkpoint: skipped .*step-4 \\(its manifest.json records "
+                                         "step 2, not 4"):
+        runfolder.check(_cfg(run, resume=run, steps=6))
+
+
+def test_a_resume_that_changes_the_data_needs_resume_anyway_and_is_recorded(tmp_path):
+    run = tmp_path / "run"
+    _run_folder(run, 2, [2])
+    with pytest.raises(ValueError, match="this run changes --seed 0 \\(this run: 5\\); resume with --resume-anyway"):
+        runfolder.check(_cfg(run, resume=run, steps=4, seed=5), "p" * 64, NOT_CARRIED)
+    with pytest.raises(ValueError, match="the prompt file's content \\(SHA-256 pppppppppppp at the checkpoint, "
+                                         "qqqqqqqqqqqq now\\)"):
+        runfolder.check(_cfg(run, resume=run, steps=4), "q" * 64, NOT_CARRIED)
+    point = runfolder.check(_cfg(run, resume=run, steps=4, seed=5, anyway=True), "p" * 64, NOT_CARRIED)
+    assert point.changed == {"seed": [0, 5], "rl.steps": [5, 4]} and point.anyway == ("--seed 0 (this run: 5)",)
+    record = runfolder.prepare(_cfg(run, resume=run, steps=4, seed=5, anyway=True), point,
+                               {"prompts_sha256": "p" * 64}, say=lambda line: None)
+    assert record["resumes"][-1]["resume_anyway"] == ["--seed 0 (this run: 5)"]
+
+
+def test_another_runs_checkpoint_is_named_and_needs_resume_anyway(tmp_path):
+    run, other = tmp_path / "run", tmp_path / "other"
+    _run_folder(run, 2, [2], run_id="run-a")
+    _run_folder(other, 4, [4], run_id="run-b", seed=1)
+    shutil.copytree(other / "checkpoints" / "step-4", run / "checkpoints" / "step-4")
+    with pytest.raises(ValueError, match=f"it was not written by the run in {run} \\(run id run-b \\(the folder's "
+                                         f"run: run-a\\); --seed 1 \\(the folder's run: 0\\)\\)"):
+        runfolder.check(_cfg(run, resume=run, steps=6, seed=1), "p" * 64, NOT_CARRIED)
+    for folder in (run, other):  # runs of an older version: no ids, their seeds tell them apart
+        for path in [folder / "config.json", *(folder / "checkpoints").glob("step-*/manifest.json")]:
+            data = json.loads(path.read_text())
+            (data.get("config") or data).pop("run")
+            path.write_text(json.dumps(data))
+    checkpoint_files._VERIFIED.clear()
+    with pytest.raises(ValueError, match="not written by the run in .*--seed 1 \\(the folder's run: 0\\)"):
+        runfolder.check(_cfg(run, resume=run, steps=6, seed=1), "p" * 64, NOT_CARRIED)
+
+
+def _live_process():
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def _write_lock(folder, **record):
+    folder.mkdir(exist_ok=True)
+    (folder / lock.LOCK).write_text(json.dumps({"job": "another job", "since": "then", **record}))
+
+
+def test_a_live_runs_folder_is_refused_naming_its_host_and_pid(tmp_path):
+    live = _live_process()
+    try:
+        pid = live.pid
+        _write_lock(tmp_path / "run", host=socket.gethostname(), pid=pid, start_ticks=lock._start_ticks(pid))
+        with pytest.raises(ValueError, match=f"--overwrite would delete the files of a live run: .*run.lock is held by "
+                                             f"pid {pid} on host {socket.gethostname()}"):
+            lock.check(str(tmp_path / "run"), overwrite=True)
+        with pytest.raises(ValueError, match=f"pid {pid} on host"):
+            runfolder.check(_cfg(tmp_path / "run", resume=tmp_path / "run"))
+        with pytest.raises(ValueError, match="held by"):
+            lock.acquire(str(tmp_path / "run"))
+    finally:
+        live.kill()
+        live.wait()
+    # the same pid, reused by a younger process, is not the holder
+    _write_lock(tmp_path / "reused", host=socket.gethostname(), pid=os.getpid(), start_ticks=1)
+    assert lock.state(str(tmp_path / "reused"))[0] == "stale"
+
+
+def test_a_dead_runs_lock_is_named_and_taken_over_and_another_hosts_is_not(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)
+    _write_lock(tmp_path / "run", host=socket.gethostname(), pid=pid)
+    note = lock.acquire(str(tmp_path / "run"))
+    try:
+        assert f"was left by pid {pid} on host {socket.gethostname()}" in note and "taking it over" in note
+        mine = lock.read(str(tmp_path / "run"))
+        assert (mine["pid"], mine["job"]) == (os.getpid(), lock.job_id())
+        assert lock.state(str(tmp_path / "run"))[0] == "ours"  # every rank of this job reads it as its own
+    finally:
+        lock.release()
+    assert not (tmp_path / "run" / lock.LOCK).exists()
+    _write_lock(tmp_path / "far", host="node-b.example", pid=4242)
+    with pytest.raises(ValueError, match="held by pid 4242 on host node-b.example .*a host this one cannot check: if "
+                                         "that run has ended .*remove .*run.lock and launch again"):
+        lock.acquire(str(tmp_path / "far"))
+    assert lock.read(str(tmp_path / "far"))["host"] == "node-b.example"  # never broken silently
+
+
+def test_the_output_folder_is_checked_for_writes_and_path_length_before_anything_loads(tmp_path):
+    with pytest.raises(ValueError, match="the folder name 'nnnnnnnn.*has 300 bytes; this file system allows 255"):
+        runfolder.check_writable(str(tmp_path / ("n" * 300)), 5)
+    deep = str(tmp_path / "/".join(["d" * 200] * 20))
+    with pytest.raises(ValueError, match="is too long .*the run writes paths of up to .* bytes under it"):
+        runfolder.check_writable(deep, 5)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        runfolder.check_writable(str(tmp_path / "file" / "out"), 5)
+    if not os.access("/sys/fs", os.W_OK) or os.geteuid() == 0:  # sysfs refuses new files, even to root
+        with pytest.raises(ValueError, match="cannot write into '/sys/fs'"):
+            runfolder.check_writable("/sys/fs/digenrl-run", 5)
+    runfolder.check_writable(str(tmp_path / "new" / "run"), 5)
+    assert os.listdir(tmp_path) == ["file"]  # a probe creates nothing it leaves behind
+
+
+def test_config_files_describe_a_run_and_never_an_action(tmp_path):
+    """An old config.json that carries --overwrite and --resume: neither is taken, nor the folder."""
+    old = _cfg(tmp_path / "a", resume=tmp_path / "c", overwrite=True).to_dict()
+    old["output"]["debug_slow_rank"] = [0, 2.0]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    cfg = parse_config(["--config", str(tmp_path / "config.json"), "--seed", "5", "--output-dir", str(tmp_path / "b")])
+    assert (cfg.output.overwrite, cfg.output.resume, cfg.output.output_dir) == (False, None, str(tmp_path / "b"))
+    assert cfg.output.debug_slow_rank is None and cfg.optim.lora_rank == 4 and cfg.seed == 5
+    default = parse_config(["--config", str(tmp_path / "config.json")])
+    assert default.output.output_dir == RunConfig().output.output_dir
+
+
+def test_a_resume_starts_from_the_checkpoints_config_and_flags_override_it(tmp_path):
+    """--resume DIR --output-dir DIR --steps N alone continues a run started with other flags."""
+    run = tmp_path / "run"
+    run.mkdir()
+    started = _cfg(run, lora_rank=0, steps=2)
+    started.model.model_path, started.rl.group_size = "/w/flux", 4
+    _checkpoint(run, 2, {**started.describe(), "run": {"id": "run-a"}})
+    cfg = parse_config(["--resume", str(run), "--output-dir", str(run), "--steps", "6"])
+    assert (cfg.optim.lora_rank, cfg.model.model_path, cfg.rl.group_size, cfg.rl.steps) == (0, "/w/flux", 4, 6)
+    assert cfg.output.resume == str(run) and not cfg.output.overwrite
+    split = _cfg(tmp_path / "split", steps=2)
+    split.topology.generators, split.topology.trainers, split.topology.tsp = 1, 1, True
+    (tmp_path / "split").mkdir()
+    _checkpoint(tmp_path / "split", 2, split.describe())
+    moved = parse_config(["--resume", str(tmp_path / "split"), "--mode", "colocated", "--steps", "4"])
+    t = moved.topology  # the role split is the command's as a whole; the rest of the placement is carried
+    assert (t.mode, t.generators, t.trainers, t.tsp) == ("colocated", None, None, True)
+    again = parse_config(["--resume", str(run), "--output-dir", str(run), "--steps", "6", "--lora-rank", "8"])
+    again.resolve_defaults()
+    with pytest.raises(ValueError, match="--lora-rank 0 \\(this run: 8\\)"):
+        runfolder.check(again)

@@ -1,0 +1,41 @@
+"""The placement-invariance runs record their communication (DIGENRL_COMM_TRACE) and these helpers
+check it under NCCL's rules (telemetry/commcheck.py): no buffered sends, one FIFO stream per
+communicator and rank, collectives in one order on every member. A run passes `traced(out)` as its
+environment; `assert_nccl_ok(out, ...)` then replays what every rank posted, and checks that the
+traffic the mode must have was recorded at all (a check of an empty trace proves nothing)."""
+from pathlib import Path
+
+from telemetry import commcheck, commtrace
+
+
+def traced(out, name: str = "comm") -> dict:
+    """The environment that records a run's communication into OUT/NAME."""
+    return {commtrace.ENV: str(Path(out) / name)}
+
+
+def assert_nccl_ok(out, communicators=(), collectives=(), name: str = "comm") -> commcheck.Result:
+    """Every rank's recorded operations complete under NCCL's rules; `communicators` (names or
+    name prefixes) all carried traffic, and `collectives` ("group:name") were posted."""
+    traces = commcheck.load(str(Path(out) / name))
+    result = commcheck.check(traces)
+    assert result.ok, f"{out}:\n{result.message}"
+    lines = [line for rank_lines in traces.values() for line in rank_lines]
+    used = {line["group"] for line in lines if line["op"] in ("send", "recv", "collective")}
+    for c in communicators:
+        assert any(g == c or g.startswith(c) for g in used), (out, c, sorted(used))
+    posted = {f"{line['group']}:{line['name']}" for line in lines if line["op"] == "collective"}
+    for c in collectives:
+        assert c in posted, (out, c, sorted(posted))
+    return result
+
+
+def merged(out, prefixes, into: str = "world", name: str = "comm") -> commcheck.Result:
+    """The recorded run replayed as if the communicators named by `prefixes` were one (`into`), as
+    the code had them before each kind of traffic got its own: the check must find the crossing."""
+    traces = commcheck.load(str(Path(out) / name))
+    for lines in traces.values():
+        for line in lines:
+            if any(line["group"].startswith(p) for p in prefixes):
+                line["group"] = into
+    return commcheck.check(traces)
+
