@@ -20,6 +20,7 @@ from checkpointing import checkpoint
 from checkpointing.checkpoint import EXPORT_DTYPES
 from models import ATTENTION_BACKENDS, adapter_class, check_attention
 from models.base import check_model_folder, preset_defaults, read_folder_defaults
+from models.released import released_config
 from parallel import compress
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
 from parallel.stepplan import DISPATCHES
@@ -273,10 +274,10 @@ def check_reward_models(cfg) -> None:
         check_folder_files(folder)
 
 
-def check_model(cfg, prompts=()) -> None:
+def check_model(cfg, prompts=(), released: str | None = None) -> None:
     """The model family, its folder, and the sample size (the run's and every prompt's of
     `prompts`, (file, record) pairs), steps and noise against its defaults and size factors, all
-    without loading a weight."""
+    without loading a weight. `released`: a released config (models/configs/) stands for the folder."""
     m, s = cfg.model, cfg.sampling
     cls = adapter_class(m.model)
     if m.model_path:
@@ -289,6 +290,9 @@ def check_model(cfg, prompts=()) -> None:
         except (KeyError, TypeError) as e:
             raise ValueError(f"{t_file} or {v_file} lacks the entry {e} that {cls.family!r} needs") from None
         defaults = read_folder_defaults(m.model_path, cls.defaults)
+    elif released is not None:
+        config = released_config(released)
+        geometry, defaults = cls.geometry(config["transformer"], config["vae"]), cls.defaults
     else:
         if m.preset not in cls.geometry_presets:
             raise ValueError(f"unknown preset {m.preset!r} for model {m.model!r}; use --model-path DIR or one of "
@@ -368,14 +372,15 @@ def check_prompts(cfg, prompt_sets) -> None:
                     raise ValueError(f"prompt file {path!r}, prompt {n}: {e}") from None
 
 
-def check_run(cfg, prompt_sets, weights: bool = True) -> None:
-    """What config.validate checks after the flags: the environment, the model folder and sizes
-    (every prompt's shape among them), the reward models' folders (unless not `weights`), the
+def check_run(cfg, prompt_sets, released: str | None = None) -> None:
+    """What config.validate checks after the flags: the environment, the model folder (or the
+    released config that stands for it) and sizes (every prompt's shape among them), the reward
+    models' folders (not with a released config), the
     prompts' grammar, precomputed prompt embeddings. `prompt_sets`: [(path, records)] of the
     training and evaluation prompts as read once."""
     check_environment()
-    check_model(cfg, [(path, r) for path, records in prompt_sets for r in records])
-    if weights:
+    check_model(cfg, [(path, r) for path, records in prompt_sets for r in records], released)
+    if released is None:
         check_reward_models(cfg)
     check_prompts(cfg, prompt_sets)
     if cfg.model.prompt_embeds:

@@ -69,10 +69,10 @@ class RunFacts:
                          dispatch=cfg.topology.dispatch)
 
 
-def validate(cfg: RunConfig, world_size: int, weights: bool = True) -> RunFacts:
-    """Every user error that needs no process group, each naming the bad value. `weights=False`: a
-    recipe checked on a machine without its weights (scripts/check_recipe.py) skips the reward
-    models' folders."""
+def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> RunFacts:
+    """Every user error that needs no process group, each naming the bad value. `released`: a
+    recipe checked on a machine without its weights (scripts/check_recipe.py): that released config
+    (models/configs/) stands for the model folder, and the reward models' folders are not read."""
     rl, t, o, s = cfg.rl, cfg.topology, cfg.output, cfg.sampling
     topo = Topology.build(world_size, t.mode, t.generators, t.trainers, t.scorers, t.gap_stages)
     preflight.check_numbers(cfg)  # every range, in one place
@@ -113,7 +113,7 @@ def validate(cfg: RunConfig, world_size: int, weights: bool = True) -> RunFacts:
         held_out = tuple(eval_records(o.eval_prompts, o.eval_num_prompts, o.eval_samples_per_prompt, read))
         held_out_sha = read.sha256
         sets.append((o.eval_prompts, read.records[:o.eval_num_prompts]))
-    preflight.check_run(cfg, sets, weights)  # every other flag, the model folder and sizes, the prompts' shapes and grammar
+    preflight.check_run(cfg, sets, released)  # every other flag, the model folder and sizes, the prompts' shapes and grammar
     resume = runfolder.check(cfg, prompts.sha256, NOT_CARRIED)  # the run folder, its lock and --resume
     disagg = topo.mode == "disagg"
     return RunFacts(topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,

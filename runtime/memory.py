@@ -1,6 +1,5 @@
 """A run's GPU memory per role from the one memory model (planner/memory.py): the sizes it needs,
-read from the run's model (a loaded one, or a released config on the meta device) and its config,
-and the design of the code that runs it (`CODE`).
+read from the run's model (a loaded one, or a released config on the meta device) and its config.
 
 The runtime checks --memory-budget-gb with it before any rank waits on another, and
 scripts/check_recipe.py prints it beside the measurement (runtime/measure.py). Both count what
@@ -17,7 +16,6 @@ import os
 import torch
 import transformers
 
-from config import preflight
 from config.cli import load_config_files
 from config.schema import DATA_DIR, RunConfig
 from config.validate import RunFacts, validate
@@ -27,14 +25,10 @@ from models.released import count_parameters, meta_adapter
 from parallel import compress
 from planner import hardware
 from planner import memory as model
-from rewards import parse_reward_spec
+from rewards import parse_reward_spec, reward_url
 from rl import algorithms
 
 GiB = 1024 ** 3
-CODE = model.TODAY
-"""What runtime/build.py and the roles hold today (planner.memory.TODAY). The lean roles of issue #29
-make it planner.memory.LEAN; tests/test_memory.py holds the model under CODE within 10% of the
-measurements in docs/memory/*.json, which scripts/measure_recipes.py takes on the code."""
 
 REWARD_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rewards", "configs")
 REWARD_MODELS = {"pickscore": "clip_vit_h_14", "hpsv2": "clip_vit_h_14", "clip_score": "clip_vit_l_14",
@@ -63,8 +57,9 @@ def _reward_count(name: str) -> int:
 
 
 def reward_parameters(specs: list[str]) -> float:
-    """Parameters of the run's model rewards (their released networks)."""
-    return float(sum(_reward_count(n) for n in {parse_reward_spec(s)[0] for s in specs} if n in REWARD_MODELS))
+    """Parameters of the run's model rewards (their released networks; a served reward holds none)."""
+    names = {parse_reward_spec(s)[0] for s in specs if not reward_url(s)}
+    return float(sum(_reward_count(n) for n in names if n in REWARD_MODELS))
 
 
 def _units(transformer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -87,23 +82,27 @@ def run_shape(cfg: RunConfig, facts: RunFacts, adapter) -> model.RunShape:
     if facts.lora and not lora:  # a model without its adapters yet: peft's own count
         lora = _lora_count(adapter, cfg)
     config = adapter.transformer.config
-    dtypes = model_dtypes(cfg.model.dtype, torch.device("cuda"))
+    dtypes = model_dtypes(cfg.model.dtype, torch.device("cuda"), master=not facts.lora)
+    compute = dtypes["default"].itemsize
     plan = facts.step_plan(cfg, 0)
     text = adapter.max_sequence_length + (77 if adapter.family == "sd3" else 0)
+    loss = algorithms.algorithm(rl.algorithm).loss(rl)
     return model.RunShape(
         family=adapter.family, dit=counts["transformer"] - lora,
         text=sum(v for k, v in counts.items() if k.startswith("text_encoder")), vae=counts.get("vae", 0),
         rewards=reward_parameters(rl.reward), hidden=config.num_attention_heads * config.attention_head_dim,
         blocks=len(adapter.blocks), largest_unit=max(sum(p.numel() for p in u.parameters()) for u in
                                                      _units(adapter.transformer)),
-        tokens=adapter.image_seq_len(latent) + text, latent=math.prod(latent),
-        pixels=height * width * (frames or 1), steps=s.sample_steps or d.num_steps,
+        largest_tensor=max(p.numel() for p in named.values()), tokens=adapter.image_seq_len(latent) + text,
+        latent=math.prod(latent), pixels=height * width * (frames or 1), steps=s.sample_steps or d.num_steps,
         branches=2 if (s.cfg_scale or d.cfg_scale) > 1 else 1, gen_micro=rl.micro_batch,
         train_micro=facts.train_micro_batch if facts.tsp else rl.micro_batch,
         fragment=max(len(f.sample_ids) for f in plan.fragments), lora=float(lora),
-        weight_bytes=dtypes["transformer"].itemsize, text_bytes=dtypes["text_encoder"].itemsize,
-        checkpointing=o.grad_checkpointing, reference=algorithms.algorithm(rl.algorithm).loss(rl).needs_reference,
-        ema=o.ema_decay > 0, lossy_codec=compress.lossy(cfg.topology.publish_compression))
+        weight_bytes=dtypes["transformer"].itemsize, compute_bytes=compute,
+        reward_bytes=4 if rl.reward_dtype == "float32" else compute, checkpointing=o.grad_checkpointing,
+        reference=loss.needs_reference, ema=o.ema_decay > 0, old_policy=loss.forward_process,
+        lossy_codec=compress.lossy(cfg.topology.publish_compression),
+        trainers_sample=cfg.output.eval_every > 0 or facts.tag, encodes=not cfg.model.prompt_embeds)
 
 
 def _lora_count(adapter, cfg: RunConfig) -> int:
@@ -113,24 +112,22 @@ def _lora_count(adapter, cfg: RunConfig) -> int:
                if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
 
 
-def predict(cfg: RunConfig, facts: RunFacts, adapter, design: model.Design = CODE,
+def predict(cfg: RunConfig, facts: RunFacts, adapter,
             capacity: float = float("inf")) -> dict[str, dict[str, model.MemoryUse]]:
-    """{role: {phase: MemoryUse}} of every role the run's topology has, under `design`."""
+    """{role: {phase: MemoryUse}} of every role the run's topology has."""
     shape, topo = run_shape(cfg, facts, adapter), facts.topology
     shard = facts.num_trainers if facts.train_sharding == "fsdp" else 1
     evaluates = bool(cfg.output.eval_every)
     if not facts.disagg:
-        return {"colocated": model.colocated_phases(shape, design, capacity, shard=shard, evaluates=evaluates)}
+        return {"colocated": model.colocated_phases(shape, capacity, shard=shard, evaluates=evaluates)}
     out = {}
     stages = topo.gap_stages
     for stage in sorted({0, stages - 1}):
         role = "generator" if stages == 1 else f"generator stage {stage}"
-        phases = model.generator_phases(shape, design, capacity, stages=stages, stage=stage,
-                                        scores=not topo.scorer_ranks)
-        out[role] = {**phases, "start-up probe": model.start_up_phase(shape, design, capacity, "generator")}
-    out["trainer"] = model.role_phases(shape, design, capacity, "trainer", shard=shard, evaluates=evaluates)
+        out[role] = model.generator_phases(shape, capacity, stages=stages, stage=stage, scores=not topo.scorer_ranks)
+    out["trainer"] = model.trainer_phases(shape, capacity, shard=shard, evaluates=evaluates)
     if topo.scorer_ranks:
-        out["scorer"] = {"scoring": model.scorer_phase(shape, design, capacity)}
+        out["scorer"] = {"scoring": model.scorer_phase(shape, capacity)}
     return out
 
 
@@ -140,7 +137,7 @@ def check_budget(cfg: RunConfig, facts: RunFacts, adapter) -> None:
     budget = cfg.topology.memory_budget_gb
     if budget is None:
         return
-    for role, phases in predict(cfg, facts, adapter, capacity=budget * 1e9).items():
+    for role, phases in predict(cfg, facts, adapter, budget * 1e9).items():
         top = model.peak(phases)
         if top.total > budget * 1e9:
             items = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in sorted(top.items.items(), key=lambda kv: -kv[1])[:4])
@@ -161,23 +158,16 @@ def load_recipe(paths: list[str]):
     cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights" for spec in cfg.rl.reward]
     cfg.rl.prompts = cfg.output.eval_prompts = os.path.join(DATA_DIR, "shapes_train.txt")
     cfg.resolve_defaults()
-    check_model = preflight.check_model
-    preflight.check_model = lambda c: None  # the released config stands for the weights folder
-    try:
-        facts = validate(cfg, recipe["gpus"])
-    finally:
-        preflight.check_model = check_model
+    facts = validate(cfg, recipe["gpus"], released=recipe["model_config"])  # stands for the weights
     return cfg, recipe, facts
 
 
 def recipe_report(cfg, recipe, facts, gpu: hardware.GPU, measured: dict | None) -> dict:
     """Per role: the measured peak phase (runtime/measure.py's RankMemory; the predicted one without a
-    measurement), the model's figures under CODE and under the lean design, every phase's figures."""
-    adapter = meta_adapter(recipe["model_config"])
-    today = predict(cfg, facts, adapter, CODE, gpu.memory_bytes)
-    lean = predict(cfg, facts, adapter, model.LEAN, gpu.memory_bytes)
+    measurement) with the model's figure for it, the categories at the peak, every phase's figures."""
+    predicted = predict(cfg, facts, meta_adapter(recipe["model_config"]), gpu.memory_bytes)
     roles = []
-    for role, phases in today.items():
+    for role, phases in predicted.items():
         got = measured.get(role) if measured else None
         phase = got.peak_phase if got is not None else model.peak(phases).phase
         row = {"role": role, "phase": phase,
@@ -185,8 +175,6 @@ def recipe_report(cfg, recipe, facts, gpu: hardware.GPU, measured: dict | None) 
                "predicted_peak_gib": round(phases[phase].tensors / GiB, 2) if phase in phases else None,
                "categories": {k: round(v / GiB, 2) for k, v in (got.peak if got is not None else
                                                                 phases[phase].categories()).items() if k != "total"},
-               "lean_predicted_peak_gib": round(model.peak(lean[role]).tensors / GiB, 2),
-               "lean_phase": model.peak(lean[role]).phase,
                "phases": {p: {"measured_gib": round(got.phases[p]["total"] / GiB, 2) if got and p in got.phases
                               else None, "predicted_gib": round(m.tensors / GiB, 2),
                               "categories": {k: round(v / GiB, 2) for k, v in got.phases[p].items() if k != "total"}
@@ -197,10 +185,9 @@ def recipe_report(cfg, recipe, facts, gpu: hardware.GPU, measured: dict | None) 
         roles.append(row)
     usable = model.USABLE_FRACTION * gpu.memory_bytes - model.CONTEXT_BYTES
     return {"recipe": recipe.get("name"), "gpus": recipe["gpus"], "gpu": gpu.key, "gpu_memory_gib":
-            round(gpu.memory_bytes / GiB, 2), "usable_gib": round(usable / GiB, 2), "design": CODE.name,
+            round(gpu.memory_bytes / GiB, 2), "usable_gib": round(usable / GiB, 2),
             "topology": f"{len(facts.topology.generator_ranks)} generators + {facts.topology.num_trainers} trainers "
                         f"({facts.train_sharding})", "roles": roles}
 
-
-__all__ = ["CODE", "GiB", "REWARD_MODELS", "check_budget", "load_recipe", "predict", "recipe_report",
+__all__ = ["GiB", "REWARD_MODELS", "check_budget", "load_recipe", "predict", "recipe_report",
            "reward_network", "reward_parameters", "run_shape"]
