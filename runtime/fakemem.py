@@ -20,8 +20,8 @@ scoped to a `FakeRun` and undone after it:
 - DTensor's sharding propagation runs ops on global-size fake tensors inside our mode; the
   trackers would book them (fused AdamW over a 4-way shard peaked at 5x the state). They are not
   counted.
-- The optimizer picks foreach, as it does for CUDA tensors (a CPU default is the per-tensor loop,
-  whose temporaries are smaller).
+- The optimizer is the one the trainer asks for on CUDA (fused AdamW), where a CPU gets the
+  per-tensor loop.
 - peft's move of a new adapter to its base layer's dtype is left out, and Module.to leaves a module
   already on its device and dtype alone (torch would swap every fake parameter with itself, which a
   FakeTensor refuses; the adapters end float32 either way).
@@ -161,11 +161,17 @@ def cuda_autocast_policy():
         lib._destroy()
 
 
-def gpu_autocast(device: torch.device, dtype_name: str):
-    """`models.autocast` as a CUDA device would see it: bf16 (or fp16) autocast of the fake device."""
-    if dtype_name in ("auto", "bfloat16", "float16"):
-        return torch.autocast(device.type, dtype=torch.float16 if dtype_name == "float16" else torch.bfloat16)
-    return contextlib.nullcontext()
+_AUTOCAST = models.autocast  # as imported, before any FakeRun replaces it
+
+
+def gpu_autocast(device: torch.device, dtype_name: str, original=None):
+    """`models.autocast` as a CUDA device would decide it (its dtype, its cache), on the fake device."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available, disabling autocast": only its settings are read
+        decided = (original or _AUTOCAST)(torch.device("cuda"), dtype_name)
+    if not isinstance(decided, torch.autocast):
+        return decided
+    return torch.autocast(device.type, dtype=decided.fast_dtype, cache_enabled=decided._cache_enabled)
 
 
 # ----- a run ------------------------------------------------------------------------------------
@@ -182,10 +188,10 @@ class FakeRun(contextlib.ExitStack):
         self.enter_context(cuda_autocast_policy())
         self.enter_context(uncounted_propagation())
         cuda = torch.device("cuda")
-        as_on_gpu = {"autocast": gpu_autocast,
-                     "model_dtypes": lambda name, device, f=models.model_dtypes: f(name, cuda),
-                     "resolve_dtype": lambda name, device, f=models.resolve_dtype: f(name, cuda)}
-        originals = {name: getattr(models, name) for name in as_on_gpu}
+        originals = {name: getattr(models, name) for name in ("autocast", "model_dtypes", "resolve_dtype")}
+        as_on_gpu = {"autocast": lambda device, name, f=originals["autocast"]: gpu_autocast(device, name, f),
+                     "model_dtypes": lambda name, device, *a, f=originals["model_dtypes"], **k: f(name, cuda, *a, **k),
+                     "resolve_dtype": lambda name, device, f=originals["resolve_dtype"]: f(name, cuda)}
         for module in list(sys.modules.values()):
             for name, replacement in as_on_gpu.items():
                 if module is not None and getattr(module, name, None) is originals[name]:
@@ -205,16 +211,36 @@ class FakeRun(contextlib.ExitStack):
 
 
 def _to_unless_in_place(to):
-    """Module.to that leaves a module whose tensors already have the device and dtype asked for as it
-    is (Module._apply would swap every fake parameter with itself, which FakeTensors refuse)."""
+    """Module.to for fake modules: one whose tensors already have the device and dtype asked for is
+    left as it is, another gets fresh fake tensors of them (Module._apply would swap every fake
+    parameter with its converted copy, which FakeTensors refuse: the mode keeps weak references)."""
     def module_to(module, *args, **kwargs):
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         tensors = [*module.parameters(), *module.buffers()]
         if all((device is None or t.device.type == torch.device(device).type)
                and (dtype is None or not t.is_floating_point() or t.dtype == dtype) for t in tensors):
             return module
+        if tensors and all(isinstance(t, FakeTensor) for t in tensors):
+            return _refake(module, tensors[0].fake_mode, dtype)
         return to(module, *args, **kwargs)
     return module_to
+
+
+def _refake(module: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None) -> torch.nn.Module:
+    """A fake module's floating tensors as new fake tensors in `dtype`, ties and requires_grad kept."""
+    made: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in list(table.items()):
+                if t is None or dtype is None or not t.is_floating_point() or t.dtype == dtype:
+                    continue
+                if id(t) not in made:
+                    with contextlib.nullcontext() if active_fake_mode() is mode else mode:
+                        new = torch.empty(t.shape, dtype=dtype, device=t.device)
+                    made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) \
+                        if isinstance(t, torch.nn.Parameter) else new
+                table[name] = made[id(t)]
+    return module
 
 
 def fake_module(module: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -251,13 +277,12 @@ def fake_world(world_size: int, rank: int):
         dist.destroy_process_group()
 
 
-def foreach_as_on_gpu(optimizer: torch.optim.Optimizer) -> None:
-    """The implementation torch picks for CUDA tensors (foreach) instead of the CPU's loop."""
+def optimizer_as_on_gpu(optimizer: torch.optim.Optimizer) -> None:
+    """The AdamW implementation the trainer asks for on CUDA (trainer.py: fused, which keeps no
+    foreach temporaries), where on a CPU it gets torch's default."""
     for group in optimizer.param_groups:
-        if group.get("foreach") is None and not group.get("fused"):
-            group["foreach"] = True
-
+        group["fused"], group["foreach"] = True, False
 
 
 __all__ = ["CONSTANT_NUMEL", "FakeRun", "GiB", "MeasureMode", "cuda_autocast_policy", "fake_module", "fake_world",
-           "foreach_as_on_gpu", "gpu_autocast"]
+           "gpu_autocast", "optimizer_as_on_gpu"]
