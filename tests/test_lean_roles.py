@@ -15,7 +15,7 @@ from parallel.checksums import checksum, checksum_sums, fold
 from parallel.topology import ProcessGroups
 from prompts import embeds
 from rl import sampler
-from runtime import build, probe
+from runtime import context, probe
 from runtime.launch import torchrun_module
 from telemetry.tracing import Slowdown
 
@@ -51,11 +51,11 @@ def test_each_role_holds_what_it_runs(tmp_path):
     generator's runs no backward at all."""
     cfg = _config(tmp_path, ("model", "model", "flux"))
     facts = validate(cfg, 2)
-    gen, _ = build._context(cfg, facts, 0, ProcessGroups(trainers=None))
+    gen, _ = context.make_context(cfg, facts, 0, ProcessGroups(trainers=None))
     params = list(gen.adapter.transformer.parameters())
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in params)
     assert gen.adapter.holds("vae") and all(gen.adapter.holds(n) for n in gen.adapter.text_encoders())
-    trainer, _ = build._context(cfg, facts, 1, ProcessGroups(trainers=None))
+    trainer, _ = context.make_context(cfg, facts, 1, ProcessGroups(trainers=None))
     assert all(p.dtype == torch.float32 for p in trainer.adapter.transformer.parameters())
     assert not trainer.adapter.holds("vae") and not any(trainer.adapter.holds(n) for n in trainer.adapter.text_encoders())
     with pytest.raises(RuntimeError, match="released its text encoders"):
@@ -83,7 +83,7 @@ def test_what_ranks_release():
         cfg.resolve_defaults()
         facts = validate(cfg, world)
         cfg.model.prompt_embeds = embeddings  # (validate would read the file)
-        return set(build.released_components(cfg, facts, rank))
+        return set(context.released_components(cfg, facts, rank))
 
     text = {"text_encoder", "text_encoder_2", "text_encoder_3"}
     gap = [("topology", "generators", 2), ("topology", "trainers", 1), ("topology", "scorers", 1),
