@@ -2,15 +2,13 @@
 flow-matching SDE sampler, decode and score them, and emit them to the trainers.
 
 One API serves every way a fragment is generated: `Generator.denoise` samples it, and a
-`FragmentStream` decodes, scores and emits it. A replica's step (`generator_step`), a TAG trainer
+`FragmentStream` decodes, scores and emits it. A replica's step (runtime/steps.py `generator_step`), a TAG trainer
 (parallel/tag.py) and the last stage of a GAP replica (parallel/gap.py) all push their denoised
 fragments into a stream.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,12 +18,11 @@ from torch import Tensor
 from rl import advantages
 from prompts import shapes as buckets
 from rl import sampler
-from parallel import p2p, stepfacts
+from parallel import stepfacts
 from parallel.intake import TrainChunk
 from parallel.stepplan import Chunk, Fragment, StepPlan
 from parallel.publish import PublicationError
 from parallel.scoring import LocalScorer, Ticket
-from parallel.tag import FragmentBoard, claimed_rounds, publish_replica_cost
 from rl.conditioning import Conditioning
 from telemetry.tracing import Slowdown
 
@@ -308,77 +305,3 @@ class VersionSync:
         """Receive every publication still addressed to this rank (the trainers' sends complete)."""
         while self.version < last_version:
             self._install_next(step)
-
-
-def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan: StepPlan,
-                   get_reward_std: Callable[[], float | None], replica=None, store=None,
-                   deferred: list | None = None) -> tuple[list[FragmentResult], dict]:
-    """One step of a generator rank: generate, decode and score this replica's fragments
-    depth-first, streaming every chunk to its trainer as soon as its fragment is scored; new
-    versions are installed only between fragments. Colocated ranks keep their chunks (returned).
-    With TAG the replica's fragments are the ones it claims as it gets to them (a GAP replica: a
-    round at a time, parallel.tag.claimed_rounds). `get_reward_std` gives the advantage std; it is
-    called once this step's weights are installed, since the trainer publishes the std after them."""
-    tracer, topo, facts, step = ctx.tracer, ctx.topo, ctx.facts, plan.step
-    version = versions.at_step_start(step) if versions is not None else step
-    reward_std = get_reward_std()
-    me = topo.replica_of(ctx.rank)
-    results, local, handles = [], {}, []
-    board = FragmentBoard(store, step, len(plan.fragments)) if facts.tag else None
-    cost, last_emit = None, time.time()
-
-    def emit(result: FragmentResult) -> None:
-        nonlocal cost, last_emit
-        if facts.disagg:
-            for dst, tensors, meta in ctx.intake.route(plan, result.chunks):
-                handles.append(p2p.isend_payload(tensors, meta, dst=dst, group=ctx.intake.group_to(dst)))
-            result = dataclasses.replace(result, chunks=[])  # the trajectories leave the device with their sends
-        else:
-            local.update({chunk.chunk: chunk for chunk in result.chunks})
-        results.append(result)
-        if board is not None:  # TAG: mark the fragment landed, share this replica's time per fragment
-            board.land(result.fragment)
-            now = time.time()
-            cost = now - last_emit if cost is None else 0.7 * cost + 0.3 * (now - last_emit)
-            last_emit = now
-            publish_replica_cost(store, me, cost)
-
-    planned = [f for f in plan.fragments if f.replica == me]
-    if replica is not None:  # a GAP replica of several stages; its last stage emits the fragments
-        rounds = [planned] if board is None else claimed_rounds(board, store, plan, replica.layout, me)
-        for fragments in rounds:
-            replica.run_step(plan, fragments, version, generator.stream(plan, reward_std, emit, tracer), tracer)
-    else:
-        if board is not None:
-            planned = (plan.fragments[f] for f in iter(lambda: board.claim(ctx.rank, me), None))
-        stream = generator.stream(plan, reward_std, emit, tracer)
-        for fragment in planned:
-            if versions is not None:
-                version = versions.at_fragment_boundary(step)
-            with tracer.span("generate", "generate", step, fragment.index, version=version):
-                stream.submit(generator.denoise(plan, fragment), version)
-            stream.collect()
-        stream.close()
-    due = [(step, handles)]
-    if deferred is not None:
-        # TCSS: step k's sends complete while step k+1 is generated; the caller drains them later.
-        deferred.append((step, handles))
-        due = [(s, hs) for s, hs in deferred if s < step]
-        deferred[:] = [(s, hs) for s, hs in deferred if s >= step]
-    with tracer.span("send_wait", "comm", step):
-        drain_sends(store, due)  # this step's, or with TCSS the previous step's
-    return results, local
-
-
-def drain_sends(store, due: list) -> None:
-    """Wait for the fragment sends of each (step, handles) in `due`. A trainer receives a step's
-    data only once it has begun that step, after its evaluation or checkpoint of the step before,
-    which may take longer than any timeout: so first wait, with no time limit (the run guard's
-    heartbeats name a dead or silent trainer), until every receiver has begun the step
-    (`begin/{step}/{rank}`, runtime/build.py), then wait for the sends, each bounded from there."""
-    for step, handles in due:
-        for dst in sorted({h.dst for h in handles}):
-            while store is not None and not store.ready(f"begin/{step}/{dst}"):
-                time.sleep(0.01)  # rank wait: the trainer's evaluation or checkpoint
-        for h in handles:
-            h.wait()  # rank wait: the trainer takes the fragment

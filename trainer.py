@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import time
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +38,11 @@ from models.lora import trainable_names
 from rl import nft, old_policy
 from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
-from parallel import compress, forwards, stepfacts
+from parallel import compress, forwards
 from parallel.fsdp import count_allgathers, full_tensor, local_part, own_group, shard_modules
 from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
-from parallel.publish import Outgoing, WeightPublisher
+from parallel.p2p import comm_device
+from parallel.publish import Outgoing
 from telemetry.tracing import Slowdown
 
 COUNTS = ("staleness_mean", "staleness_frac_1")
@@ -337,7 +337,7 @@ class Trainer:
         on_device = torch.cat([sums, self.nonfinite_advantages.reshape(1).double()]).cpu()  # the step's one read
         counts = torch.cat([host[:1], on_device[:-1], host[1:], on_device[-1:]])
         if self.group is not None and dist.get_world_size(self.group) > 1:
-            counts = counts.to(self._comm_device())
+            counts = counts.to(comm_device(self.group))
             dist.all_reduce(counts, group=self.group)  # sync point: all trainers
             counts = counts.cpu()
         total = counts[0].item()
@@ -386,13 +386,9 @@ class Trainer:
     def _all_reduce_max(self, value: float) -> float:
         if self.group is None or dist.get_world_size(self.group) == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device())
+        t = torch.tensor([value], dtype=torch.float64, device=comm_device(self.group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # sync point: all trainers
         return t.item()
-
-    def _comm_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
-            else torch.device("cpu")
 
     def _all_reduce_grads(self) -> None:
         """Replicated data parallel: one flat all-reduce (sum) of all gradients."""
@@ -402,7 +398,7 @@ class Trainer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [local_part(p.grad)[0] for p in self.params]  # whole: a replicated trainer's own FSDP is one rank
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(self._comm_device())
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(comm_device(self.group))
         dist.all_reduce(flat, group=self.group)  # sync point: all trainers
         offset = 0
         for g in grads:
@@ -463,76 +459,3 @@ def _index(rows: list[int], device: torch.device) -> slice | Tensor:
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
     return sampler.to_device(torch.tensor(rows), device)
-
-def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[int, list[str]],
-                 publisher: WeightPublisher, assistant=None, store=None,
-                 reward_std: float | None = None) -> dict[str, float]:
-    """One step of a trainer rank: train its work (chunks, or with --tsp its packed transitions of
-    every fragment) in plan order as it lands (colocated: from `local`), one optimizer update, then
-    publish version k+1 to every generator. With TAG, the `assistant` may generate fragments while
-    this rank waits for one (under FSDP: the whole group, between forwards)."""
-    tracer, topo, facts, intake, step = ctx.tracer, ctx.topo, ctx.facts, ctx.intake, plan.step
-    pad_to = forwards.fsdp_pad_target(plan, facts, intake)
-    streamed_end = trainer.rule.needs_step_end and len(plan.fragments) > 1  # else its fragment decided it all
-    trainer.begin_step(keep_items=streamed_end, scale_later=streamed_end and trainer.rule.std_mode == "global")
-    trainer.current_step = step
-    intake.inbox.update(local)
-    if not facts.disagg:
-        intake.exchange(plan, ctx.rank)  # colocated TSP: the packed shares move between ranks first
-    if assistant is not None:
-        assistant.begin_step(plan, reward_std, trainer, intake)
-
-    def helper_s() -> float:  # seconds of TAG windows run inside training (FSDP: between forwards)
-        return assistant.window_s if assistant is not None else 0.0
-
-    template, seconds = None, {}
-    for need in intake.needs(plan):
-        src = None
-        if need.key not in intake.inbox:  # with TAG, this rank may generate fragments while it waits
-            src = assistant.source_of(need.fragment) if assistant is not None else intake.static_source(plan, need.fragment)
-        item = intake.take(plan, need, src)
-        with tracer.span("train", "train", step, item.fragment, **intake.span_args(item)):
-            t0, helped = time.perf_counter(), helper_s()
-            trainer.train(item)
-            took = time.perf_counter() - t0 - (helper_s() - helped)
-            seconds[item.fragment] = seconds.get(item.fragment, 0.0) + took
-        template = item
-    if pad_to:
-        with tracer.span("pad", "train", step):
-            trainer.pad_forwards(pad_to, template)
-    end = stepfacts.end_step(ctx, trainer, plan, store, template) if trainer.rule.needs_step_end else None
-    t0 = time.perf_counter()
-    with tracer.span("optimizer", "optimizer", step):
-        stats = trainer.finish_step(end.scale if end is not None else 1.0)  # sync point: all trainers
-    update_s = time.perf_counter() - t0
-    if end is not None:
-        stats.update(end.metrics)
-        if ctx.rank == topo.trainer_ranks[0]:  # every trainer has read the facts before finish_step's all-reduce
-            stepfacts.clear(store, step, len(plan.fragments))
-    t0 = time.perf_counter()
-    if facts.disagg:
-        sent = []
-        with tracer.span("publish", "publish", step):
-            names = sorted({n for names in publish_names.values() for n in names})
-            out = trainer.make_version(names)  # sync point under FSDP: the version's checksums, from shards
-            # Each generator (stage) gets only the weights it holds, encoded once for all of them.
-            by_dst = {g: publish_names[g] for g in topo.generator_ranks}
-            if ctx.rank == topo.trainer_ranks[0]:
-                if store is not None:
-                    store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
-                # On a communicator apart from the fragments' (docs/communication.md).
-                sent = publisher.publish_all(out, by_dst, step + 1, group=ctx.comms.publish)
-            else:
-                publisher.follow_all(out, by_dst)  # FSDP: the same bucket all-gathers as trainer 0's sends
-            publisher.keep_version(out, names, step + 1)  # TCSS: the generators' version at a checkpoint
-        stats["publish/bytes"] = float(sum(s.num_bytes for s in sent))
-        stats["publish/seconds"] = time.perf_counter() - t0
-    elif trainer.codec is not None:
-        with tracer.span("publish", "publish", step):  # colocated: the codec's update, nothing sent
-            trainer.make_version(list(trainer.codec.held))
-    if assistant is not None:
-        assistant.observe_training(seconds)
-        assistant.tracker.observe_update(update_s)
-        assistant.tracker.observe_publish(time.perf_counter() - t0)
-        stats.update(assistant.end_step())
-    return stats

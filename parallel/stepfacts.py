@@ -28,7 +28,7 @@ def clear(store, step: int, num_fragments: int) -> None:
 
 
 def end_step(ctx, trainer, plan, store, template) -> StepEnd:
-    """A trainer at the end of step `plan.step` (trainer.py `trainer_step`): read every fragment's
+    """A trainer at the end of step `plan.step` (runtime/steps.py `trainer_step`): read every fragment's
     facts, train again what they say (streaming only: a whole-step fragment applied it all when it
     was scored) and return the policy term's scale and the step's metrics."""
     step, whole = plan.step, len(plan.fragments) == 1

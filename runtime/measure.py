@@ -2,7 +2,7 @@
 FakeTensorMode with torch's trackers (runtime/fakemem.py): what `python -m scripts.check_recipe`
 prints and docs/memory/*.json hold.
 
-A rank is built as runtime/build.py builds it (`build._context`, its `load_model` giving the
+A rank is built as runtime/build.py builds it (`runtime.context.make_context`, its `load_model` giving the
 released config's components as fake tensors in the dtypes build asks for), then its phases run in
 the order of a run, each phase's peak taken by category:
 
@@ -40,7 +40,7 @@ from parallel.scoring import LocalScorer
 from parallel.topology import ProcessGroups
 from rl import sampler
 from rollout import VersionSync
-from runtime import build, evaluation, fakemem, probe
+from runtime import build, context, evaluation, fakemem, probe
 from runtime.memtrack import FSDPTracker, Ref, Replay, Tracker, patched
 from runtime.standins import FakeRewards, Sent, Store, conditioning, transition_batch
 from trainer import Trainer
@@ -118,14 +118,14 @@ def fake_rank(cfg, facts, release: str, rank: int):
         return adapter
 
     def rewards(cfg, device):
-        return FakeRewards(cfg.rl.reward, run.mode, build.reward_dtype(cfg, device))
+        return FakeRewards(cfg.rl.reward, run.mode, context.reward_dtype(cfg, device))
 
     release_name, topo = release, facts.topology
     with fakemem.fake_world(topo.world_size, rank), fakemem.FakeRun() as run, \
-            patched(build, "load_model", load), patched(build, "_reward_set", rewards), \
+            patched(context, "load_model", load), patched(context, "_reward_set", rewards), \
             patched(probe, "_timed", _once):
         groups = ProcessGroups.create(topo, 60, 60, exchange=facts.tsp and not facts.disagg)
-        ctx, _ = build._context(cfg, facts, rank, groups)
+        ctx, _ = context.make_context(cfg, facts, rank, groups)
         yield run, ctx
 
 

@@ -43,7 +43,7 @@ from models import load_model
 from models.lora import apply_lora
 from prompts.sets import eval_records
 from rewards import RewardSet, reward_model_paths
-from runtime.build import run_sampling
+from runtime.context import run_sampling
 from runtime.evaluation import evaluate, summarize
 from runtime.launch import torchrun
 from telemetry.metrics import read_metrics

@@ -12,9 +12,10 @@ from config.schema import RunConfig
 from config.validate import validate
 from models import autocast, load_model
 from parallel.checksums import checksum, checksum_sums, fold
+from parallel.topology import ProcessGroups
 from prompts import embeds
 from rl import sampler
-from runtime import build, probe
+from runtime import context, probe
 from runtime.launch import torchrun_module
 from telemetry.tracing import Slowdown
 
@@ -50,11 +51,11 @@ def test_each_role_holds_what_it_runs(tmp_path):
     generator's runs no backward at all."""
     cfg = _config(tmp_path, ("model", "model", "flux"))
     facts = validate(cfg, 2)
-    gen, _ = build._context(cfg, facts, 0)
+    gen, _ = context.make_context(cfg, facts, 0, ProcessGroups(trainers=None))
     params = list(gen.adapter.transformer.parameters())
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in params)
     assert gen.adapter.holds("vae") and all(gen.adapter.holds(n) for n in gen.adapter.text_encoders())
-    trainer, _ = build._context(cfg, facts, 1)
+    trainer, _ = context.make_context(cfg, facts, 1, ProcessGroups(trainers=None))
     assert all(p.dtype == torch.float32 for p in trainer.adapter.transformer.parameters())
     assert not trainer.adapter.holds("vae") and not any(trainer.adapter.holds(n) for n in trainer.adapter.text_encoders())
     with pytest.raises(RuntimeError, match="released its text encoders"):
@@ -82,7 +83,7 @@ def test_what_ranks_release():
         cfg.resolve_defaults()
         facts = validate(cfg, world)
         cfg.model.prompt_embeds = embeddings  # (validate would read the file)
-        return set(build.released_components(cfg, facts, rank))
+        return set(context.released_components(cfg, facts, rank))
 
     text = {"text_encoder", "text_encoder_2", "text_encoder_3"}
     gap = [("topology", "generators", 2), ("topology", "trainers", 1), ("topology", "scorers", 1),
@@ -188,12 +189,16 @@ def test_fsdp_mixed_precision_trainers_and_their_publication(tmp_path):
 
 
 def test_sampling_steps_read_nothing_from_the_device():
-    """The denoising loop fills sigmas on the device and decides deterministic rows there: a row of
-    a packed batch whose std is 0 (CPS's last step) has log-prob 0 beside rows that have one."""
+    """The denoising loop fills sigmas on the device and decides nothing from a value read back: a
+    row of a packed batch whose std is 0 (CPS's last step) is scored as it is alone, as Flow-GRPO
+    scores it."""
     x, v = torch.randn(2, 4), torch.randn(2, 4)
-    out = sampler.sde_step(x, v, torch.tensor([0.5, 0.25]), torch.tensor([0.25, 0.0]), sde_type="cps",
-                           noise_level=0.5, x_next=x + 0.1)
-    assert out.log_prob[1] == 0.0 and out.log_prob[0] != 0.0
+    sigma, sigma_next = torch.tensor([0.5, 0.25]), torch.tensor([0.25, 0.0])
+    out = sampler.sde_step(x, v, sigma, sigma_next, sde_type="cps", noise_level=0.5, x_next=x + 0.1)
+    for i in range(2):
+        alone = sampler.sde_step(x[i:i + 1], v[i:i + 1], sigma[i:i + 1], sigma_next[i:i + 1], sde_type="cps",
+                                 noise_level=0.5, x_next=x[i:i + 1] + 0.1)
+        assert torch.equal(out.log_prob[i:i + 1], alone.log_prob) and alone.log_prob.item() != 0.0
     ode = sampler.sde_step(x, v, 0.5, 0.25, sde_type="sde", noise_level=0.0, noise=torch.zeros(2, 4))
     assert torch.equal(ode.log_prob, torch.zeros(2))
 

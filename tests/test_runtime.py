@@ -11,8 +11,6 @@ from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 
 
-
-
 def _changed(before, after):
     return sum(not torch.equal(before[n], after[n]) for n in before)
 
@@ -23,7 +21,8 @@ PLACEMENTS = {
     "disagg-2g2t": (4, ["--generators", "2", "--trainers", "2"]),
 }
 TRAFFIC = {"colocated-2": ["world"], "disagg-1g1t": ["data.to", "publish"],
-           "disagg-2g2t": ["data.to", "publish", "trainers"]}
+           "disagg-2g2t": ["data.to", "publish", "trainers"],
+           "disagg-1g2t-fsdp": ["data.to", "publish", "trainers"]}
 """the communicators each placement must have used (its recorded run is checked under NCCL's rules)"""
 
 

@@ -1,0 +1,166 @@
+"""One step of each role, as a rank runs it (runtime/build.py's `Rank.generate` and `Rank.train`):
+a generator rank generates, scores and streams its fragments and installs new versions between
+them (`generator_step`); a trainer rank trains what lands in plan order, updates once and publishes
+the next version (`trainer_step`). The roles' objects (rollout.py, trainer.py) and the mechanisms
+(parallel/) do the work; these functions put it in order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from parallel import forwards, p2p, stepfacts
+from parallel.publish import WeightPublisher
+from parallel.stepplan import StepPlan
+from parallel.tag import FragmentBoard, claimed_rounds, publish_replica_cost
+from rollout import FragmentResult, Generator, VersionSync
+from trainer import Trainer
+
+
+def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan: StepPlan,
+                   get_reward_std: Callable[[], float | None], replica=None, store=None,
+                   deferred: list | None = None) -> tuple[list[FragmentResult], dict]:
+    """One step of a generator rank: generate, decode and score this replica's fragments
+    depth-first, streaming every chunk to its trainer as soon as its fragment is scored; new
+    versions are installed only between fragments. Colocated ranks keep their chunks (returned).
+    With TAG the replica's fragments are the ones it claims as it gets to them (a GAP replica: a
+    round at a time, parallel.tag.claimed_rounds). `get_reward_std` gives the advantage std; it is
+    called once this step's weights are installed, since the trainer publishes the std after them."""
+    tracer, topo, facts, step = ctx.tracer, ctx.topo, ctx.facts, plan.step
+    version = versions.at_step_start(step) if versions is not None else step
+    reward_std = get_reward_std()
+    me = topo.replica_of(ctx.rank)
+    results, local, handles = [], {}, []
+    board = FragmentBoard(store, step, len(plan.fragments)) if facts.tag else None
+    cost, last_emit = None, time.time()
+
+    def emit(result: FragmentResult) -> None:
+        nonlocal cost, last_emit
+        if facts.disagg:
+            for dst, tensors, meta in ctx.intake.route(plan, result.chunks):
+                handles.append(p2p.isend_payload(tensors, meta, dst=dst, group=ctx.intake.group_to(dst)))
+            result = dataclasses.replace(result, chunks=[])  # the trajectories leave the device with their sends
+        else:
+            local.update({chunk.chunk: chunk for chunk in result.chunks})
+        results.append(result)
+        if board is not None:  # TAG: mark the fragment landed, share this replica's time per fragment
+            board.land(result.fragment)
+            now = time.time()
+            cost = now - last_emit if cost is None else 0.7 * cost + 0.3 * (now - last_emit)
+            last_emit = now
+            publish_replica_cost(store, me, cost)
+
+    planned = [f for f in plan.fragments if f.replica == me]
+    if replica is not None:  # a GAP replica of several stages; its last stage emits the fragments
+        rounds = [planned] if board is None else claimed_rounds(board, store, plan, replica.layout, me)
+        for fragments in rounds:
+            replica.run_step(plan, fragments, version, generator.stream(plan, reward_std, emit, tracer), tracer)
+    else:
+        if board is not None:
+            planned = (plan.fragments[f] for f in iter(lambda: board.claim(ctx.rank, me), None))
+        stream = generator.stream(plan, reward_std, emit, tracer)
+        for fragment in planned:
+            if versions is not None:
+                version = versions.at_fragment_boundary(step)
+            with tracer.span("generate", "generate", step, fragment.index, version=version):
+                stream.submit(generator.denoise(plan, fragment), version)
+            stream.collect()
+        stream.close()
+    due = [(step, handles)]
+    if deferred is not None:
+        # TCSS: step k's sends complete while step k+1 is generated; the caller drains them later.
+        deferred.append((step, handles))
+        due = [(s, hs) for s, hs in deferred if s < step]
+        deferred[:] = [(s, hs) for s, hs in deferred if s >= step]
+    with tracer.span("send_wait", "comm", step):
+        drain_sends(store, due)  # this step's, or with TCSS the previous step's
+    return results, local
+
+
+def drain_sends(store, due: list) -> None:
+    """Wait for the fragment sends of each (step, handles) in `due`. A trainer receives a step's
+    data only once it has begun that step, after its evaluation or checkpoint of the step before,
+    which may take longer than any timeout: so first wait, with no time limit (the run guard's
+    heartbeats name a dead or silent trainer), until every receiver has begun the step
+    (`begin/{step}/{rank}`, runtime/build.py), then wait for the sends, each bounded from there."""
+    for step, handles in due:
+        for dst in sorted({h.dst for h in handles}):
+            while store is not None and not store.ready(f"begin/{step}/{dst}"):
+                time.sleep(0.01)  # rank wait: the trainer's evaluation or checkpoint
+        for h in handles:
+            h.wait()  # rank wait: the trainer takes the fragment
+
+
+def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[int, list[str]],
+                 publisher: WeightPublisher, assistant=None, store=None,
+                 reward_std: float | None = None) -> dict[str, float]:
+    """One step of a trainer rank: train its work (chunks, or with --tsp its packed transitions of
+    every fragment) in plan order as it lands (colocated: from `local`), one optimizer update, then
+    publish version k+1 to every generator. With TAG, the `assistant` may generate fragments while
+    this rank waits for one (under FSDP: the whole group, between forwards)."""
+    tracer, topo, facts, intake, step = ctx.tracer, ctx.topo, ctx.facts, ctx.intake, plan.step
+    pad_to = forwards.fsdp_pad_target(plan, facts, intake)
+    streamed_end = trainer.rule.needs_step_end and len(plan.fragments) > 1  # else its fragment decided it all
+    trainer.begin_step(keep_items=streamed_end, scale_later=streamed_end and trainer.rule.std_mode == "global")
+    trainer.current_step = step
+    intake.inbox.update(local)
+    if not facts.disagg:
+        intake.exchange(plan, ctx.rank)  # colocated TSP: the packed shares move between ranks first
+    if assistant is not None:
+        assistant.begin_step(plan, reward_std, trainer, intake)
+
+    def helper_s() -> float:  # seconds of TAG windows run inside training (FSDP: between forwards)
+        return assistant.window_s if assistant is not None else 0.0
+
+    template, seconds = None, {}
+    for need in intake.needs(plan):
+        src = None
+        if need.key not in intake.inbox:  # with TAG, this rank may generate fragments while it waits
+            src = assistant.source_of(need.fragment) if assistant is not None else intake.static_source(plan, need.fragment)
+        item = intake.take(plan, need, src)
+        with tracer.span("train", "train", step, item.fragment, **intake.span_args(item)):
+            t0, helped = time.perf_counter(), helper_s()
+            trainer.train(item)
+            took = time.perf_counter() - t0 - (helper_s() - helped)
+            seconds[item.fragment] = seconds.get(item.fragment, 0.0) + took
+        template = item
+    if pad_to:
+        with tracer.span("pad", "train", step):
+            trainer.pad_forwards(pad_to, template)
+    end = stepfacts.end_step(ctx, trainer, plan, store, template) if trainer.rule.needs_step_end else None
+    t0 = time.perf_counter()
+    with tracer.span("optimizer", "optimizer", step):
+        stats = trainer.finish_step(end.scale if end is not None else 1.0)  # sync point: all trainers
+    update_s = time.perf_counter() - t0
+    if end is not None:
+        stats.update(end.metrics)
+        if ctx.rank == topo.trainer_ranks[0]:  # every trainer has read the facts before finish_step's all-reduce
+            stepfacts.clear(store, step, len(plan.fragments))
+    t0 = time.perf_counter()
+    if facts.disagg:
+        sent = []
+        with tracer.span("publish", "publish", step):
+            names = sorted({n for names in publish_names.values() for n in names})
+            out = trainer.make_version(names)  # sync point under FSDP: the version's checksums, from shards
+            # Each generator (stage) gets only the weights it holds, encoded once for all of them.
+            by_dst = {g: publish_names[g] for g in topo.generator_ranks}
+            if ctx.rank == topo.trainer_ranks[0]:
+                if store is not None:
+                    store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
+                # On a communicator apart from the fragments' (docs/communication.md).
+                sent = publisher.publish_all(out, by_dst, step + 1, group=ctx.comms.publish)
+            else:
+                publisher.follow_all(out, by_dst)  # FSDP: the same bucket all-gathers as trainer 0's sends
+            publisher.keep_version(out, names, step + 1)  # TCSS: the generators' version at a checkpoint
+        stats["publish/bytes"] = float(sum(s.num_bytes for s in sent))
+        stats["publish/seconds"] = time.perf_counter() - t0
+    elif trainer.codec is not None:
+        with tracer.span("publish", "publish", step):  # colocated: the codec's update, nothing sent
+            trainer.make_version(list(trainer.codec.held))
+    if assistant is not None:
+        assistant.observe_training(seconds)
+        assistant.tracker.observe_update(update_s)
+        assistant.tracker.observe_publish(time.perf_counter() - t0)
+        stats.update(assistant.end_step())
+    return stats
