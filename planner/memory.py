@@ -9,12 +9,16 @@ trainer's "micro-batch" (forward + backward), "optimizer step", "publication" (m
 version) and "evaluation"; every rank's "start-up probe". Each item has a category: parameters,
 gradients, optimizer, activations, communication, other.
 
-What a rank holds depends on the code as much as on the run: a `Design` says which. TODAY is what
-runtime/build.py builds now; LEAN is the lean roles of issue #29 (what the planner plans with:
-`PLANNED`). Activations are bytes per (row, token, hidden unit) per family, measured
-(`ACTIVATIONS`, fitted to docs/memory/*.json); every other item is counted from parameter counts
-and dtypes. A plan whose peak does not fit is excluded, and `MemoryUse.why` says which items fill
-the GPU.
+What the roles hold (runtime/build.py, the roles, parallel/): generators the DiT in the compute
+dtype (--dtype) and no gradient, the text encoders where prompts are encoded, the VAE and the
+rewards (--reward-dtype) where samples are decoded and scored; trainers float32 trained weights,
+gradients and AdamW moments (fused: no temporaries), sharded by FSDP2 under one root with mixed
+precision (a unit gathered in the compute dtype, its reduce-scatter in float32, one at a time), the
+text encoders and VAE when they sample (evaluation, TAG); a publication travels and installs a
+bucket at a time; a lossy codec's state is sharded in the compute dtype. Working sets are bytes per
+(row, token, hidden unit) per family and precision, or per decoded pixel, measured (`ACTIVATIONS`,
+fitted to docs/memory/*.json); every other item is counted from parameter counts and dtypes. A plan
+whose peak does not fit is excluded, and `MemoryUse.why` says which items fill the GPU.
 """
 from __future__ import annotations
 
@@ -33,46 +37,8 @@ CONTEXT_BYTES = 2.5e9
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "other")
 
-
-# ----- what the code holds ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Design:
-    """The choices of the role code that decide its memory (README, "Memory")."""
-
-    name: str
-    generator_dtype_bytes: int | None
-    """bytes per DiT weight on a generator: None keeps the run's --dtype (today), 2 the compute dtype"""
-    cast_copy: bool
-    """float32 weights under bf16 autocast keep a bf16 copy of every cast weight while a chunk is denoised"""
-    whole_staging: bool
-    """a generator receives a publication into staging as large as the publication (else one bucket)"""
-    whole_gather: bool
-    """an FSDP trainer gathers the whole model to publish a version (else shard by shard)"""
-    held_reduce_scatter: bool
-    """FSDP units that are roots of their own keep every unit's float32 reduce-scatter input until the
-    backward ends (one root frees each when the next unit's reduce-scatter starts)"""
-    trainer_aux: bool
-    """trainers load the whole pipeline: text encoders and VAE resident, reward models for evaluation"""
-    aux_dtype_bytes: int
-    """bytes per VAE and reward-model weight (4: float32; 2: bf16 where the reward allows it)"""
-    whole_codec: bool
-    """a lossy codec keeps the generators' copy and its residual in float32, unsharded"""
-    probe_backward: bool
-    """every rank runs an unsharded forward + backward at start-up (the speed probe)"""
-    tiled_decode: bool
-    """the VAE decodes a video tile by tile (models/: its working set is a tile's)"""
-
-
-TODAY = Design("today", None, cast_copy=True, whole_staging=True, whole_gather=True, held_reduce_scatter=True,
-               trainer_aux=True, aux_dtype_bytes=4, whole_codec=True, probe_backward=True, tiled_decode=False)
-LEAN = Design("lean", 2, cast_copy=False, whole_staging=False, whole_gather=False, held_reduce_scatter=False,
-              trainer_aux=False, aux_dtype_bytes=2, whole_codec=False, probe_backward=False, tiled_decode=True)
-DESIGNS = {d.name: d for d in (TODAY, LEAN)}
-PLANNED = LEAN
-"""The design the planner prices DigenRL's roles with."""
-
 BUCKET_BYTES = 64 << 20
-"""One publication bucket (parallel/publish.py's default)."""
+"""One publication bucket (parallel/publish.py's default); a tensor larger than it travels alone."""
 
 
 # ----- what the run is ----------------------------------------------------------------------------
@@ -88,11 +54,13 @@ class RunShape:
     """text-encoder parameters (all of them)"""
     vae: float
     rewards: float
-    """parameters of the model rewards"""
+    """parameters of the model rewards held by the run (not those served over HTTP)"""
     hidden: int
     blocks: int
     largest_unit: float
     """parameters of the largest FSDP unit (a block)"""
+    largest_tensor: float
+    """elements of the largest weight (the largest a publication bucket must hold)"""
     tokens: int
     """tokens of one sample's forward (image + text)"""
     latent: float
@@ -111,15 +79,22 @@ class RunShape:
     lora: float = 0.0
     """adapter parameters (0: full fine-tuning)"""
     weight_bytes: int = 4
-    """bytes per DiT weight as --dtype loads it (auto: float32)"""
-    text_bytes: int = 2
+    """bytes per trained DiT weight on a trainer (a full fine-tune's float32; a LoRA base's compute dtype)"""
+    compute_bytes: int = 2
+    """bytes per element of the compute dtype (--dtype; auto: bf16 on CUDA)"""
+    reward_bytes: int = 2
+    """bytes per reward-model weight (--reward-dtype: float32, or the compute dtype)"""
     checkpointing: bool = True
     reference: bool = False
     """a frozen reference copy for a KL term (full fine-tuning)"""
     ema: bool = False
+    old_policy: bool = False
+    """DiffusionNFT's old policy: a float32 copy of the trained weights, sharded alike"""
     lossy_codec: bool = False
-    reward_batch: int = 32
-    reward_pixels: float = 224 * 224
+    trainers_sample: bool = True
+    """trainers sample (evaluation, TAG): they hold the text encoders and the VAE"""
+    encodes: bool = True
+    """some rank encodes prompts (not with --prompt-embeds)"""
 
 
 @dataclass(frozen=True)
@@ -128,40 +103,26 @@ class Activations:
     forward or a micro-batch, bytes per decoded pixel of a decode."""
 
     generate: float
-    """a denoising forward under the run's autocast, above what it leaves behind"""
-    evaluate: float
-    """an evaluation forward (runtime/evaluation.py samples without autocast)"""
-    train_ckpt: float
+    """a denoising forward under autocast, above what it leaves behind"""
+    train: float
     """a micro-batch's forward + backward with per-block checkpointing"""
     train_full: float
-    """the same without checkpointing (the start-up probe), at the end of its forward"""
+    """the same without checkpointing"""
     decode: float
-    """the VAE decode of one sample under bf16 autocast, per decoded pixel"""
-    decode_fp32: float
-    """the same in float32 (evaluation)"""
-    tiled: float = 1.0
-    """a tiled decode's working set as a fraction of the whole decode's"""
+    """the VAE decode of one sample, per decoded pixel (tiled for the video families)"""
 
 
 ACTIVATIONS = {
-    ("flux", 4): Activations(generate=29.7, evaluate=218.4, train_ckpt=139.1, train_full=3632.0, decode=2546.0,
-                             decode_fp32=3061.0),
-    ("flux", 2): Activations(generate=36.1, evaluate=34.1, train_ckpt=177.5, train_full=2096.5, decode=2546.0,
-                             decode_fp32=3061.0),
-    ("hunyuan_video", 4): Activations(generate=56.9, evaluate=116.4, train_ckpt=245.0, train_full=4093.4,
-                                      decode=1250.0, decode_fp32=1502.0, tiled=0.293),
-    ("qwen_image", 2): Activations(generate=37.5, evaluate=39.1, train_ckpt=146.8, train_full=2324.5, decode=6916.0,
-                                   decode_fp32=6912.0),
-    ("sd3", 2): Activations(generate=25.4, evaluate=26.1, train_ckpt=83.1, train_full=1358.7, decode=2548.0,
-                            decode_fp32=3061.0),
-    ("wan", 2): Activations(generate=20.0, evaluate=23.5, train_ckpt=105.1, train_full=1952.2, decode=534.3,
-                            decode_fp32=590.7),
+    ("flux", 4): Activations(generate=29.7, train=139.1, train_full=3632.0, decode=2546.0),
+    ("flux", 2): Activations(generate=36.1, train=177.5, train_full=2096.5, decode=2546.0),
+    ("hunyuan_video", 4): Activations(generate=56.9, train=245.0, train_full=4093.4, decode=367.0),
+    ("qwen_image", 2): Activations(generate=37.5, train=146.8, train_full=2324.5, decode=6916.0),
+    ("sd3", 2): Activations(generate=25.4, train=83.1, train_full=1358.7, decode=2548.0),
+    ("wan", 2): Activations(generate=20.0, train=105.1, train_full=1952.2, decode=534.3),
 }
-"""Working sets of a family with float32 (4) or bf16 (2) DiT weights, measured at its recipe
-(docs/memory/*.json: "working_sets_gib" and the phases' activations). HunyuanVideo's decode under
-autocast is its float32 decode scaled as FLUX's VAE scales (0.83); its tiled decode is 4.99 of
-17.03 GiB in float32 at 480 x 480 x 53 (MemTracker on its VAE, tiled and not). A family measured
-in one precision stands in for the other."""
+"""Working sets of a family whose trained weights are float32 (4: full fine-tuning) or bf16 (2:
+a LoRA base), measured at its recipe (docs/memory/*.json: "working_sets_gib" and the phases'
+activations). A family measured in one precision stands in for the other."""
 
 
 # ----- the items of a phase -------------------------------------------------------------------------
@@ -221,143 +182,109 @@ def _row_bytes(s: RunShape, rows: float) -> float:
     return rows * s.tokens * s.hidden
 
 
-def _decode(s: RunShape, d: Design, a: Activations) -> float:
-    """The VAE decode of a chunk under bf16 autocast."""
-    return a.decode * s.gen_micro * s.pixels * (a.tiled if d.tiled_decode else 1.0)
-
-
 def published_bytes(s: RunShape) -> float:
-    """What a version carries: every DiT weight in the trained dtype, or the float32 adapters."""
-    return 4 * s.lora if s.lora else s.dit * s.weight_bytes
+    """What a version carries: every DiT weight in the compute dtype, or the float32 adapters."""
+    return 4 * s.lora if s.lora else s.dit * s.compute_bytes
 
 
-def _cast_copy(s: RunShape, d: Design, weight_bytes: int) -> float:
-    """bf16 copies autocast keeps of float32 weights while its context lasts."""
-    return 2 * (s.dit if not s.lora else s.lora) if d.cast_copy and weight_bytes == 4 else 0.0
+def bucket_bytes(s: RunShape) -> float:
+    """A publication's bucket: BUCKET_BYTES, or its largest tensor alone."""
+    return min(published_bytes(s), max(BUCKET_BYTES, s.largest_tensor * s.compute_bytes))
 
 
-def generator_phases(s: RunShape, d: Design, capacity: float, *, stages: int = 1, stage: int = 0,
+def generator_phases(s: RunShape, capacity: float, *, stages: int = 1, stage: int = 0,
                      scores: bool = True) -> dict[str, MemoryUse]:
     """One rank of a generator replica of `stages` stages (stage 0 encodes prompts; the last stage
     decodes, scores and keeps the fragment until it is sent)."""
-    wb = d.generator_dtype_bytes or s.weight_bytes
     last = stage == stages - 1
 
     def base(phase: str) -> MemoryUse:
         m = MemoryUse(f"generator stage {stage}" if stages > 1 else "generator", capacity, phase=phase)
-        m.add("DiT weights", s.dit * wb / stages, "parameters")
+        m.add("DiT weights", s.dit * s.compute_bytes / stages, "parameters")
         m.add("adapters", 4 * s.lora / stages, "parameters")
-        if stage == 0 or d.trainer_aux:  # today every rank loads the whole pipeline
-            m.add("text encoders", s.text * s.text_bytes, "parameters")
-        if last or d.trainer_aux:
-            m.add("VAE", s.vae * d.aux_dtype_bytes, "parameters")
-        if last and scores:
-            m.add("reward models", s.rewards * d.aux_dtype_bytes, "parameters")
-        staging = published_bytes(s) / stages
-        m.add("publication staging", staging if d.whole_staging else min(staging, BUCKET_BYTES), "communication")
+        if stage == 0 and s.encodes:
+            m.add("text encoders", s.text * s.compute_bytes, "parameters")
+        if last:
+            m.add("VAE", s.vae * s.compute_bytes, "parameters")
+            m.add("reward models", s.rewards * s.reward_bytes if scores else 0.0, "parameters")
+        m.add("publication bucket", bucket_bytes(s), "communication")
         return m.add("context", CONTEXT_BYTES)
 
     a = _act(s)
     fragment = base("fragment")
+    # The fragment's trajectories and conditioning stay on the device until they are sent.
     fragment.add("trajectories", 4 * s.latent * (s.steps + 1) * (s.fragment + s.gen_micro), "activations")
-    # CFG runs the unconditional branch as a forward of its own (rl/sampler.guided_velocity)
-    denoise = _cast_copy(s, d, wb) / stages + a.generate * _row_bytes(s, s.gen_micro) / stages
-    decode = _decode(s, d, a) if last else 0.0
+    denoise = a.generate * _row_bytes(s, s.gen_micro) / stages  # CFG's branches are forwards of their own
+    decode = a.decode * s.gen_micro * s.pixels if last else 0.0
     fragment.add("denoising" if denoise >= decode else "VAE decode", max(denoise, decode), "activations")
-    install = base("publication").add("install", min(published_bytes(s), BUCKET_BYTES), "activations")
-    return {"fragment": fragment, "publication": install}
+    install = base("publication").add("install", 4 * BUCKET_BYTES, "activations")  # checksums' int64 words
+    probe = base("start-up probe").add("probe forward", a.generate * _row_bytes(s, s.gen_micro), "activations")
+    return {"fragment": fragment, "publication": install, "start-up probe": probe}
 
 
-def trainer_phases(s: RunShape, d: Design, capacity: float, *, shard: int, evaluates: bool = True,
+def trainer_phases(s: RunShape, capacity: float, *, shard: int, evaluates: bool = True,
                    publishes: bool = True) -> dict[str, MemoryUse]:
-    """One trainer rank of a group of `shard` (FSDP over the group when shard > 1 and full
-    fine-tuning; replicated LoRA adapters otherwise)."""
+    """One trainer rank of a group of `shard` (FSDP2 over the group for full fine-tuning; replicated
+    LoRA adapters otherwise, their base under FSDP2 over the rank alone)."""
     full = not s.lora
     n = shard if full else 1
     trained = s.dit if full else s.lora
-    grad_bytes = s.weight_bytes if full else 4
-    sharded = full and shard > 1
 
     def base(phase: str) -> MemoryUse:
         m = MemoryUse("trainer", capacity, phase=phase)
-        m.add("weights fp32" if s.weight_bytes == 4 else "weights", s.dit * s.weight_bytes / n, "parameters")
+        m.add("weights fp32" if full else "base weights", s.dit * s.weight_bytes / n, "parameters")
         m.add("adapters", 4 * s.lora, "parameters")
         if s.reference and full:
-            m.add("reference copy", s.dit * s.weight_bytes, "parameters")  # copied before sharding
-        if d.trainer_aux:
-            m.add("text encoders", s.text * s.text_bytes, "parameters")
-            m.add("VAE", s.vae * d.aux_dtype_bytes, "parameters")
-        m.add("optimizer", 8 * trained / n, "optimizer")
+            m.add("reference copy", s.dit * s.compute_bytes / n, "parameters")
+        if s.trainers_sample:
+            m.add("text encoders", s.text * s.compute_bytes if s.encodes else 0.0, "parameters")
+            m.add("VAE", s.vae * s.compute_bytes, "parameters")
+        m.add("optimizer", 8 * trained / n if phase != "start-up probe" else 0.0, "optimizer")
         m.add("EMA", 4 * trained / n if s.ema else 0.0, "other")
-        if s.lossy_codec:
-            m.add("codec copy and residual", 8 * trained / (1 if d.whole_codec else n), "other")
+        m.add("old policy", 4 * trained / n if s.old_policy else 0.0, "other")
+        m.add("codec copy and residual", 2 * s.compute_bytes * trained / n if s.lossy_codec else 0.0, "other")
         return m.add("context", CONTEXT_BYTES)
 
     a = _act(s)
-    micro = base("micro-batch").add("gradients", grad_bytes * trained / n, "gradients")
     rows = s.train_micro * s.branches
-    micro.add("activations", (a.train_ckpt if s.checkpointing else a.train_full) * _row_bytes(s, rows), "activations")
-    if sharded:
-        micro.add("gathered unit", s.largest_unit * s.weight_bytes, "parameters")
-        micro.add("reduce-scatter", s.dit * s.weight_bytes if d.held_reduce_scatter else
-                  2 * s.largest_unit * s.weight_bytes, "communication")
-    step = base("optimizer step").add("gradients", grad_bytes * trained / n, "gradients")
-    step.add("optimizer temporaries", 4 * trained / n, "optimizer")
-    phases = {"micro-batch": micro, "optimizer step": step}
+    unit = s.largest_unit if full else s.dit / s.blocks  # what FSDP2 gathers at a time
+    phases = {}
+    for phase in ("start-up probe", "micro-batch"):  # the probe trains as the trainer trains, before any update
+        m = phases[phase] = base(phase).add("gradients", 4 * trained / n, "gradients")
+        m.add("activations", (a.train if s.checkpointing else a.train_full) * _row_bytes(s, rows), "activations")
+        m.add("gathered unit and its reduce-scatter", unit * (s.compute_bytes + (4 if full else 0)), "communication")
+    phases["optimizer step"] = base("optimizer step").add("gradients", 4 * trained / n, "gradients")
     if publishes:
-        out = published_bytes(s) if (sharded and d.whole_gather) else min(published_bytes(s), BUCKET_BYTES)
-        phases["publication"] = base("publication").add("gathered version", out, "activations")
+        phases["publication"] = base("publication").add("gathered bucket", 4 * BUCKET_BYTES + bucket_bytes(s),
+                                                        "activations")
     if evaluates:
-        ev = base("evaluation").add("reward models", s.rewards * d.aux_dtype_bytes, "parameters")
-        if not d.trainer_aux:
-            ev.add("text encoders", s.text * s.text_bytes, "parameters").add("VAE", s.vae * d.aux_dtype_bytes,
-                                                                              "parameters")
-        if sharded:
-            ev.add("gathered unit", s.largest_unit * s.weight_bytes, "communication")
-        decode = a.decode_fp32 * s.gen_micro * s.pixels * (a.tiled if d.tiled_decode else 1.0)
-        ev.add("sampling", max(a.evaluate * _row_bytes(s, s.gen_micro), decode), "activations")  # no autocast
-        phases["evaluation"] = ev
+        ev = phases["evaluation"] = base("evaluation").add("reward models", s.rewards * s.reward_bytes, "parameters")
+        ev.add("gathered unit", unit * s.compute_bytes, "communication")
+        ev.add("sampling", max(a.generate * _row_bytes(s, s.gen_micro), a.decode * s.gen_micro * s.pixels),
+               "activations")
     return phases
 
 
-def start_up_phase(s: RunShape, d: Design, capacity: float, role: str) -> MemoryUse:
-    """The start-up speed probe, before anything is sharded: the whole model, and with
-    `probe_backward` one forward + backward of the run's micro-batch without checkpointing."""
-    wb = s.weight_bytes if role == "trainer" or d.generator_dtype_bytes is None else d.generator_dtype_bytes
-    m = MemoryUse(role, capacity, phase="start-up probe")
-    m.add("DiT weights", s.dit * wb, "parameters").add("adapters", 4 * s.lora, "parameters")
-    if d.trainer_aux or role == "generator":
-        m.add("text encoders", s.text * s.text_bytes, "parameters")
-        m.add("VAE", s.vae * d.aux_dtype_bytes, "parameters")
-    a = _act(s)
-    if d.probe_backward:  # the peak ends the forward: every block's saved activations, autocast's casts
-        m.add("activations", _cast_copy(s, d, wb) + a.train_full * _row_bytes(s, s.gen_micro), "activations")
-    else:
-        m.add("activations", a.generate * _row_bytes(s, s.gen_micro), "activations")
-    return m.add("context", CONTEXT_BYTES)
-
-
-def colocated_phases(s: RunShape, d: Design, capacity: float, *, shard: int,
-                     evaluates: bool = True) -> dict[str, MemoryUse]:
+def colocated_phases(s: RunShape, capacity: float, *, shard: int, evaluates: bool = True) -> dict[str, MemoryUse]:
     """A colocated DigenRL rank: a trainer's phases (no publication), and a fragment generated beside
-    the training state (under FSDP every unit is gathered as it runs)."""
-    phases = trainer_phases(s, d, capacity, shard=shard, evaluates=evaluates, publishes=False)
-    gen = generator_phases(s, d, capacity)["fragment"]
+    the training state; it scores its own fragments, so the reward models stay."""
+    phases = trainer_phases(s, capacity, shard=shard, evaluates=evaluates, publishes=False)
+    gen = generator_phases(s, capacity)["fragment"]
     frag = MemoryUse("colocated", capacity, phase="fragment")
     for name, b in phases["micro-batch"].items.items():
-        if name not in ("activations", "reduce-scatter"):
+        if name != "activations":
             frag.add(name, b, phases["micro-batch"].kinds[name])
     for name in ("trajectories", "denoising", "VAE decode"):
         frag.add(name, gen.items.get(name, 0.0), gen.kinds.get(name, "activations"))
     for m in [*phases.values(), frag]:
-        m.role = "colocated"  # every rank scores its own fragments: the reward models stay
-        m.add("scoring reward models", s.rewards * d.aux_dtype_bytes, "parameters")
-    return {**phases, "fragment": frag, "start-up probe": start_up_phase(s, d, capacity, "trainer")}
+        m.role = "colocated"
+        m.add("scoring reward models", s.rewards * s.reward_bytes, "parameters")
+    return {**phases, "fragment": frag}
 
 
-def scorer_phase(s: RunShape, d: Design, capacity: float) -> MemoryUse:
+def scorer_phase(s: RunShape, capacity: float) -> MemoryUse:
     """A scorer rank: the reward models and one batch of scoring."""
-    m = MemoryUse("scorer", capacity, phase="scoring").add("reward models", s.rewards * d.aux_dtype_bytes, "parameters")
+    m = MemoryUse("scorer", capacity, phase="scoring").add("reward models", s.rewards * s.reward_bytes, "parameters")
     return m.add("context", CONTEXT_BYTES)
 
 
@@ -366,51 +293,43 @@ def peak(phases: dict[str, MemoryUse]) -> MemoryUse:
     return max(phases.values(), key=lambda m: m.total)
 
 
-def role_phases(s: RunShape, d: Design, capacity: float, role: str, *, shard: int = 1,
-                evaluates: bool = True, publishes: bool = True) -> dict[str, MemoryUse]:
-    """Every phase of a role ("generator", "trainer"), the start-up probe included."""
-    if role == "generator":
-        phases = generator_phases(s, d, capacity)
-    else:
-        phases = trainer_phases(s, d, capacity, shard=shard, evaluates=evaluates, publishes=publishes)
-    return {**phases, "start-up probe": start_up_phase(s, d, capacity, role)}
-
-
 # ----- the planner's view: a Workload -----------------------------------------------------------------
 def shape_of(wl: Workload, *, gen_micro: int | None = None, train_micro: int | None = None,
-             fragment: int | None = None) -> RunShape:
+             fragment: int | None = None, trainers_sample: bool = False) -> RunShape:
     """The RunShape of a planner workload (its largest shape for a shape mix)."""
     wl = wl.largest()
     spec, res = wl.spec, wl.resolution
     latent = spec.latent_channels * res.latent_frames * (res.height // 8) * (res.width // 8)
+    full = wl.finetune == "full"
     return RunShape(
         family=spec.family, dit=spec.params, text=sum(e.params for e in spec.text_encoders), vae=spec.vae.params,
         rewards=reward_bytes(wl) / 2, hidden=spec.hidden, blocks=spec.num_blocks,
-        largest_unit=max(b.params for b in spec.blocks), tokens=wl.seq, latent=latent, pixels=res.pixels,
-        steps=wl.sampling_steps, branches=wl.branches, gen_micro=gen_micro or wl.rollout_micro_batch,
-        train_micro=train_micro or wl.train_micro_batch, fragment=fragment or wl.group_size,
-        lora=lora_params(spec, wl.lora_rank) if wl.finetune == "lora" else 0.0, weight_bytes=wl.param_bytes,
-        checkpointing=wl.gradient_checkpointing, reference=wl.kl and wl.finetune == "full")
+        largest_unit=max(b.params for b in spec.blocks), largest_tensor=5 * spec.hidden ** 2,  # a block's widest
+        tokens=wl.seq, latent=latent, pixels=res.pixels, steps=wl.sampling_steps, branches=wl.branches,
+        gen_micro=gen_micro or wl.rollout_micro_batch, train_micro=train_micro or wl.train_micro_batch,
+        fragment=fragment or wl.group_size, lora=0.0 if full else lora_params(spec, wl.lora_rank),
+        weight_bytes=wl.param_bytes if full else 2, checkpointing=wl.gradient_checkpointing,
+        reference=wl.kl and full, old_policy=wl.old_policy, trainers_sample=trainers_sample)
 
 
 def generator_memory(wl: Workload, g: GPU, *, stages: int = 1, stage: int = 0, micro: int,
                      fragment_samples: int, scores: bool = True) -> MemoryUse:
-    """The peak of one rank of a generator replica of `stages` stages (PLANNED design)."""
+    """The peak of one rank of a generator replica of `stages` stages."""
     s = shape_of(wl, gen_micro=micro, fragment=fragment_samples)
-    return peak(generator_phases(s, PLANNED, g.memory_bytes, stages=stages, stage=stage, scores=scores))
+    return peak(generator_phases(s, g.memory_bytes, stages=stages, stage=stage, scores=scores))
 
 
 def trainer_memory(wl: Workload, g: GPU, *, shard: int, micro: int, buffered_samples: int = 0,
                    generates: bool = False) -> MemoryUse:
-    """The peak of one trainer rank (PLANNED design); with TAG (`generates`) it also holds what
-    generation needs. Landed trajectories wait in host memory (parallel/intake.py)."""
+    """The peak of one trainer rank; with TAG (`generates`) it also holds what generation needs.
+    Landed trajectories wait in host memory (parallel/intake.py)."""
     s = shape_of(wl, train_micro=micro)
-    phases = trainer_phases(s, PLANNED, g.memory_bytes, shard=shard, evaluates=False)
+    phases = trainer_phases(s, g.memory_bytes, shard=shard, evaluates=False)
     for m in phases.values():
         if generates:
-            m.add("text encoders", s.text * s.text_bytes, "parameters")
-            m.add("VAE", s.vae * PLANNED.aux_dtype_bytes, "parameters")
-            m.add("reward models", s.rewards * PLANNED.aux_dtype_bytes, "parameters")
+            m.add("text encoders", s.text * s.compute_bytes, "parameters")
+            m.add("VAE", s.vae * s.compute_bytes, "parameters")
+            m.add("reward models", s.rewards * s.reward_bytes, "parameters")
     out = peak(phases)
     out.phases = phases
     return out
@@ -445,7 +364,7 @@ def activations_train(wl: Workload, transitions: int) -> float:
     """Activations of one training micro-batch (every branch), measured per family."""
     s = shape_of(wl, train_micro=transitions)
     a = _act(s)
-    return (a.train_ckpt if wl.gradient_checkpointing else a.train_full) * _row_bytes(s, transitions * s.branches)
+    return (a.train if wl.gradient_checkpointing else a.train_full) * _row_bytes(s, transitions * s.branches)
 
 
 def activations_infer(wl: Workload, samples: int) -> float:
@@ -494,8 +413,7 @@ def max_micro_batch(fits, start: int, limit: int = 64) -> int:
     return b if fits(b) else 0
 
 
-__all__ = ["ACTIVATIONS", "Activations", "CATEGORIES", "CONTEXT_BYTES", "DESIGNS", "Design", "LEAN", "MemoryUse",
-           "PLANNED", "RunShape", "TODAY", "USABLE_FRACTION", "activations_infer", "activations_train",
-           "colocated_memory", "colocated_phases", "generator_memory", "generator_phases", "max_micro_batch", "peak",
-           "published_bytes", "role_phases", "scorer_phase", "shape_of", "start_up_phase", "trainer_memory",
-           "trainer_phases", "training_state"]
+__all__ = ["ACTIVATIONS", "Activations", "BUCKET_BYTES", "CATEGORIES", "CONTEXT_BYTES", "MemoryUse", "RunShape",
+           "USABLE_FRACTION", "activations_infer", "activations_train", "bucket_bytes", "colocated_memory",
+           "colocated_phases", "generator_memory", "generator_phases", "max_micro_batch", "peak", "published_bytes",
+           "scorer_phase", "shape_of", "trainer_memory", "trainer_phases", "training_state"]

@@ -6,8 +6,8 @@ FakeTensorMode with torch's memory trackers), fits the GPU it names.
     python -m scripts.check_recipe recipes/dance_grpo/hunyuan_video.toml --config recipes/topology/32gpus.toml
     python -m scripts.check_recipe recipes/flow_grpo/qwen_image.toml --predict-only
 
-Prints every role's peak phase, measured and as the memory model predicts it (planner/memory.py under
-the code's design, and under the lean roles' design), by category, beside the GPU's memory. Exits 0
+Prints every role's phases, measured and as the memory model (planner/memory.py) predicts them, and
+the categories at the peak, beside the GPU's memory. Exits 0
 when every role fits; 1 naming the role, its phase and its largest categories when one does not;
 2 on a user error. OUT (--json) holds per role {"role", "phase", "measured_peak_gib",
 "predicted_peak_gib", "categories": {...}} and every phase's figures.
@@ -28,14 +28,13 @@ def print_report(out: dict) -> list[str]:
     """The table; returns a line per role that does not fit."""
     print(f"{out['recipe']}: {out['gpus']} x {out['gpu']} ({out['gpu_memory_gib']:.1f} GiB, "
           f"{out['usable_gib']:.1f} GiB for tensors), {out['topology']}")
-    print(f"  {'role':10s} {'peak phase':16s} {'measured':>9s} {'model':>7s} {'lean':>7s}  GiB by category")
+    print(f"  {'role':10s} {'peak phase':16s} {'measured':>9s} {'model':>7s}  GiB by category")
     misfits = []
     for r in out["roles"]:
         value = r["measured_peak_gib"] if r["measured_peak_gib"] is not None else r["predicted_peak_gib"]
         cats = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["categories"].items(), key=lambda kv: -kv[1]) if v >= 0.05)
         shown = "-" if r["measured_peak_gib"] is None else f"{r['measured_peak_gib']:.1f}"
-        print(f"  {r['role']:10s} {r['phase']:16s} {shown:>9s} {r['predicted_peak_gib']:>7.1f} "
-              f"{r['lean_predicted_peak_gib']:>7.1f}  {cats}")
+        print(f"  {r['role']:10s} {r['phase']:16s} {shown:>9s} {r['predicted_peak_gib']:>7.1f}  {cats}")
         for phase, got in r["phases"].items():
             if phase != r["phase"]:
                 seen = "-" if got["measured_gib"] is None else f"{got['measured_gib']:.1f}"

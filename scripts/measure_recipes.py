@@ -1,6 +1,6 @@
 """Measure every recipe on every topology (recipes/topology/) at the released models' sizes and write
 docs/memory/RECIPE-NGPUS.json (scripts/check_recipe.py's --json), which tests/test_memory.py holds
-the memory model to. Slow: about an hour on two busy CPU cores.
+the memory model to. About half an hour on two busy CPU cores.
 
     python -m scripts.measure_recipes [--only dance_grpo/flux_dev] [--out docs/memory] [--gpu h100]
     python -m scripts.measure_recipes --table     # the README's table from the records in --out
@@ -75,25 +75,17 @@ def refresh(out_dir: str) -> None:
 
 
 def table(out_dir: str) -> str:
-    """Markdown: per recipe and topology, each role's measured peak, its peak once running (the start-up
-    probe left out: its phase and two largest categories), the model's for both, and the lean design's
-    prediction, in GiB."""
-    lines = ["| recipe | GPUs | role | measured peak (model) | running: measured (phase: largest) | model "
-             "| lean roles |",
-             "|---|---|---|---|---|---|---|"]
+    """Markdown: per recipe and topology, each role's measured peak (its phase and two largest
+    categories) and the model's, in GiB."""
+    lines = ["| recipe | GPUs | role | measured peak (phase: largest categories) | model |", "|---|---|---|---|---|"]
     for path in sorted(glob.glob(os.path.join(out_dir, "*.json")), key=lambda p: (p.rsplit("-", 1)[0],
                                                                                  int(p.rsplit("-", 1)[1][:-9]))):
         with open(path) as f:
             record = json.load(f)
         for r in record["roles"]:
-            running = {p: v for p, v in r["phases"].items() if p != "start-up probe" and v["measured_gib"]}
-            phase = max(running, key=lambda p: running[p]["measured_gib"])
-            top = sorted(running[phase]["categories"].items(), key=lambda kv: -kv[1])[:2]
-            what = ", ".join(f"{k} {v:.1f}" for k, v in top)
-            measured = running[phase]["measured_gib"]
-            lines.append(f"| {record['recipe']} | {record['gpus']} | {r['role']} | {r['measured_peak_gib']:.1f} "
-                         f"({r['predicted_peak_gib']:.1f}) | **{measured:.1f}** ({phase}: {what}) "
-                         f"| {running[phase]['predicted_gib']:.1f} | {r['lean_predicted_peak_gib']:.1f} |")
+            what = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["categories"].items(), key=lambda kv: -kv[1])[:2])
+            lines.append(f"| {record['recipe']} | {record['gpus']} | {r['role']} | **{r['measured_peak_gib']:.1f}** "
+                         f"({r['phase']}: {what}) | {r['predicted_peak_gib']:.1f} |")
     return "\n".join(lines)
 
 
@@ -111,7 +103,7 @@ def measure_recipe(recipe: str, gpu: hardware.GPU, out_dir: str) -> None:
             trainer, headers = measure.measure_trainer(cfg, facts, release, facts.topology.trainer_ranks[0], sent)
         if generator is None:
             g = facts.topology.generator_ranks[0]
-            generator = measure.measure_generator(cfg, facts, release, g, headers.get(g))
+            generator = measure.measure_generator(cfg, facts, release, g, sent, headers.get(g))
         out = recipe_report(cfg, table, facts, gpu, {"generator": generator, "trainer": trainer})
         out["seconds"] = round(time.perf_counter() - started, 1)
         with open(os.path.join(out_dir, out_name(recipe, topology)), "w") as f:
