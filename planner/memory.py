@@ -115,14 +115,16 @@ class Activations:
 ACTIVATIONS = {
     ("flux", 4): Activations(generate=29.7, train=139.1, train_full=3632.0, decode=2546.0),
     ("flux", 2): Activations(generate=36.1, train=177.5, train_full=2096.5, decode=2546.0),
-    ("hunyuan_video", 4): Activations(generate=56.9, train=245.0, train_full=4093.4, decode=367.0),
+    ("hunyuan_video", 4): Activations(generate=56.9, train=245.0, train_full=4093.4, decode=407.0),
     ("qwen_image", 2): Activations(generate=37.5, train=146.8, train_full=2324.5, decode=6916.0),
     ("sd3", 2): Activations(generate=25.4, train=83.1, train_full=1358.7, decode=2548.0),
-    ("wan", 2): Activations(generate=20.0, train=105.1, train_full=1952.2, decode=534.3),
+    ("wan", 2): Activations(generate=20.0, train=105.1, train_full=1952.2, decode=187.1),
 }
 """Working sets of a family whose trained weights are float32 (4: full fine-tuning) or bf16 (2:
 a LoRA base), measured at its recipe (docs/memory/*.json: "working_sets_gib" and the phases'
-activations). A family measured in one precision stands in for the other."""
+activations). A family measured in one precision stands in for the other. The video families
+decode tile by tile, so their decode's working set follows the tile more than the clip: per
+decoded pixel it holds at the recipes' sizes (HunyuanVideo 480 x 480 x 53, Wan 240 x 416 x 33)."""
 
 
 # ----- the items of a phase -------------------------------------------------------------------------
