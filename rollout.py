@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from rl import advantages
-from prompts import shapes as buckets
+from prompts import shapes
 from rl import sampler
 from parallel import stepfacts
 from parallel.intake import TrainChunk
@@ -118,7 +118,7 @@ class Generator:
         if shape is None:
             return self.sampling, self.sigmas
         if shape not in self.shapes:
-            cfg = buckets.sampling_for(self.sampling, shape)
+            cfg = shapes.sampling_for(self.sampling, shape)
             self.shapes[shape] = (cfg, sampler.sigmas_for(self.adapter, cfg))
         return self.shapes[shape]
 

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 
 from checkpointing import files as checkpoint_files
-from config import files as configfile
+from config import files
 from config.schema import FLAGS, NOT_CARRIED, SECTIONS, RunConfig
 
 ROLE_SPLIT = ("mode", "generators", "trainers", "scorers", "gap_stages")
@@ -68,7 +68,7 @@ def build_parser(description: str, sections: tuple[str, ...] | None = None,
     the defaults, so that flags override the files."""
     base = base or RunConfig()
     parser = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
-    configfile.add_config_flag(parser)
+    files.add_config_flag(parser)
     parser.add_argument("--seed", type=int, default=base.seed, help=dataclasses.fields(RunConfig)[0].metadata["help"])
     for section, cls in SECTIONS.items():
         if sections is not None and section not in sections:
@@ -110,14 +110,14 @@ def parse_config(argv: list[str] | None, description: str = "DigenRL") -> RunCon
     given by then: ValueError naming the flag and what it names, before any rank waits."""
     parser, base, recipe = config_parser(argv, description)
     cfg = config_from_args(parser.parse_args(argv), base)
-    configfile.check_needs(recipe, lambda flag: getattr(getattr(cfg, FLAGS[flag][0]), FLAGS[flag][1]))
+    files.check_needs(recipe, lambda flag: getattr(getattr(cfg, FLAGS[flag][0]), FLAGS[flag][1]))
     return cfg
 
 
 def config_parser(argv: list[str] | None, description: str, sections: tuple[str, ...] | None = None):
     """(parser whose defaults are --resume's checkpoint config and the --config files of argv,
     their config or None, their [recipe])."""
-    early = configfile.config_flag()
+    early = files.config_flag()
     early.add_argument("--resume", default=None)
     for name in ROLE_SPLIT:
         early.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
@@ -148,5 +148,5 @@ def resume_base(folder: str, split_given: bool = False) -> tuple[str, dict] | No
 def load_config_files(paths: list[str], first: tuple[str, dict] | None = None) -> tuple[RunConfig, dict]:
     """A resumed checkpoint's config (`first`), then recipes and config.json files merged in order
     (config/files.py), none setting a field that is not carried -> (config, [recipe] table)."""
-    tree, recipe = configfile.read_config_files(paths, RunConfig.from_dict, set(FLAGS), NOT_CARRIED, first)
+    tree, recipe = files.read_config_files(paths, RunConfig.from_dict, set(FLAGS), NOT_CARRIED, first)
     return RunConfig.from_dict(tree), recipe

@@ -26,7 +26,7 @@ from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
 from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
 from prompts import embeds
-from prompts import shapes as buckets
+from prompts import shapes
 from rl import algorithms, old_policy, sampler
 from rl.advantages import COMBINES, STD_MODES
 from rl.loss import KL_FORMS
@@ -345,7 +345,7 @@ def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
     model's check would (prompts.shapes.check_shapes), from the size factors alone."""
     seen = {default}
     for path, r in prompts:
-        shape = buckets.record_shape(r, default)
+        shape = shapes.record_shape(r, default)
         if shape in seen:
             continue
         seen.add(shape)
@@ -355,7 +355,7 @@ def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
         try:
             cls.check_size(geometry, *shape)
         except ValueError as e:
-            raise ValueError(f"{where}: prompt shape {buckets.shape_name(shape)}: {e}") from None
+            raise ValueError(f"{where}: prompt shape {shapes.shape_name(shape)}: {e}") from None
 
 
 def check_prompts(cfg, prompt_sets) -> None:

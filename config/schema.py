@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from checkpointing.files import write_json_atomic
-from config import files as configfile
+from config import files
 from models import model_names
 from rl import algorithms
 
@@ -256,17 +256,17 @@ class RunConfig:
         """config.json, atomically: the resolved tree, the commit and package versions that ran it,
         and `run` (its id, prompt digests and resumes: checkpointing/folder.py)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        record = {**self.describe(), configfile.PROVENANCE: configfile.provenance()}
-        write_json_atomic(path, {**record, configfile.RUN: run} if run is not None else record)
+        record = {**self.describe(), files.PROVENANCE: files.provenance()}
+        write_json_atomic(path, {**record, files.RUN: run} if run is not None else record)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
         """The inverse of to_dict (config.json, a recipe): typed fields are parsed again (JSON has no
         tuples), a value of the wrong type is a ValueError naming it; the provenance is skipped."""
         kwargs = {}
-        for name, value in configfile.config_part(d).items():
+        for name, value in files.config_part(d).items():
             if name == "seed":
-                kwargs[name] = configfile.typed("seed", dataclasses.fields(cls)[0], value)
+                kwargs[name] = files.typed("seed", dataclasses.fields(cls)[0], value)
                 continue
             sub = SECTIONS.get(name)
             if sub is None or not isinstance(value, dict):
@@ -275,7 +275,7 @@ class RunConfig:
             unknown = sorted(set(value) - set(fields))
             if unknown:
                 raise ValueError(f"config section {name!r} has no field(s) {unknown}")
-            kwargs[name] = sub(**{k: configfile.typed(f"{name}.{k}", fields[k], v) for k, v in value.items()})
+            kwargs[name] = sub(**{k: files.typed(f"{name}.{k}", fields[k], v) for k, v in value.items()})
         return cls(**kwargs)
 
     def resolve_defaults(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from checkpointing import folder as runfolder
+from checkpointing import folder
 from config import preflight
 from config.schema import NOT_CARRIED, RunConfig
 from models import adapter_class, model_names
@@ -39,7 +39,7 @@ class RunFacts:
     eval_records: tuple[PromptRecord, ...] = ()
     """the held-out records evaluated (--eval-num-prompts x --eval-samples-per-prompt), read once"""
     eval_sha256: str | None = None
-    resume: runfolder.ResumePoint | None = None
+    resume: folder.ResumePoint | None = None
     """--resume: the verified checkpoint the run continues from"""
 
     @property
@@ -114,7 +114,7 @@ def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> Ru
         held_out_sha = read.sha256
         sets.append((o.eval_prompts, read.records[:o.eval_num_prompts]))
     preflight.check_run(cfg, sets, released)  # every other flag, the model folder and sizes, the prompts' shapes and grammar
-    resume = runfolder.check(cfg, prompts.sha256, NOT_CARRIED)  # the run folder, its lock and --resume
+    resume = folder.check(cfg, prompts.sha256, NOT_CARRIED)  # the run folder, its lock and --resume
     disagg = topo.mode == "disagg"
     return RunFacts(topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
                     train_sharding=t.train_sharding if disagg else t.colocated_sharding,

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from checkpointing import checkpoint
-from checkpointing import folder as runfolder
-from checkpointing import resume as runstate
+from checkpointing import folder
+from checkpointing import resume
 from config.schema import RunConfig
 from config.validate import RunFacts
 from models import autocast, resolve_dtype
@@ -27,11 +27,11 @@ from parallel.stepplan import replica_speeds
 from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
-from prompts import shapes as buckets
+from prompts import shapes as prompt_shapes
 from rewards import RewardSet, parse_reward_specs, reward_model_paths
 from rl import algorithms
 from rollout import Generator, VersionSync
-from runtime import guard as runguard
+from runtime import guard
 from runtime import probe
 from runtime.context import RankContext, make_context
 from runtime.evaluation import evaluate_on_trainers
@@ -47,7 +47,7 @@ class Rank:
     ctx: RankContext
     store: StepStore
     groups: ProcessGroups
-    guard: runguard.RunGuard
+    guard: guard.RunGuard
     log: StepLog
     start: int
     """the first step this run trains (a resumed run's checkpoint step)"""
@@ -126,7 +126,7 @@ class Rank:
             c, lora = self.cfg, self.ctx.adapter.transformer.peft_config["default"] if self.ctx.facts.lora else None
             checkpoint.save_run_state(c.output.output_dir, done, self.trainer, self.ctx.adapter, self.log.running,
                                       lora, write=self.ctx.rank == self.topo.trainer_ranks[0],
-                                      extra=runstate.extra_state(self.trainer, self.log.std_history, done),
+                                      extra=resume.extra_state(self.trainer, self.log.std_history, done),
                                       stale=self.publisher.kept(done - 1) if self.ctx.facts.tcss else None,
                                       config={**c.describe(), "run": self.run}, keep=c.output.keep_checkpoints,
                                       export_dtype=c.output.export_dtype)
@@ -143,24 +143,24 @@ class Rank:
     def finish(self) -> None:
         """After the last step (or a signal): the publications still addressed to generators are
         received, TCSS sends complete, and a stopped run saves the steps it finished."""
-        guard, start = self.guard, self.start
-        last = guard.stop_at if guard.stopping else self.cfg.rl.steps
-        guard.set_timeouts(relaxed=True)
-        guard.set_phase("exit")
+        run_guard, start = self.guard, self.start
+        last = run_guard.stop_at if run_guard.stopping else self.cfg.rl.steps
+        run_guard.set_timeouts(relaxed=True)
+        run_guard.set_phase("exit")
         if self.versions is not None:
             self.versions.drain(last, last)  # the trainers publish after every step
         drain_sends(self.store, self.deferred)  # after the drain: the trainers need the publications to get there
-        if guard.stopping and self.saved != last and last > start:
+        if run_guard.stopping and self.saved != last and last > start:
             self.save(last)  # a signal stopped the run: the steps it finished are kept
-        if guard.stopping:
+        if run_guard.stopping:
             out_dir = self.cfg.output.output_dir
             path = checkpoint.checkpoint_dir(out_dir, last)
             line = (f"stopped on a signal after step {last - 1}: checkpoint {path}; continue with --resume {out_dir} "
                     f"--output-dir {out_dir}" if last > start else
                     "stopped on a signal before this run's first step: nothing new to save")
-            runguard.write_error_file(line)  # torchrun's summary shows why the exit code is 4
+            guard.write_error_file(line)  # torchrun's summary shows why the exit code is 4
             if self.log.logging:
-                runguard.say(line)
+                guard.say(line)
         self._meet_at_exit()
 
     def _meet_at_exit(self) -> None:
@@ -178,7 +178,7 @@ class Rank:
             self.ctx.tracer.save(os.path.join(self.cfg.output.output_dir, "trace", f"rank{self.ctx.rank}.json"))
 
     def exit_code(self) -> int:
-        return runguard.EXIT_STOPPED if self.guard.stopping else runguard.EXIT_OK
+        return guard.EXIT_STOPPED if self.guard.stopping else guard.EXIT_OK
 
     def _offload(self) -> None:
         """--offload-text-encoders: the text encoders go back to host memory after a phase that
@@ -202,9 +202,9 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     topo, t = facts.topology, cfg.topology
     commhooks.install()  # DIGENRL_COMM_TRACE: every collective from here on is recorded
     store = StepStore(t.dist_timeout_s)
-    groups = ProcessGroups.create(topo, t.dist_timeout_s, runguard.pending_timeout_s(t.dist_timeout_s),
+    groups = ProcessGroups.create(topo, t.dist_timeout_s, guard.pending_timeout_s(t.dist_timeout_s),
                                   exchange=facts.tsp and not facts.disagg)
-    guard = runguard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
+    run_guard = guard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
                               stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
                               groups=_member_groups(topo, rank, groups),
                               start_step=facts.resume.step if facts.resume else 0).start()
@@ -216,21 +216,21 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
     run = _prepare_folder(cfg, facts, rank, store)  # sync point: every rank passed its checks, the folder is ready
     if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
-        shapes = buckets.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
+        shapes = prompt_shapes.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     in_place = facts.resume is not None and facts.resume.same_folder
     log = StepLog(cfg, rank, rank == facts.log_rank, store, topo.world_size, facts.resume.step if facts.resume else 0,
                   in_place, algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl).SUMMARY)
-    begin = runstate.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
+    begin = resume.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
     log.std_history = begin.std_history
     all_names = _publish_names(ctx.adapter, facts.lora)
     sampled = trainer.sampling_tensors(all_names) if trainer is not None else None  # NFT trainers: the old policy
-    runstate.check_same_weights(ctx.adapter, all_names, begin.version,  # every rank starts from its version
+    resume.check_same_weights(ctx.adapter, all_names, begin.version,  # every rank starts from its version
                                 resolve_dtype(cfg.model.dtype, ctx.device), sampled)
     layouts = _stage_layouts(ctx, cond) if topo.gap_stages > 1 else {}
     shares = replica_speeds({g: speeds[g]["generate_s"] for g in topo.generator_ranks},
                             [topo.replica_ranks(r) for r in range(topo.num_replicas)])
     publish_names = {g: _stage_names(ctx.adapter, all_names, layouts.get(g)) for g in topo.generator_ranks}
-    r = Rank(ctx, store, groups, guard, log, begin.step, shares, shapes, publish_names, trainer=trainer,
+    r = Rank(ctx, store, groups, run_guard, log, begin.step, shares, shapes, publish_names, trainer=trainer,
              saved=begin.step, run=run)
     _build_generator(r, layouts, begin.version)
     if trainer is not None:
@@ -238,7 +238,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     if topo.is_scorer(rank):
         ctx.adapter.release_components(["transformer"])  # a scorer runs the rewards only
         r.scorer_rewards = ctx.rewards
-    guard.expect_step(_expected_step_s(r, speeds))
+    run_guard.expect_step(_expected_step_s(r, speeds))
     return r
 
 
@@ -257,7 +257,7 @@ def _prepare_folder(cfg: RunConfig, facts: RunFacts, rank: int, store: StepStore
     and passed its checks (a user error found on the way leaves nothing behind); every rank then
     reads the run record its checkpoints carry."""
     if rank == 0:
-        run = runfolder.prepare(cfg, facts.resume, facts.digests, say=runguard.say)
+        run = folder.prepare(cfg, facts.resume, facts.digests, say=guard.say)
         store.put("run/record", run)
     dist.barrier()  # sync point: the folder is ready before any rank writes into it
     return store.get("run/record")
@@ -298,9 +298,9 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
                                               link_mbps=cfg.output.debug_link_bandwidth, keep=facts.tcss,
                                               holds=rank == topo.trainer_ranks[0])
     if compress.lossy(cfg.topology.publish_compression):  # every placement trains through the codec
-        trainer.start_codec(cfg.topology.publish_compression, all_names, runstate.residual(facts))
+        trainer.start_codec(cfg.topology.publish_compression, all_names, resume.residual(facts))
     if facts.tcss:  # the generators' version at the next checkpoint; resent at a resume
-        runstate.publish_start(facts, rank, trainer, r.publisher, r.publish_names, r.start,
+        resume.publish_start(facts, rank, trainer, r.publisher, r.publish_names, r.start,
                                facts.resume is not None and facts.resume.has_stale, r.store, r.groups.publish)
 
 

@@ -18,7 +18,7 @@ from models import set_attention
 from models.lora import apply_lora
 from parallel.intake import TrainingSpec, make_intake
 from parallel.topology import ProcessGroups, Topology
-from prompts import shapes as buckets
+from prompts import shapes as prompt_shapes
 from prompts.embeds import PromptEmbeddings
 from rewards import RewardSet, reward_model_paths
 from rl import algorithms, sampler
@@ -87,9 +87,9 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
     sampling = run_sampling(cfg, adapter)
     adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails alike everywhere
     records = list(facts.prompts.records)  # as read before anything loaded
-    shapes = buckets.shape_table(adapter, records, sampling, cfg.rl.prompts)  # before any wait: names a bad line
+    shapes = prompt_shapes.shape_table(adapter, records, sampling, cfg.rl.prompts)  # before any wait: names a bad line
     if cfg.output.eval_every:
-        buckets.check_shapes(adapter, facts.eval_records, sampling, cfg.output.eval_prompts)
+        prompt_shapes.check_shapes(adapter, facts.eval_records, sampling, cfg.output.eval_prompts)
     replica = topo.replica_ranks(topo.replica_of(rank)) if topo.is_generator(rank) else ()
     scores = bool(replica) and replica[-1] == rank and not topo.scorer_ranks  # a replica scores on its last stage
     needs_rewards = scores or topo.is_scorer(rank) or (facts.tag and topo.is_trainer(rank))

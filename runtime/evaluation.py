@@ -9,7 +9,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from models import autocast
-from prompts import shapes as buckets
+from prompts import shapes
 from prompts.sets import eval_records
 from rewards import RewardSet, reward_model_paths
 from rl import sampler
@@ -32,7 +32,7 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
     # Euler whatever the rollout's solver or window, so every algorithm is evaluated alike (NFT too)
     ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None, window_schedule=None, ode_solver="euler")
     keep = len(records) if keep_images is None else min(keep_images, len(records))
-    by_shape = buckets.rows_by_shape(records, sampling)
+    by_shape = shapes.rows_by_shape(records, sampling)
     images, scores = [None] * keep, {}
     bar = tqdm(total=len(records), desc="evaluate", unit="sample", disable=not progress, dynamic_ncols=True,
                leave=False)
@@ -40,7 +40,7 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
         for lo in range(0, len(rows), batch_size):
             batch = rows[lo:lo + batch_size]
             prompts = [records[j].prompt for j in batch]
-            _, got = sample_images(adapter, prompts, buckets.sampling_for(ode, shape), step=EVAL_STEP,
+            _, got = sample_images(adapter, prompts, shapes.sampling_for(ode, shape), step=EVAL_STEP,
                                    sample_ids=[first_sample_id + j if sample_ids is None else sample_ids[j]
                                                for j in batch], batch_size=batch_size,
                                    negative_prompt=negative_prompt)
@@ -83,9 +83,9 @@ def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, log
     evaluators = list(topo.trainer_ranks)
     if rank not in evaluators:
         return
-    default = buckets.default_shape(sampling)
-    names = [buckets.shape_name(buckets.record_shape(r, default)) for r in records]
-    share = buckets.evaluation_share(names, len(evaluators), evaluators.index(rank))
+    default = shapes.default_shape(sampling)
+    names = [shapes.shape_name(shapes.record_shape(r, default)) for r in records]
+    share = shapes.evaluation_share(names, len(evaluators), evaluators.index(rank))
     rows = [j for j, _ in share]  # record j is sample j: its fixed seed
     rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model),
                         timeout_s=cfg.rl.reward_timeout_s,

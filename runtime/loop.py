@@ -20,7 +20,7 @@ from runtime.build import build
 
 
 def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
-    """One rank's run; returns its exit code (0 done, runguard.EXIT_STOPPED after a signal)."""
+    """One rank's run; returns its exit code (0 done, guard.EXIT_STOPPED after a signal)."""
     r = build(cfg, facts, rank)
     try:
         if cfg.output.eval_every and r.start == 0:

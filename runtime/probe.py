@@ -19,7 +19,7 @@ import torch.distributed as dist
 from rl import sampler
 from models import autocast
 from parallel import commhooks
-from prompts import shapes as buckets
+from prompts import shapes as prompt_shapes
 from telemetry.tracing import Slowdown
 
 
@@ -85,7 +85,7 @@ def probe_shapes(adapter, sampling, micro_batch: int, shapes, slowdown: Slowdown
     frames): encoding its prompts, K denoising steps (one step timed, counted K times: the forward,
     the seeded noise and the SDE step) and decoding, each where this rank does it (a GAP stage that
     does not encode or decode counts neither). The measured cost of the run's prompt shapes
-    (buckets.measured_table). `cond`: the probe's conditioning (`probe_conditioning`). Like
+    (prompt_shapes.measured_table). `cond`: the probe's conditioning (`probe_conditioning`). Like
     probe_speed, it leaves the run's RNG as it was."""
     device = adapter.device
     encodes = adapter.prompt_cache is not None or all(adapter.holds(n) for n in adapter.text_encoders())
@@ -129,8 +129,8 @@ def gather_speeds(ctx, out_dir: str, cond, shapes=None, training: bool = False) 
         mine = probe_speed(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch, ctx.slowdown, amp, training, cond)
         if shapes is not None and ctx.topo.is_generator(ctx.rank):
             seconds = probe_shapes(ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch,
-                                   sorted(shapes.costs, key=buckets.shape_name), ctx.slowdown, amp, cond)
-            mine["shape_s"] = {buckets.shape_name(k): s for k, s in seconds.items()}
+                                   sorted(shapes.costs, key=prompt_shapes.shape_name), ctx.slowdown, amp, cond)
+            mine["shape_s"] = {prompt_shapes.shape_name(k): s for k, s in seconds.items()}
     everyone = [None] * ctx.topo.world_size
     dist.all_gather_object(everyone, mine)  # sync point
     if ctx.rank == 0:

@@ -9,7 +9,7 @@ import base64
 import torch
 from tqdm import tqdm
 
-from checkpointing import folder as runfolder
+from checkpointing import folder
 from parallel.store import StepStore
 from rl.advantages import RunningStd
 from telemetry.metrics import MetricsLogger, thumbnails
@@ -29,7 +29,7 @@ class StepLog:
         self.std_history: dict[int, float | None] = {}
         out = cfg.output.output_dir
         self.logger = MetricsLogger(out, enabled=logging, purge_step=start if in_place else None)
-        for row in runfolder.rows_to_replay(out, start) if logging and in_place else []:
+        for row in folder.rows_to_replay(out, start) if logging and in_place else []:
             self.logger.log_tensorboard(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")})
         self.progress = tqdm(total=cfg.rl.steps, initial=start, desc="steps", dynamic_ncols=True) if logging else None
         self.previous_end: float | None = None  # the end of the previous step: perf/step_s is the loop's period

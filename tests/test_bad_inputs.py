@@ -205,7 +205,7 @@ def _cases(tmp_path):
          {}, "this run changes --seed 0 (this run: 5); resume with --resume-anyway"),
         # found once the model has loaded: exit 2 on every rank, nothing left in the folder
         ("memory budget 0.001", [*TINY, "--memory-budget-gb", "0.00001", "--output-dir", str(tmp_path / "after1")], {},
-         "--memory-budget-gb 1e-05: training state needs"),
+         "--memory-budget-gb 1e-05: a generator needs"),
         ("weights of the wrong shape", ["--model-path", heads, "--output-dir", str(tmp_path / "after2")], {},
          f"--model-path {heads}: Cannot load"),
         ("gap stages above blocks", [*TINY, "--generators", "5", "--trainers", "1", "--gap-stages", "5",

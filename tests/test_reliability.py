@@ -295,10 +295,10 @@ def test_a_second_signal_within_2_s_is_the_same_request_and_later_exits_at_once(
     import signal
     from types import SimpleNamespace
 
-    from runtime import guard as runguard
+    from runtime import guard as guard_module
 
     clock, died = [100.0], []
-    monkeypatch.setattr(runguard, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(guard_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     guard = _guard()
     monkeypatch.setattr(guard, "_die", lambda code, line: died.append((code, line)))
     guard._on_signals(bytes([signal.SIGTERM]))

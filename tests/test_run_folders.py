@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from checkpointing import files as checkpoint_files
-from checkpointing import folder as runfolder
+from checkpointing import folder as run_folders
 from checkpointing import lock
 from config.cli import parse_config
 from config.schema import NOT_CARRIED, RunConfig
@@ -54,19 +54,19 @@ def test_a_folder_that_holds_a_run_is_refused_unless_resumed_in_place_or_overwri
     run = tmp_path / "run"
     _run_folder(run, 4, [2, 4])
     with pytest.raises(ValueError, match="already holds a run .*continue its run with --resume"):
-        runfolder.check(_cfg(run))
-    assert runfolder.check(_cfg(run, overwrite=True)) is None
-    point = runfolder.check(_cfg(run, resume=run, steps=6), "p" * 64, NOT_CARRIED)
+        run_folders.check(_cfg(run))
+    assert run_folders.check(_cfg(run, overwrite=True)) is None
+    point = run_folders.check(_cfg(run, resume=run, steps=6), "p" * 64, NOT_CARRIED)
     assert point.step == 4 and point.same_folder and point.changed == {"rl.steps": [5, 6]} and not point.anyway
     with pytest.raises(ValueError, match="--lora-rank 4 \\(this run: 8\\).*change what its weights mean"):
-        runfolder.check(_cfg(run, resume=run, lora_rank=8))
+        run_folders.check(_cfg(run, resume=run, lora_rank=8))
     with pytest.raises(ValueError, match="--steps 4 is not above the step of the checkpoint"):
-        runfolder.check(_cfg(run, resume=run, steps=4))
+        run_folders.check(_cfg(run, resume=run, steps=4))
     only_logs = tmp_path / "logs"
     only_logs.mkdir()
     (only_logs / "slurm-1.out").write_text("x")
-    assert runfolder.check(_cfg(only_logs)) is None  # a launcher's log is not a run
-    record = runfolder.prepare(_cfg(run, overwrite=True), None, {"prompts_sha256": "q" * 64}, say=lambda line: None)
+    assert run_folders.check(_cfg(only_logs)) is None  # a launcher's log is not a run
+    record = run_folders.prepare(_cfg(run, overwrite=True), None, {"prompts_sha256": "q" * 64}, say=lambda line: None)
     assert sorted(os.listdir(run)) == ["config.json", "slurm-123.out"]
     written = json.loads((run / "config.json").read_text())
     assert written["run"] == record and record["resumes"] == [] and record["id"] != "run-a"
@@ -78,10 +78,10 @@ def test_resuming_in_place_cuts_the_run_back_and_config_json_records_the_resume(
     _run_folder(run, 5, [2, 4])
     with open(run / "checkpoints" / "step-4" / "w", "w") as f:
         f.write("torn")  # the newest checkpoint no longer verifies
-    point = runfolder.check(_cfg(run, resume=run, steps=6), "p" * 64, NOT_CARRIED)
+    point = run_folders.check(_cfg(run, resume=run, steps=6), "p" * 64, NOT_CARRIED)
     assert point.step == 2 and point.skipped[0][0].endswith("step-4")
     lines = []
-    record = runfolder.prepare(_cfg(run, resume=run, steps=6), point, {"prompts_sha256": "p" * 64}, say=lines.append)
+    record = run_folders.prepare(_cfg(run, resume=run, steps=6), point, {"prompts_sha256": "p" * 64}, say=lines.append)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], "eval/reward" in r) for r in rows] == [(0, False), (1, False), (0, True), (2, True)]
     assert sorted(os.listdir(run / "checkpoints")) == ["step-2"]
@@ -91,7 +91,7 @@ def test_resuming_in_place_cuts_the_run_back_and_config_json_records_the_resume(
     assert (aside / "checkpoints" / "step-4").is_dir()
     assert json.loads((aside / "config.json").read_text())["run"]["resumes"] == []  # the description before
     assert any("skipped" in line and "step-4" in line for line in lines)
-    assert [r["step"] for r in runfolder.rows_to_replay(str(run), 2)] == [2]
+    assert [r["step"] for r in run_folders.rows_to_replay(str(run), 2)] == [2]
     (event,) = json.loads((run / "config.json").read_text())["run"]["resumes"]
     assert record["id"] == "run-a" and event["step"] == 2 and event["changed"] == {"rl.steps": [5, 6]}
     assert event["from"] == str(run / "checkpoints" / "step-2")
@@ -108,20 +108,20 @@ def test_a_checkpoint_copied_in_under_another_steps_name_is_skipped_by_name(tmp_
     shutil.rmtree(run / "checkpoints" / "step-2")
     with pytest.raises(ValueError, match="holds no valid checkpoint: skipped .*step-4 \\(its manifest.json records "
                                          "step 2, not 4"):
-        runfolder.check(_cfg(run, resume=run, steps=6))
+        run_folders.check(_cfg(run, resume=run, steps=6))
 
 
 def test_a_resume_that_changes_the_data_needs_resume_anyway_and_is_recorded(tmp_path):
     run = tmp_path / "run"
     _run_folder(run, 2, [2])
     with pytest.raises(ValueError, match="this run changes --seed 0 \\(this run: 5\\); resume with --resume-anyway"):
-        runfolder.check(_cfg(run, resume=run, steps=4, seed=5), "p" * 64, NOT_CARRIED)
+        run_folders.check(_cfg(run, resume=run, steps=4, seed=5), "p" * 64, NOT_CARRIED)
     with pytest.raises(ValueError, match="the prompt file's content \\(SHA-256 pppppppppppp at the checkpoint, "
                                          "qqqqqqqqqqqq now\\)"):
-        runfolder.check(_cfg(run, resume=run, steps=4), "q" * 64, NOT_CARRIED)
-    point = runfolder.check(_cfg(run, resume=run, steps=4, seed=5, anyway=True), "p" * 64, NOT_CARRIED)
+        run_folders.check(_cfg(run, resume=run, steps=4), "q" * 64, NOT_CARRIED)
+    point = run_folders.check(_cfg(run, resume=run, steps=4, seed=5, anyway=True), "p" * 64, NOT_CARRIED)
     assert point.changed == {"seed": [0, 5], "rl.steps": [5, 4]} and point.anyway == ("--seed 0 (this run: 5)",)
-    record = runfolder.prepare(_cfg(run, resume=run, steps=4, seed=5, anyway=True), point,
+    record = run_folders.prepare(_cfg(run, resume=run, steps=4, seed=5, anyway=True), point,
                                {"prompts_sha256": "p" * 64}, say=lambda line: None)
     assert record["resumes"][-1]["resume_anyway"] == ["--seed 0 (this run: 5)"]
 
@@ -133,7 +133,7 @@ def test_another_runs_checkpoint_is_named_and_needs_resume_anyway(tmp_path):
     shutil.copytree(other / "checkpoints" / "step-4", run / "checkpoints" / "step-4")
     with pytest.raises(ValueError, match=f"it was not written by the run in {run} \\(run id run-b \\(the folder's "
                                          f"run: run-a\\); --seed 1 \\(the folder's run: 0\\)\\)"):
-        runfolder.check(_cfg(run, resume=run, steps=6, seed=1), "p" * 64, NOT_CARRIED)
+        run_folders.check(_cfg(run, resume=run, steps=6, seed=1), "p" * 64, NOT_CARRIED)
     for folder in (run, other):  # runs of an older version: no ids, their seeds tell them apart
         for path in [folder / "config.json", *(folder / "checkpoints").glob("step-*/manifest.json")]:
             data = json.loads(path.read_text())
@@ -141,7 +141,7 @@ def test_another_runs_checkpoint_is_named_and_needs_resume_anyway(tmp_path):
             path.write_text(json.dumps(data))
     checkpoint_files._VERIFIED.clear()
     with pytest.raises(ValueError, match="not written by the run in .*--seed 1 \\(the folder's run: 0\\)"):
-        runfolder.check(_cfg(run, resume=run, steps=6, seed=1), "p" * 64, NOT_CARRIED)
+        run_folders.check(_cfg(run, resume=run, steps=6, seed=1), "p" * 64, NOT_CARRIED)
 
 
 def _live_process():
@@ -162,7 +162,7 @@ def test_a_live_runs_folder_is_refused_naming_its_host_and_pid(tmp_path):
                                              f"pid {pid} on host {socket.gethostname()}"):
             lock.check(str(tmp_path / "run"), overwrite=True)
         with pytest.raises(ValueError, match=f"pid {pid} on host"):
-            runfolder.check(_cfg(tmp_path / "run", resume=tmp_path / "run"))
+            run_folders.check(_cfg(tmp_path / "run", resume=tmp_path / "run"))
         with pytest.raises(ValueError, match="held by"):
             lock.acquire(str(tmp_path / "run"))
     finally:
@@ -195,17 +195,17 @@ def test_a_dead_runs_lock_is_named_and_taken_over_and_another_hosts_is_not(tmp_p
 
 def test_the_output_folder_is_checked_for_writes_and_path_length_before_anything_loads(tmp_path):
     with pytest.raises(ValueError, match="the folder name 'nnnnnnnn.*has 300 bytes; this file system allows 255"):
-        runfolder.check_writable(str(tmp_path / ("n" * 300)), 5)
+        run_folders.check_writable(str(tmp_path / ("n" * 300)), 5)
     deep = str(tmp_path / "/".join(["d" * 200] * 20))
     with pytest.raises(ValueError, match="is too long .*the run writes paths of up to .* bytes under it"):
-        runfolder.check_writable(deep, 5)
+        run_folders.check_writable(deep, 5)
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file, not a folder"):
-        runfolder.check_writable(str(tmp_path / "file" / "out"), 5)
+        run_folders.check_writable(str(tmp_path / "file" / "out"), 5)
     if not os.access("/sys/fs", os.W_OK) or os.geteuid() == 0:  # sysfs refuses new files, even to root
         with pytest.raises(ValueError, match="cannot write into '/sys/fs'"):
-            runfolder.check_writable("/sys/fs/digenrl-run", 5)
-    runfolder.check_writable(str(tmp_path / "new" / "run"), 5)
+            run_folders.check_writable("/sys/fs/digenrl-run", 5)
+    run_folders.check_writable(str(tmp_path / "new" / "run"), 5)
     assert os.listdir(tmp_path) == ["file"]  # a probe creates nothing it leaves behind
 
 
@@ -241,4 +241,4 @@ def test_a_resume_starts_from_the_checkpoints_config_and_flags_override_it(tmp_p
     again = parse_config(["--resume", str(run), "--output-dir", str(run), "--steps", "6", "--lora-rank", "8"])
     again.resolve_defaults()
     with pytest.raises(ValueError, match="--lora-rank 0 \\(this run: 8\\)"):
-        runfolder.check(again)
+        run_folders.check(again)
