@@ -219,7 +219,7 @@ def generator_phases(s: RunShape, capacity: float, *, stages: int = 1, stage: in
     denoise = a.generate * _row_bytes(s, s.gen_micro) / stages  # CFG's branches are forwards of their own
     decode = a.decode * s.gen_micro * s.pixels if last else 0.0
     fragment.add("denoising" if denoise >= decode else "VAE decode", max(denoise, decode), "activations")
-    install = base("publication").add("install", 4 * BUCKET_BYTES, "activations")  # checksums' int64 words
+    install = base("publication").add("install", 4 * bucket_bytes(s), "activations")  # checksums' int64 words
     probe = base("start-up probe").add("probe forward", a.generate * _row_bytes(s, s.gen_micro), "activations")
     return {"fragment": fragment, "publication": install, "start-up probe": probe}
 
@@ -257,7 +257,7 @@ def trainer_phases(s: RunShape, capacity: float, *, shard: int, evaluates: bool 
         m.add("gathered unit and its reduce-scatter", unit * (s.compute_bytes + (4 if full else 0)), "communication")
     phases["optimizer step"] = base("optimizer step").add("gradients", 4 * trained / n, "gradients")
     if publishes:
-        phases["publication"] = base("publication").add("gathered bucket", 4 * BUCKET_BYTES + bucket_bytes(s),
+        phases["publication"] = base("publication").add("gathered bucket", 5 * bucket_bytes(s),  # and its int64 words
                                                         "activations")
     if evaluates:
         ev = phases["evaluation"] = base("evaluation").add("reward models", s.rewards * s.reward_bytes, "parameters")

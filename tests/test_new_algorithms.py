@@ -328,13 +328,15 @@ NEW_RECIPES = {  # algorithm, K, CFG scale (None: the family's guidance embeddin
 }
 
 
-def test_new_recipes_carry_the_published_settings_and_fit(no_model_folder):
-    """Each recipe: its published settings, valid on the GPUs it names (no model folder here: the
-    preflight's folder checks are left out), CFG-free, and within the memory of its GPUs."""
+def test_new_recipes_carry_the_published_settings_and_fit():
+    """Each recipe: its published settings, valid on the GPUs it names (its released config stands
+    for the model folder this machine does not have), CFG-free, and within the memory of its GPUs."""
     from config.cli import load_config_files
     from config.validate import validate
     from models.released import meta_adapter
-    from runtime.memory import GiB, check_fits, model_shape
+    from planner import hardware
+    from planner.memory import peak
+    from runtime.memory import GiB, predict
 
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
     prompts = os.path.join(os.path.dirname(root), "data", "shapes_train.txt")
@@ -350,13 +352,14 @@ def test_new_recipes_carry_the_published_settings_and_fit(no_model_folder):
             assert s.window_interval == (20 if "flash" in rel else 25)
         cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights/reward" for spec in rl.reward]
         cfg.rl.prompts = cfg.output.eval_prompts = prompts
-        cfg.model.model_path = "/w/model"
         cfg.resolve_defaults()
-        facts = validate(cfg, recipe["gpus"])
         name = recipe["model_config"]
+        facts = validate(cfg, recipe["gpus"], released=name)
         adapter = adapters.setdefault(name, meta_adapter(name))
-        need = check_fits(cfg, facts, model_shape(name, cfg, adapter), recipe["gpu"])
-        assert 10 * GiB < min(need.values()), (rel, need)
+        peaks = {role: peak(phases) for role, phases in
+                 predict(cfg, facts, adapter, hardware.gpu(recipe["gpu"]).memory_bytes).items()}
+        assert all(p.fits for p in peaks.values()), (rel, [p.why() for p in peaks.values()])
+        assert 10 * GiB < min(p.tensors for p in peaks.values()), rel
 
 
 # ----- bad inputs: each a ValueError naming the value, before anything loads -------------------------
