@@ -91,6 +91,8 @@ class RunShape:
     old_policy: bool = False
     """DiffusionNFT's old policy: a float32 copy of the trained weights, sharded alike"""
     lossy_codec: bool = False
+    tcss: bool = False
+    """TCSS: a generator receives the next version into an idle copy while it samples with the live one"""
     trainers_sample: bool = True
     """trainers sample (evaluation, TAG): they hold the text encoders and the VAE"""
     encodes: bool = True
@@ -210,6 +212,8 @@ def generator_phases(s: RunShape, capacity: float, *, stages: int = 1, stage: in
             m.add("VAE", s.vae * s.compute_bytes, "parameters")
             m.add("reward models", s.rewards * s.reward_bytes if scores else 0.0, "parameters")
         m.add("publication bucket", bucket_bytes(s), "communication")
+        if s.tcss and phase != "start-up probe":  # allocated at the first publication, kept from then on
+            m.add("idle copy (TCSS)", published_bytes(s) / stages, "communication")
         return m.add("context", CONTEXT_BYTES)
 
     a = _act(s)

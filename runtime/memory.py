@@ -101,7 +101,7 @@ def run_shape(cfg: RunConfig, facts: RunFacts, adapter) -> model.RunShape:
         weight_bytes=dtypes["transformer"].itemsize, compute_bytes=compute,
         reward_bytes=4 if rl.reward_dtype == "float32" else compute, checkpointing=o.grad_checkpointing,
         reference=loss.needs_reference, ema=o.ema_decay > 0, old_policy=loss.forward_process,
-        lossy_codec=compress.lossy(cfg.topology.publish_compression),
+        lossy_codec=compress.lossy(cfg.topology.publish_compression), tcss=facts.tcss,
         trainers_sample=cfg.output.eval_every > 0 or facts.tag, encodes=not cfg.model.prompt_embeds)
 
 

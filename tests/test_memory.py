@@ -13,7 +13,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from models.released import meta_adapter
+from config.validate import validate
+from models.released import meta_adapter, parameter_counts
 from planner import hardware
 from planner import memory as model
 from runtime import fakemem, measure
@@ -232,3 +233,21 @@ def test_check_recipe_reports_each_role_and_exits_1_when_one_does_not_fit(tmp_pa
     assert [r["role"] for r in misfits] == ([] if code == 0 else ["trainer"])
     for r in misfits:
         assert f"does not fit: a {r['role']} needs {r['predicted_peak_gib']:.1f} GiB at its {r['phase']}" in done.stdout
+
+
+def test_tcss_generators_hold_an_idle_copy_of_the_version(adapters):
+    """TCSS: a generator receives version k into an idle copy while it samples with k - 1, so its
+    fragment and publication phases hold one more copy of the published weights (DanceGRPO
+    FLUX.1-dev: the bf16 DiT, 22.2 GiB; measured with a config of `tcss = true` after the recipe:
+    generator 58.2 GiB at its fragment, the model 58.1). The start-up probe runs before any
+    publication."""
+    paths = [os.path.join(ROOT, "recipes", "dance_grpo", "flux_dev.toml"), TOPOLOGIES[0]]
+    cfg, recipe, facts = load_recipe(paths)
+    plain = predict(cfg, facts, adapters("flux1_dev"))["generator"]
+    cfg.topology.tcss = True
+    tcss = predict(cfg, validate(cfg, recipe["gpus"], released="flux1_dev"), adapters("flux1_dev"))["generator"]
+    copy = 2 * parameter_counts("flux1_dev")["transformer"]
+    for phase in ("fragment", "publication"):
+        assert tcss[phase].tensors - plain[phase].tensors == pytest.approx(copy, rel=1e-6), phase
+    assert tcss["start-up probe"].tensors == plain["start-up probe"].tensors
+    assert tcss["fragment"].tensors / GiB == pytest.approx(58.2, rel=0.02)
