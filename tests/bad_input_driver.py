@@ -5,13 +5,17 @@ then forks one process per rank of each case with RANK / WORLD_SIZE / LOCAL_RANK
 MASTER_PORT set as torchrun sets them, and hosts each case's rendezvous store itself as torchrun's
 agent does (TORCHELASTIC_USE_AGENT_STORE), so a rank that exits takes no store with it: every rank
 runs the real entry point, exit path included, without paying the imports again. Cases run in
-batches in parallel. Prints one JSON line per case: {"name", "ranks": [{"rank", "code", "seconds",
+batches in parallel. A batch's ranks are forked before its stores start: a store's server thread
+holds libc's resolver lock while it names a peer, and a rank forked at that moment would inherit
+the lock held and hang in its first connect. Each store serves a socket that listens from before
+the fork, so a rank's connect waits in the backlog until its store runs. Prints one JSON line per case: {"name", "ranks": [{"rank", "code", "seconds",
 "stderr"}]}; a rank still running after --limit seconds is killed and reported with code null.
 """
 import json
 import os
 import select
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -29,17 +33,27 @@ for family in model_names():  # the children find every family imported
     adapter_class(family)
 
 
-def agent_store(world: int) -> TCPStore:
-    """The store torchrun's agent would host for the case's ranks (they connect as clients)."""
-    return TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=300), wait_for_workers=False)
+def listening() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    return sock
 
 
-def start(case: dict, port: int) -> list[dict]:
+def agent_store(world: int, sock: socket.socket) -> TCPStore:
+    """The store torchrun's agent would host for the case's ranks (they connect as clients), on `sock`."""
+    return TCPStore("127.0.0.1", sock.getsockname()[1], world, is_master=True, timeout=timedelta(seconds=300),
+                    wait_for_workers=False, master_listen_fd=sock.detach())
+
+
+def start(case: dict, port: int, inherited: list[socket.socket]) -> list[dict]:
     ranks = []
     for rank in range(case.get("world", 2)):
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the rank
+            for sock in inherited:
+                sock.close()
             os.close(read)
             os.dup2(write, 1)
             os.dup2(write, 2)
@@ -85,8 +99,9 @@ def main() -> None:
     batch = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 6
     cases = json.load(sys.stdin)
     for i in range(0, len(cases), batch):
-        stores = [agent_store(case.get("world", 2)) for case in cases[i:i + batch]]
-        running = [(case, start(case, store.port)) for case, store in zip(cases[i:i + batch], stores)]
+        socks = [listening() for _ in cases[i:i + batch]]
+        running = [(case, start(case, sock.getsockname()[1], socks)) for case, sock in zip(cases[i:i + batch], socks)]
+        stores = [agent_store(case.get("world", 2), sock) for case, sock in zip(cases[i:i + batch], socks)]
         collect([r for _, ranks in running for r in ranks], limit)  # times every rank of the batch as it ends
         del stores
         for case, ranks in running:
