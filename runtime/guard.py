@@ -23,7 +23,9 @@ blocking get holds its connection, so the main thread's waits never delay a beat
   within 2 s belongs to the same stop: SLURM and a terminal's Ctrl-C signal every process of the job,
   and torchrun forwards its own copy, so each rank receives the one request twice.
 - Timeouts. After each step, collectives, point-to-point and store waits time out after 5 x the
-  slowest step so far (at least 60 s); before the first, after --dist-timeout-s or 5 x the step the
+  slowest step so far (at least 60 s, and 60 s beyond --reward-timeout-s when a reward service
+  scores: a fragment may wait that long for its scores before its generator reports the service);
+  before the first, after --dist-timeout-s or 5 x the step the
   start-up probe predicts, whichever is longer (`expect_step`); around scheduled checkpoints and
   evaluations, and at the end, after --dist-timeout-s or the step's timeout, whichever is longer.
   Each point-to-point wait counts from when it starts (parallel/p2p.py). The NCCL watchdog counts
@@ -110,6 +112,13 @@ def pending_timeout_s(dist_timeout_s: float) -> float:
     return max(float(dist_timeout_s), PENDING_S)
 
 
+def timeout_floor_s(reward_timeout_s: float, remote: bool) -> float:
+    """The shortest adaptive timeout: MIN_TIMEOUT_S, beyond --reward-timeout-s when a reward service
+    scores (its deadline, retries included, counts from a fragment's submission; a peer waiting
+    for that fragment must outwait it, or it would blame the generator for the service's delay)."""
+    return MIN_TIMEOUT_S + (float(reward_timeout_s) if remote else 0.0)
+
+
 def first_line(exc: BaseException) -> str:
     """'Type: the first line of the message', without a backend's source location and advice."""
     return f"{type(exc).__name__}: {p2p.backend_detail(exc)}"
@@ -123,7 +132,7 @@ def is_comm_error(exc: BaseException) -> bool:
 
 class RunGuard:
     def __init__(self, topo, rank: int, store: StepStore, *, heartbeat_timeout_s: float, stop_grace_s: float,
-                 dist_timeout_s: float, groups: list, start_step: int):
+                 dist_timeout_s: float, groups: list, start_step: int, floor_s: float = MIN_TIMEOUT_S):
         self.topo, self.rank, self.world = topo, rank, topo.world_size
         self.me = topo.describe(rank)
         self.data_store, self.main, self.beats = store, store.clone(), store.clone()
@@ -133,6 +142,7 @@ class RunGuard:
         self.step, self.phase, self.start_step = start_step, "loading", start_step
         self.stop_at: int | None = None
         self.slowest = 0.0
+        self.floor_s = floor_s  # the shortest adaptive timeout (timeout_floor_s)
         self.expected = 0.0  # the step the start-up probe predicts, until one is measured
         self.timeout_s = self.flat_s
         self.peers = [p for p in range(self.world) if p != rank] if self.world <= 16 else \
@@ -221,7 +231,7 @@ class RunGuard:
         """Adaptive timeouts for the coming step (module docstring); `relaxed`: a checkpoint or an
         evaluation is due, or the run ends."""
         if self.slowest:
-            t = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * self.slowest)
+            t = max(self.floor_s, TIMEOUT_FACTOR * self.slowest)
             t = max(self.flat_s, t) if relaxed else t
         else:  # a prediction without the first step's one-off costs never shortens --dist-timeout-s
             t = max(self.flat_s, TIMEOUT_FACTOR * self.expected)

@@ -195,11 +195,11 @@ def test_tensorboard_shows_every_step_once_after_a_resume(tmp_path):
 
 def test_timeouts_follow_the_slowest_step():
     """5 x the slowest step, at least 60 s (above --dist-timeout-s for long steps: a video step may
-    take longer); before the first step --dist-timeout-s or 5 x the predicted step, whichever is
+    take longer), and 60 s beyond --reward-timeout-s when a reward service scores; before the first step --dist-timeout-s or 5 x the predicted step, whichever is
     longer; when relaxed, never below --dist-timeout-s."""
     from parallel import p2p
     from parallel.topology import Topology
-    from runtime.guard import RunGuard
+    from runtime.guard import RunGuard, timeout_floor_s
 
     class Store:
         timeouts = []
@@ -231,6 +231,11 @@ def test_timeouts_follow_the_slowest_step():
         first.expect_step(300.0)
         first.set_timeouts(relaxed=False)
         assert store.timeouts[4:] == [1500.0]
+        served = RunGuard(Topology.build(2), 0, store, heartbeat_timeout_s=30, stop_grace_s=25, dist_timeout_s=600,
+                          groups=[], start_step=0, floor_s=timeout_floor_s(90.0, remote=True))
+        served.step_done(3.0)
+        served.set_timeouts(relaxed=False)  # a fragment may wait 90 s for a reward service's scores
+        assert store.timeouts[5:] == [150.0] and timeout_floor_s(90.0, remote=False) == 60.0
     finally:
         p2p.configure(timeout_s=600)
 
