@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from config import cli
 from models import adapter_class, load_model, model_names, resolve_device
 from models.lora import apply_lora
+from models.released import released_config
 from rl.conditioning import Conditioning, State
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,12 +40,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FORMAT = "digenrl-device-profile/1"
 
-RELEASED = {
-    # FLUX.1-dev's transformer blocks (the text and pooled projections keep the small encoders'
-    # widths: they run outside the blocks and do not change a block's cost).
-    "flux": dict(num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
-                 axes_dims_rope=(16, 56, 56)),
-}
+# --preset released: a family's released transformer blocks (models/configs), the text and pooled
+# projections at the small encoders' widths: they run outside the blocks and do not change a
+# block's cost.
+RELEASED = {"flux": "flux1_dev"}
+BLOCK_FIELDS = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads", "axes_dims_rope")
+
+
+def released_blocks(family: str) -> dict:
+    transformer = released_config(RELEASED[family])["transformer"]
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in transformer.items() if k in BLOCK_FIELDS}
 
 GPU_NAMES = {"H100": "h100", "H800": "h800", "H200": "h200", "H20": "h20", "A100": "a100", "L40S": "l40s"}
 
@@ -81,7 +86,7 @@ def build(args, device: torch.device, dtype: torch.dtype):
         if args.model not in RELEASED:
             raise ValueError(f"--preset released is available for {sorted(RELEASED)}; use --model-path for "
                              f"{args.model!r}")
-        adapter = adapter_class(args.model)._random(0, **RELEASED[args.model])
+        adapter = adapter_class(args.model)._random(0, **released_blocks(args.model))
         return adapter.to(device=device, dtype=dtype), "released block configuration, random weights"
     return load_model(args.model, preset=preset, dtype=dtype, device=device), f"{preset} preset"
 
