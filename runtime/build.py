@@ -28,8 +28,7 @@ from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
 from prompts import shapes as prompt_shapes
-from rewards import RewardSet, parse_reward_specs, reward_model_paths
-from rewards.remote import is_url
+from rewards import RewardSet, parse_reward_specs, reward_model_paths, reward_url
 from rl import algorithms
 from rollout import Generator, VersionSync
 from runtime import guard
@@ -209,7 +208,8 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
                               stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
                               groups=_member_groups(topo, rank, groups),
                               start_step=facts.resume.step if facts.resume else 0,
-                              floor_s=guard.timeout_floor_s(cfg.rl.reward_timeout_s, any(is_url(spec) for spec in cfg.rl.reward))).start()
+                              floor_s=guard.timeout_floor_s(cfg.rl.reward_timeout_s,
+                                                            remote=any(map(reward_url, cfg.rl.reward)))).start()
     ctx, shapes = make_context(cfg, facts, rank, groups)  # every check that needs the model: nothing written yet
     trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
         if topo.is_trainer(rank) else None

@@ -25,9 +25,9 @@ blocking get holds its connection, so the main thread's waits never delay a beat
 - Timeouts. After each step, collectives, point-to-point and store waits time out after 5 x the
   slowest step so far (at least 60 s, and 60 s beyond --reward-timeout-s when a reward service
   scores: a fragment may wait that long for its scores before its generator reports the service);
-  before the first, after --dist-timeout-s or 5 x the step the
-  start-up probe predicts, whichever is longer (`expect_step`); around scheduled checkpoints and
-  evaluations, and at the end, after --dist-timeout-s or the step's timeout, whichever is longer.
+  before the first, after --dist-timeout-s or 5 x the step the start-up probe predicts, whichever
+  is longer (`expect_step`); around scheduled checkpoints and evaluations, and at the end, after
+  --dist-timeout-s or the step's timeout, whichever is longer.
   Each point-to-point wait counts from when it starts (parallel/p2p.py). The NCCL watchdog counts
   an op from when it was posted, and an op may stay posted through a long evaluation or checkpoint:
   the point-to-point communicators get `pending_timeout_s` as theirs, a backstop; a dead or silent

@@ -8,8 +8,9 @@ runs the real entry point, exit path included, without paying the imports again.
 batches in parallel. A batch's ranks are forked before its stores start: a store's server thread
 holds libc's resolver lock while it names a peer, and a rank forked at that moment would inherit
 the lock held and hang in its first connect. Each store serves a socket that listens from before
-the fork, so a rank's connect waits in the backlog until its store runs. Prints one JSON line per case: {"name", "ranks": [{"rank", "code", "seconds",
-"stderr"}]}; a rank still running after --limit seconds is killed and reported with code null.
+the fork, so a rank's connect waits in the backlog until its store runs. Prints one JSON line per
+case: {"name", "ranks": [{"rank", "code", "seconds", "stderr"}]}; a rank still running after
+--limit seconds is killed and reported with code null.
 """
 import json
 import os
