@@ -18,6 +18,7 @@ import torch
 
 from checkpointing import checkpoint
 from checkpointing.checkpoint import EXPORT_DTYPES
+from config.schema import eval_scorers
 from models import ATTENTION_BACKENDS, adapter_class, check_attention
 from models.base import check_model_folder, preset_defaults, read_folder_defaults
 from models.released import released_config
@@ -359,13 +360,14 @@ def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
 
 
 def check_prompts(cfg, prompt_sets) -> None:
-    """Every training (and evaluated) prompt is one each reward can score: a grammar reward such as
-    shapes fails here, naming the file, line and prompt, not at step 0. `prompt_sets`: (path,
-    records) as the run read them."""
+    """Every training (and evaluated) prompt is one each reward (and each --eval-scorer, of the
+    evaluated ones) can score: a grammar reward such as shapes fails here, naming the file, line and
+    prompt, not at step 0. `prompt_sets`: (path, records) as the run read them."""
     checkers = [reward_class(parse_reward_spec(spec)[0]) for spec in cfg.rl.reward]
+    scorers = [reward_class(parse_reward_spec(spec)[0]) for spec in eval_scorers(cfg.output.eval_scorer)]
     for path, records in prompt_sets:
         for n, record in enumerate(records, 1):
-            for cls in checkers:
+            for cls in checkers + (scorers if path == cfg.output.eval_prompts else []):
                 try:
                     cls.check_prompt(record.prompt)
                 except ValueError as e:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from checkpointing.files import write_json_atomic
 from config import files
 from models import model_names
+from rewards import parse_reward_spec
 from rl import algorithms
 
 
@@ -222,6 +223,10 @@ class OutputConfig:
     eval_prompts: str | None = _f(None, "held-out prompt file for evaluation (default: data/shapes_eval.txt)")
     eval_num_prompts: int = _f(64, "held-out prompts evaluated each time")
     eval_samples_per_prompt: int = _f(1, "images per held-out prompt, each with its own fixed seed (GenEval: 4)")
+    eval_scorer: list = _f([], "a scorer evaluation reports besides the run's rewards, as eval/NAME, never trained "
+                               "on; repeatable (default: shapes_detector when the run trains on shapes, GenEval's "
+                               "strict rule by a learned detector; 'none': no scorer)",
+                           action="append", metavar="NAME")
     trace: bool = _f(True, "write a Chrome trace per rank to DIR/trace/rank{R}.json")
     debug_link_bandwidth: float | None = _f(None, "MBPS: test-only, emulate a link of this many MB/s between "
                                                   "trainers and generators (publication waits each bucket's "
@@ -295,11 +300,23 @@ class RunConfig:
             self.output.eval_prompts = os.path.join(DATA_DIR, "shapes_eval.txt")
         if not self.rl.reward:
             self.rl.reward = ["shapes:1.0"]
+        if not self.output.eval_scorer:
+            self.output.eval_scorer = default_eval_scorers(self.rl.reward)
         if self.output.save_every is None:
             self.output.save_every = max(1, self.rl.steps // 10)
         self.optim.lr = self.optim.learning_rate()  # config.json records the value used
         if self.rl.algorithm in algorithms.ALIASES:  # config.json records the current spelling
             self.rl.algorithm = algorithms.algorithm(self.rl.algorithm).name
+
+
+def default_eval_scorers(reward_specs: list[str]) -> list[str]:
+    """shapes_detector, an independent check, for a run trained on the shapes reward; else none."""
+    return ["shapes_detector"] if any(parse_reward_spec(spec)[0] == "shapes" for spec in reward_specs) else []
+
+
+def eval_scorers(specs: list[str]) -> list[str]:
+    """The scorers evaluation reports besides the run's rewards ('none' in --eval-scorer: none)."""
+    return [] if "none" in specs else list(specs)
 
 
 def _parse_pair(text, sep: str, types, flag: str) -> tuple:

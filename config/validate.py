@@ -11,8 +11,25 @@ from models import adapter_class, model_names
 from parallel.stepplan import ShapeTable, StepPlan, plan_step
 from parallel.topology import Topology
 from prompts.sets import PromptRecord, PromptSet, eval_records, read_prompt_file
-from rewards import VIDEO_REWARDS, parse_reward_specs, reward_model_paths
+from rewards import VIDEO_REWARDS, parse_reward_specs, reward_model_paths, reward_url
 from rl import algorithms
+
+
+def check_scorers(specs: list[str], trained: list[str], model_paths: dict[str, str]) -> None:
+    """--eval-scorer: 'none' alone, or scorers named once each, none of them a reward the run trains
+    on (evaluation reports those already, and a scorer is the check the training does not see)."""
+    if "none" in specs:
+        if specs != ["none"]:
+            raise ValueError(f"--eval-scorer none means no scorer; it cannot go with others ({specs})")
+        return
+    if not specs:
+        return
+    if any(":" in spec and not reward_url(spec) for spec in specs):
+        raise ValueError(f"--eval-scorer {specs}: a scorer is reported alone, as eval/NAME; give it no weight")
+    for name, _ in parse_reward_specs(specs, model_paths):
+        if name in trained:
+            raise ValueError(f"--eval-scorer {name}: the run trains on {name!r}, which evaluation reports as "
+                             f"eval/{name} already; a scorer is a check the training does not see")
 
 
 @dataclass(frozen=True)
@@ -102,6 +119,7 @@ def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> Ru
     if t.tcss and topo.mode != "disagg":
         raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
     names = [n for n, _ in parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))]
+    check_scorers(o.eval_scorer, names, reward_model_paths(rl.reward_model))
     video_models = [n for n in model_names() if adapter_class(n).video]
     if not adapter_class(cfg.model.model).video and VIDEO_REWARDS & set(names):
         raise ValueError(f"reward(s) {sorted(VIDEO_REWARDS & set(names))} score videos; {cfg.model.model!r} makes "

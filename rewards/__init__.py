@@ -22,6 +22,7 @@ from rewards.remote import DEFAULT_TIMEOUT_S, HttpReward, is_url, split_url_spec
 
 _REWARDS = {
     "shapes": "rewards.shapes:ShapesReward",
+    "shapes_detector": "rewards.shapes_detector:ShapesDetector",
     "jpeg_compressibility": "rewards.rule:JpegCompressibility",
     "jpeg_incompressibility": "rewards.rule:JpegIncompressibility",
     "rule_aesthetic": "rewards.rule:RuleAesthetic",

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from config.schema import eval_scorers
 from models import autocast
 from prompts import shapes
 from prompts.sets import eval_records
@@ -21,9 +22,10 @@ EVAL_STEP = -1  # the noise key of evaluation samples: never a training step
 
 def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, batch_size: int = 8,
              first_sample_id: int = 0, negative_prompt: str = "", sample_ids: list[int] | None = None,
-             keep_images: int | None = None, thumbnail=None, progress: bool = False):
-    """Returns (scores by reward name plus "combined", each a list of floats in record order; the
-    images of the first `keep_images` records, all by default, each passed through `thumbnail` when
+             keep_images: int | None = None, thumbnail=None, progress: bool = False, scorers=None):
+    """Returns (scores by reward name plus "combined", and by the name of each of `scorers` (a
+    RewardSet of other names, outside "combined"), each a list of floats in record order; the images
+    of the first `keep_images` records, all by default, each passed through `thumbnail` when
     given). Record j is sample first_sample_id + j (or sample_ids[j]: its fixed seed), sampled and
     scored batch by batch with the records of its shape (prompts/shapes.py), with a progress bar when
     `progress`; a sample does not depend on its batch, so the batch size changes no score. The
@@ -44,7 +46,11 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
                                    sample_ids=[first_sample_id + j if sample_ids is None else sample_ids[j]
                                                for j in batch], batch_size=batch_size,
                                    negative_prompt=negative_prompt)
-            for name, v in rewards.score_combined(got, prompts, [records[j].metadata for j in batch]).items():
+            metadata = [records[j].metadata for j in batch]
+            scored = rewards.score_combined(got, prompts, metadata)
+            if scorers is not None:
+                scored.update(scorers.score(got, prompts, metadata))
+            for name, v in scored.items():
                 scores.setdefault(name, [0.0] * len(records))
                 for j, x in zip(batch, v.tolist()):
                     scores[name][j] = x
@@ -70,6 +76,15 @@ def summarize(scores: dict[str, list[float]], shape_names: list[str] | None = No
     return out
 
 
+def run_rewards(cfg, adapter) -> tuple[RewardSet, RewardSet | None]:
+    """The run's rewards and its --eval-scorer set (None without one), as evaluation builds them."""
+    kw = dict(device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model),
+              timeout_s=cfg.rl.reward_timeout_s,
+              dtype=torch.float32 if cfg.rl.reward_dtype == "float32" else adapter.dtype)
+    scorers = eval_scorers(cfg.output.eval_scorer)
+    return RewardSet(cfg.rl.reward, **kw), RewardSet(scorers, **kw) if scorers else None
+
+
 def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, logger, tracer, group,
                          records=None) -> None:
     """During training: trainer ranks hold the newest version (k+1 right after update k) and the
@@ -87,16 +102,14 @@ def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, log
     names = [shapes.shape_name(shapes.record_shape(r, default)) for r in records]
     share = shapes.evaluation_share(names, len(evaluators), evaluators.index(rank))
     rows = [j for j, _ in share]  # record j is sample j: its fixed seed
-    rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model),
-                        timeout_s=cfg.rl.reward_timeout_s,
-                        dtype=torch.float32 if cfg.rl.reward_dtype == "float32" else adapter.dtype)
+    rewards, scorers = run_rewards(cfg, adapter)
     # Under the run's autocast, as the generators sample (FSDP2 trainers gather compute-dtype weights;
     # TF32 is on for what stays float32, runtime/build.py): float32 sampling of a 12B model takes minutes.
     with tracer.span("evaluate", "eval", done), autocast(adapter.device, cfg.model.dtype):
         scores, images = evaluate(adapter, sampling, [records[j] for j in rows], rewards,
                                   batch_size=cfg.rl.micro_batch, sample_ids=rows,
                                   negative_prompt=cfg.sampling.negative_prompt, thumbnail=thumbnails,
-                                  progress=rank == evaluators[0])
+                                  progress=rank == evaluators[0], scorers=scorers)
     real = [n for n, (_, keep) in enumerate(share) if keep]
     # Only what the grid shows travels, as uint8 thumbnails.
     result = [(rows[n], {k: v[n] for k, v in scores.items()},

@@ -21,7 +21,9 @@ from runtime.evaluation import evaluate, summarize
 from prompts.sets import eval_records
 from telemetry.metrics import LOGGED_IMAGES, thumbnails, write_grid
 from models import load_model, model_names, resolve_device
-from rewards import RewardSet, reward_model_paths
+from rewards import RewardSet, parse_reward_spec, reward_model_paths
+from config.schema import default_eval_scorers, eval_scorers
+from config.validate import check_scorers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="images per prompt, each with its own fixed seed (GenEval: 4)")
     p.add_argument("--reward", action="append", default=None, help="NAME[:WEIGHT], repeatable (default shapes)")
     p.add_argument("--reward-model", action="append", default=[], help="NAME=DIR for model-based rewards")
+    p.add_argument("--eval-scorer", action="append", default=[],
+                   help="NAME, repeatable: reported as eval/NAME outside eval/reward (default: shapes_detector "
+                        "with the shapes reward; none: no scorer)")
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--num-frames", type=int, default=None)
@@ -48,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     records = eval_records(args.prompts, args.num_prompts, args.samples_per_prompt)
-    rewards = RewardSet(args.reward or ["shapes:1.0"], model_paths=reward_model_paths(args.reward_model))
+    specs, model_paths = args.reward or ["shapes:1.0"], reward_model_paths(args.reward_model)
+    scorer_specs = args.eval_scorer or default_eval_scorers(specs)
+    check_scorers(scorer_specs, [parse_reward_spec(s)[0] for s in specs], model_paths)
+    rewards = RewardSet(specs, model_paths=model_paths)
+    scorers = RewardSet(eval_scorers(scorer_specs), model_paths=model_paths) if eval_scorers(scorer_specs) else None
     adapter = load_model(args.model, args.model_path, device=resolve_device(args.device))
     if args.checkpoint:
         from checkpointing.checkpoint import load_trained_weights
@@ -59,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                                              cfg_scale=args.cfg_scale, seed=args.seed, num_frames=args.num_frames)
     shapes.check_shapes(adapter, records, cfg, args.prompts)  # prompts of their own shape: each must fit the model
     scores, images = evaluate(adapter, cfg, records, rewards, batch_size=args.batch_size, keep_images=LOGGED_IMAGES,
-                              thumbnail=thumbnails, progress=True)
+                              thumbnail=thumbnails, progress=True, scorers=scorers)
     os.makedirs(args.out, exist_ok=True)
     default = shapes.default_shape(cfg)
     summary = summarize(scores, [shapes.shape_name(shapes.record_shape(r, default)) for r in records])

@@ -98,6 +98,8 @@ class Run:
     out: str
     curve: list[tuple[int, float, float]] = field(default_factory=list)
     """(step, wall-clock seconds, eval/reward) at every checkpoint, step 0 the base model"""
+    scores: dict[str, list[float]] = field(default_factory=dict)
+    """each --scorer's mean at the same checkpoints (a check the training reward does not see)"""
 
     @property
     def name(self) -> str:
@@ -141,11 +143,13 @@ class Evaluator:
     during a run (record j is sample j of the evaluation key of the run's seed). Models are kept per
     configuration; version 0 is evaluated once per seed and model."""
 
-    def __init__(self):
+    def __init__(self, scorers: list[str] = ()):
         self.models: dict[str, tuple] = {}
-        self.cache: dict[tuple, float] = {}
+        self.cache: dict[tuple, dict[str, float]] = {}
+        self.scorers = RewardSet(scorers) if scorers else None
 
-    def reward(self, run_dir: str, step: int) -> float:
+    def reward(self, run_dir: str, step: int) -> dict[str, float]:
+        """eval/reward and eval/SCORER of checkpoint `step`."""
         cfg = _run_config(run_dir)
         key = (cfg.seed, json.dumps(cfg.to_dict()["model"]), run_dir if step else "version 0", step)
         if key not in self.cache:
@@ -165,15 +169,15 @@ class Evaluator:
             self.models[key] = (adapter, trained)
         return self.models[key]
 
-    def _evaluate(self, cfg: RunConfig, path: str | None) -> float:
+    def _evaluate(self, cfg: RunConfig, path: str | None) -> dict[str, float]:
         adapter, version0 = self._model(cfg)
         install_weights(adapter.transformer, read_state(path, "model.") if path is not None else version0)
         o = cfg.output
         records = eval_records(o.eval_prompts, o.eval_num_prompts, o.eval_samples_per_prompt)
         rewards = RewardSet(cfg.rl.reward, device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model))
         scores, _ = evaluate(adapter, run_sampling(cfg, adapter), records, rewards, batch_size=cfg.rl.micro_batch,
-                             negative_prompt=cfg.sampling.negative_prompt, keep_images=0)
-        return summarize(scores)["eval/reward"]
+                             negative_prompt=cfg.sampling.negative_prompt, keep_images=0, scorers=self.scorers)
+        return summarize(scores)
 
 
 def measure_curve(run: Run, evaluator: Evaluator, save_every: int, steps: int) -> None:
@@ -181,7 +185,10 @@ def measure_curve(run: Run, evaluator: Evaluator, save_every: int, steps: int) -
     points = [0] + [s for s in range(save_every, steps + 1, save_every)]
     if points[-1] != steps:
         points.append(steps)
-    run.curve = [(s, clock[s], evaluator.reward(run.out, s)) for s in points]
+    summaries = [evaluator.reward(run.out, s) for s in points]
+    run.curve = [(s, clock[s], summary["eval/reward"]) for s, summary in zip(points, summaries)]
+    names = evaluator.scorers.names if evaluator.scorers is not None else []
+    run.scores = {n: [summary[f"eval/{n}"] for summary in summaries] for n in names}
 
 
 def time_to(curve: list[tuple[int, float, float]], threshold: float) -> float | None:
@@ -201,9 +208,10 @@ def _s(x: float | None) -> str:
 def table(runs: list[Run], thresholds, budget_s: float | None = None) -> str:
     """A row per run, then a row per algorithm and placement: the mean over the seeds that reached
     each threshold (k/n when only k of n did). With a budget, also each run's best reward within it
-    and its gain over version 0."""
+    and its gain over version 0. Each scorer adds its base and final value (per run) and its mean gain."""
+    scorers = list(runs[0].scores) if runs else []
     head = ["algorithm", "placement", "seed", *[f"s to {t:g}" for t in thresholds], "base", "final eval/reward",
-            "s for all steps", "s per step"]
+            "s for all steps", "s per step", *[f"{n}: base, final" for n in scorers]]
     if budget_s is not None:
         head += [f"best within {budget_s:g} s", "gain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -214,9 +222,11 @@ def table(runs: list[Run], thresholds, budget_s: float | None = None) -> str:
         lines.append(f"| {r.algorithm} | {r.placement} | {r.seed} | "
                      + " | ".join(_s(time_to(r.curve, t)) for t in thresholds)
                      + f" | {r.curve[0][2]:.3f} | {r.curve[-1][2]:.3f} | {r.curve[-1][1]:.0f} | "
-                       f"{r.curve[-1][1] / steps:.2f} |" + extra)
+                       f"{r.curve[-1][1] / steps:.2f} |"
+                     + "".join(f" {r.scores[n][0]:.3f}, {r.scores[n][-1]:.3f} |" for n in scorers) + extra)
     lines += ["", "| algorithm | placement | runs | " + " | ".join(f"mean s to {t:g}" for t in thresholds)
-              + " | mean final eval/reward | mean s per step |", "|" + "---|" * (5 + len(thresholds))]
+              + " | mean final eval/reward | mean s per step |" + "".join(f" mean {n} gain |" for n in scorers),
+              "|" + "---|" * (5 + len(thresholds) + len(scorers))]
     groups: dict[tuple[str, str], list[Run]] = {}
     for r in runs:
         groups.setdefault((r.algorithm, r.placement), []).append(r)
@@ -228,8 +238,9 @@ def table(runs: list[Run], thresholds, budget_s: float | None = None) -> str:
             cells.append(mean if len(reached) == len(rs) else f"{mean} ({len(reached)}/{len(rs)})")
         final = sum(r.curve[-1][2] for r in rs) / len(rs)
         per_step = sum(r.curve[-1][1] / r.curve[-1][0] for r in rs) / len(rs)
+        gains = "".join(f" {sum(r.scores[n][-1] - r.scores[n][0] for r in rs) / len(rs):+.3f} |" for n in scorers)
         lines.append(f"| {algorithm} | {placement} | {len(rs)} | " + " | ".join(cells) + f" | {final:.3f} | "
-                     f"{per_step:.2f} |")
+                     f"{per_step:.2f} |" + gains)
     return "\n".join(lines)
 
 
@@ -269,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", default="", help="flags appended to every run (e.g. a tiny preset for a test)")
     p.add_argument("--skip-existing", action="store_true", help="keep run folders that reached --steps")
     p.add_argument("--timeout-s", type=int, default=4 * 3600, help="per run")
+    p.add_argument("--scorer", default="shapes_detector",
+                   help="comma-separated scorers evaluated on the same samples besides eval/reward ('none': none)")
     a = p.parse_args(argv)
     settings = SETTINGS[a.settings]
     algorithms = a.algorithms.split(",") if a.algorithms else list(settings)
@@ -285,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"training {run.name}", flush=True)
         torchrun(2, run_args(run, a.steps, a.save_every, shlex.split(a.extra), settings), timeout=a.timeout_s)
-    evaluator = Evaluator()
+    evaluator = Evaluator([] if a.scorer == "none" else a.scorer.split(","))
     for run in runs:
         print(f"evaluating {run.name}", flush=True)
         measure_curve(run, evaluator, a.save_every, a.steps)
@@ -295,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(a.out, "time_to_reward.json"), "w") as f:
         json.dump([{"algorithm": r.algorithm, "placement": r.placement, "seed": r.seed,
                     "args": run_args(r, a.steps, a.save_every, shlex.split(a.extra), settings),
-                    "curve": [{"step": s, "wall_s": w, "eval_reward": x} for s, w, x in r.curve],
+                    "curve": [{"step": s, "wall_s": w, "eval_reward": x, **{n: v[i] for n, v in r.scores.items()}}
+                              for i, (s, w, x) in enumerate(r.curve)],
                     "time_to": {f"{t:g}": time_to(r.curve, t) for t in thresholds}} for r in runs], f, indent=1)
     plot(runs, thresholds, os.path.join(a.out, "time_to_reward.png"))
     print(text)

@@ -86,8 +86,8 @@ def test_parse_reward_spec():
 
 def test_registry_lists_every_reward():
     assert set(rewards.reward_names()) == {
-        "shapes", "jpeg_compressibility", "jpeg_incompressibility", "rule_aesthetic", "pickscore", "clip_score",
-        "hpsv2", "laion_aesthetic", "image_reward", "ocr", "temporal_consistency"}
+        "shapes", "shapes_detector", "jpeg_compressibility", "jpeg_incompressibility", "rule_aesthetic",
+        "pickscore", "clip_score", "hpsv2", "laion_aesthetic", "image_reward", "ocr", "temporal_consistency"}
     with pytest.raises(ValueError, match="no weights"):
         build_reward("rule_aesthetic", model_path="/tmp")
 

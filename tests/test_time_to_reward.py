@@ -28,6 +28,17 @@ def test_time_to_a_threshold_and_the_table():
     assert rows[-1] == "| nft | colocated | 2 | 20 | 20 (1/2) | 30 (1/2) | 0.415 | 2.50 |"
 
 
+def test_scorer_columns():
+    run = _run("flow_grpo", "colocated", 0, [0.18, 0.30, 0.43])
+    run.scores = {"shapes_detector": [0.05, 0.10, 0.25]}
+    other = _run("flow_grpo", "colocated", 1, [0.15, 0.30, 0.35])
+    other.scores = {"shapes_detector": [0.03, 0.09, 0.11]}
+    rows = ttr.table([run, other], [0.40]).splitlines()
+    assert rows[0].endswith("| s per step | shapes_detector: base, final |")
+    assert rows[2].endswith("| 0.050, 0.250 |") and rows[3].endswith("| 0.030, 0.110 |")
+    assert rows[-3].endswith("| mean shapes_detector gain |") and rows[-1].endswith("| 2.00 | +0.140 |")
+
+
 def test_wall_clock_sums_the_step_periods(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for step, s in enumerate([1.5, 2.0, 2.5]):
@@ -52,7 +63,9 @@ def test_time_to_reward_runs_end_to_end_on_the_tiny_preset(tmp_path):
     # the same version 0 and evaluation seeds for both; training moved each run's reward
     assert result[0]["curve"][0]["eval_reward"] == result[1]["curve"][0]["eval_reward"]
     assert all(len({p["eval_reward"] for p in r["curve"]}) > 1 for r in result)
+    assert all(0.0 <= p["shapes_detector"] <= 1.0 for r in result for p in r["curve"])  # the scorer, beside it
     table = (out / "time_to_reward.md").read_text()
+    assert "shapes_detector: base, final" in table and "mean shapes_detector gain" in table
     assert "| nft | colocated | 0 |" in table and "| mixgrpo | colocated | 1 |" in table
     assert (out / "time_to_reward.png").stat().st_size > 0
     with pytest.raises(ValueError, match="unknown"):
