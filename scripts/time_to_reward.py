@@ -12,10 +12,14 @@ has trained, each checkpoint is evaluated on the 64 held-out prompts exactly as 
 (runtime.evaluation: the ODE sampler, the run's fixed seeds: eval/reward), so evaluation never
 competes with training for the cores and a disaggregated generator cannot run ahead during it.
 
+The same samples are also scored by each --scorer (default shapes_detector, a check the training
+reward does not see: rewards/shapes_detector.py), reported beside eval/reward.
+
 Writes OUT/time_to_reward.md (a row per run: seconds to each --thresholds value, at the first
-checkpoint that reaches it, and the final reward; a row per algorithm and placement: the mean over
-the seeds that reached it), OUT/time_to_reward.json (every curve) and OUT/time_to_reward.png (reward
-against wall-clock, every run). --skip-existing reuses finished run folders.
+checkpoint that reaches it, the final reward, each scorer at version 0 and at the end; a row per
+algorithm and placement: the mean over the seeds that reached it, and each scorer's mean gain),
+OUT/time_to_reward.json (every curve) and OUT/time_to_reward.png (reward against wall-clock, every
+run). --skip-existing reuses finished run folders.
 
 Issue #31 item 6 (a gain of 0.10 on the unfaded first-stage model within 10 minutes) is the same
 measurement over the FIRST_STAGE settings:

@@ -120,11 +120,8 @@ def train(net: DetectorNet, x: torch.Tensor, y: torch.Tensor, steps: int, batch:
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + np.cos(np.pi * step / steps))
         idx = torch.randint(len(x), (batch,), generator=generator)
-        images = x[idx]
-        flip = torch.rand(batch, generator=generator) < 0.5  # a mirrored scene: its quadrants swap left/right
-        images = torch.where(flip[:, None, None, None], images.flip(-1), images)
-        labels = torch.where(flip[:, None, None], y[idx][:, :, [1, 0, 3, 2]], y[idx])
-        logits = net(images)
+        labels = y[idx]
+        logits = net(x[idx])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         opt.zero_grad()
         loss.backward()
