@@ -249,19 +249,24 @@ def table(runs: list[Run], thresholds, budget_s: float | None = None) -> str:
 
 
 def plot(runs: list[Run], thresholds, path: str) -> None:
+    """eval/reward against wall-clock for every run, and each scorer beside it in a panel of its own."""
     algorithms = sorted({r.algorithm for r in runs})
     colors = {a: plt.get_cmap("tab10")(i) for i, a in enumerate(algorithms)}
     styles = {p: s for p, s in zip(PLACEMENTS, ("-", "--", ":", "-."))}
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in runs:
-        ax.plot([w / 60 for _, w, _ in r.curve], [x for _, _, x in r.curve], styles.get(r.placement, "-"),
-                color=colors[r.algorithm], marker="o", markersize=3, label=r.name)
+    scorers = list(runs[0].scores) if runs else []
+    fig, axes = plt.subplots(1, 1 + len(scorers), figsize=(8 + 6 * len(scorers), 5), squeeze=False)
+    panels = [("eval/reward (held-out prompts)", lambda r: [x for _, _, x in r.curve])]
+    panels += [(f"{n} (the same samples; not trained on)", lambda r, n=n: r.scores[n]) for n in scorers]
+    for ax, (label, values) in zip(axes[0], panels):
+        for r in runs:
+            ax.plot([w / 60 for _, w, _ in r.curve], values(r), styles.get(r.placement, "-"),
+                    color=colors[r.algorithm], marker="o", markersize=3, label=r.name)
+        ax.set_xlabel("wall-clock (minutes of the step loop)")
+        ax.set_ylabel(label)
     for t in thresholds:
-        ax.axhline(t, color="gray", linewidth=0.5)
-    ax.set_xlabel("wall-clock (minutes of the step loop)")
-    ax.set_ylabel("eval/reward (held-out prompts)")
-    ax.set_title("time to reward: the default task, 2 ranks")
-    ax.legend(fontsize=6, ncol=2)
+        axes[0][0].axhline(t, color="gray", linewidth=0.5)
+    axes[0][0].set_title("time to reward: the default task, 2 ranks")
+    axes[0][0].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
