@@ -20,6 +20,7 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from rewards import shapes_world
@@ -86,8 +87,6 @@ def _spec(prompt: str) -> shapes_world.Spec:
 
 
 def load_detector(path: str = DEFAULT_DIR, device: str | torch.device = "cpu") -> DetectorNet:
-    from safetensors.torch import load_file
-
     config_file, weights = os.path.join(path, "config.json"), os.path.join(path, WEIGHTS_FILE)
     if not (os.path.isfile(config_file) and os.path.isfile(weights)):
         raise ValueError(f"shapes detector folder {path!r} lacks config.json or {WEIGHTS_FILE} "
