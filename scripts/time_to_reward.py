@@ -12,7 +12,7 @@ has trained, each checkpoint is evaluated on the 64 held-out prompts exactly as 
 (runtime.evaluation: the ODE sampler, the run's fixed seeds: eval/reward), so evaluation never
 competes with training for the cores and a disaggregated generator cannot run ahead during it.
 
-The same samples are also scored by each --scorer (default shapes_detector, a check the training
+The same samples are also scored by each --eval-scorer (default shapes_detector, a check the training
 reward does not see: rewards/shapes_detector.py), reported beside eval/reward.
 
 Writes OUT/time_to_reward.md (a row per run: seconds to each --thresholds value, at the first
@@ -42,7 +42,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
 
 from checkpointing.checkpoint import checkpoint_dir, install_weights, read_state
-from config.schema import RunConfig
+from config.schema import RunConfig, default_eval_scorers, eval_scorers
+from config.validate import check_scorers
 from models import load_model
 from models.lora import apply_lora
 from prompts.sets import eval_records
@@ -103,7 +104,7 @@ class Run:
     curve: list[tuple[int, float, float]] = field(default_factory=list)
     """(step, wall-clock seconds, eval/reward) at every checkpoint, step 0 the base model"""
     scores: dict[str, list[float]] = field(default_factory=dict)
-    """each --scorer's mean at the same checkpoints (a check the training reward does not see)"""
+    """each --eval-scorer's mean at the same checkpoints (a check the training reward does not see)"""
 
     @property
     def name(self) -> str:
@@ -289,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", default="", help="flags appended to every run (e.g. a tiny preset for a test)")
     p.add_argument("--skip-existing", action="store_true", help="keep run folders that reached --steps")
     p.add_argument("--timeout-s", type=int, default=4 * 3600, help="per run")
-    p.add_argument("--scorer", default="shapes_detector",
-                   help="comma-separated scorers evaluated on the same samples besides eval/reward ('none': none)")
+    p.add_argument("--eval-scorer", action="append", default=[],
+                   help="NAME, repeatable: a scorer of the same samples reported beside eval/reward, as in a run "
+                        "(default: shapes_detector; none: no scorer)")
     a = p.parse_args(argv)
     settings = SETTINGS[a.settings]
     algorithms = a.algorithms.split(",") if a.algorithms else list(settings)
@@ -307,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"training {run.name}", flush=True)
         torchrun(2, run_args(run, a.steps, a.save_every, shlex.split(a.extra), settings), timeout=a.timeout_s)
-    evaluator = Evaluator([] if a.scorer == "none" else a.scorer.split(","))
+    scorers = a.eval_scorer or default_eval_scorers(["shapes"])  # every setting trains the shapes reward
+    check_scorers(scorers, ["shapes"], {})
+    evaluator = Evaluator(eval_scorers(scorers))
     for run in runs:
         print(f"evaluating {run.name}", flush=True)
         measure_curve(run, evaluator, a.save_every, a.steps)
