@@ -82,7 +82,7 @@ def quiet_unless_alone(line: str, wait_s: float = 2.0) -> None:
 
 def cli(argv: list[str] | None = None) -> None:
     """Run, print at most one line for a known failure, and exit with a documented code
-    (runtime/guard.py; README, "Reliability")."""
+    (runtime/guard.py; docs/reliability.md)."""
     code = guard.EXIT_ERROR
     try:
         code = main(argv)

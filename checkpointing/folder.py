@@ -1,4 +1,4 @@
-"""One run per folder, never mixed (README, "Reliability").
+"""One run per folder, never mixed (docs/reliability.md).
 
 - Before anything loads, every rank checks the output folder: a file where a folder should be,
   a folder it cannot create or write into (a probe file), a path too long for the deepest file

@@ -1,4 +1,4 @@
-"""One live run per folder: DIR/run.lock names the process that holds the folder (README, "Reliability").
+"""One live run per folder: DIR/run.lock names the process that holds the folder (docs/reliability.md).
 
 Rank 0 takes the lock before it writes anything into the folder, holds it for the run's life and
 removes it on every way out that runs code (train_disagg.shutdown, the guard's exits). A run

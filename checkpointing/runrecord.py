@@ -1,5 +1,5 @@
 """What a checkpoint is of: the run record that config.json and every checkpoint carry, and what a
-resume may change (README, "Reliability").
+resume may change (docs/reliability.md).
 
 The record (`run` in config.json and in each checkpoint's config): the run's id, drawn when it
 starts and kept by every resume; the SHA-256 of the prompt files as it read them; and `resumes`,

@@ -35,7 +35,7 @@ blocking get holds its connection, so the main thread's waits never delay a beat
 - Exits. Every way out that runs code (shutdown, a fault, a second signal) runs the exit hooks
   (`at_exit`: rank 0 releases the run folder's lock, checkpointing/lock.py).
 
-Exit codes (README, "Reliability"): 0 done; 1 unexpected error (traceback); 2 user error, one
+Exit codes (docs/reliability.md): 0 done; 1 unexpected error (traceback); 2 user error, one
 line; 3 the run stopped on a fault it names (a peer failed, died or stopped answering, torchrun
 died, non-finite values N steps in a row, a timeout, the stop grace ran out); 4 stopped by
 SIGTERM/SIGINT after writing a checkpoint; 128 + N a second signal N.

@@ -1,4 +1,4 @@
-"""The fault figures of the README's "Reliability" section: inject each fault into a tiny run under
+"""The fault figures of docs/reliability.md: inject each fault into a tiny run under
 torchrun and print, as a markdown table, the seconds until the other ranks and torchrun have
 exited, the line the run printed, the checkpoint left behind and the bytes of it that changed.
 

@@ -1,11 +1,11 @@
-"""The paper-scale table (README, "Paper-scale predictions"): 4 models x {16, 32} GPUs x three
+"""The paper-scale table (docs/planner.md): 4 models x {16, 32} GPUs x three
 testbeds (H100; H800 with its slower NVLink; a mixed pool of H20 and H100), each cell the best
 on-policy DigenRL plan against the modelled peers (as they run) and our own best colocated plan.
 
-    python -m scripts.paper_table --out docs/planner [--readme README.md] [--quick]
+    python -m scripts.paper_table --out docs/planner [--page docs/planner.md] [--quick]
 
 Writes OUT/paper-table.md and .json, OUT/cross-site.json, one step timeline per mode
-(OUT/timeline-*.png) for the reference cell, and with --readme replaces the README section between
+(OUT/timeline-*.png) for the reference cell, and with --page replaces that page's section between
 its markers. Every number is a prediction of the cost model of docs/calibration.md.
 
 Below it, the cross-site table: FLUX full fine-tuning with the generators on H20 in one site and
@@ -209,7 +209,8 @@ def timelines(c: dict, out: str) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "planner"))
-    ap.add_argument("--readme", default=None, help="replace the README section between the paper-table markers")
+    ap.add_argument("--page", default=None, help="a markdown page (docs/planner.md) whose section between the "
+                    "paper-table markers is replaced")
     ap.add_argument("--quick", action="store_true", help="one model and one size (a smoke test)")
     ap.add_argument("--tag-candidates", type=int, default=8,
                     help="gap plans per GPU split that TAG and TCSS are tried on (fewer: faster, may miss the best)")
@@ -259,16 +260,16 @@ def main(argv=None) -> int:
     ref = next(c for c in cells if c["model"] == "flux" and c["testbed"] == "h100" and c["gpus"] == 16)
     for path in timelines(ref, a.out):
         print(f"wrote {path}")
-    if a.readme:
-        with open(a.readme) as f:
+    if a.page:
+        with open(a.page) as f:
             text = f.read()
         if BEGIN not in text or END not in text:
-            raise ValueError(f"{a.readme} has no {BEGIN} ... {END} section")
+            raise ValueError(f"{a.page} has no {BEGIN} ... {END} section")
         head, rest = text.split(BEGIN, 1)
         _, tail = rest.split(END, 1)
-        with open(a.readme, "w") as f:
+        with open(a.page, "w") as f:
             f.write(head + BEGIN + "\n" + table + "\n" + END + tail)
-        print(f"updated {a.readme}")
+        print(f"updated {a.page}")
     print(table)
     return 0
 

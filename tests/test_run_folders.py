@@ -1,4 +1,4 @@
-"""Run folders in process (README, "Reliability"): one run per folder, the lock a live run holds,
+"""Run folders in process (docs/reliability.md): one run per folder, the lock a live run holds,
 what a resume continues from and what config.json records of it, and config files that describe a
 run, never an action. tests/test_bad_inputs.py runs the same refusals through the real entry point
 on every rank of a 2-rank world; tests/test_faults.py takes a live run's folder."""
