@@ -19,7 +19,7 @@ DIR/checkpoints/step-N/ holds the state after N optimizer updates (policy versio
   skipped-step counters), config.json (the run's config), state.json (step, version);
 - with --tcss, stale.safetensors: the published tensors of version N-1, which the generators hold
   when the trainers reach version N (step N is generated with them), so a resume is exact;
-- manifest.json, written last: every file's size and SHA-256 (checkpointing/files.py writes the
+- manifest.json, written last: every file's size and SHA-256 (checkpointing/manifest.py writes the
   folder atomically and verifies it before anything loads).
 
 trainer_state.pt holds only containers, numbers and tensors and is read with
@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from checkpointing import files as checkpoint_files
+from checkpointing import manifest as checkpoint_files
 from parallel.fsdp import copy_full, full_tensor
 
 # Adapters (models.DiTAdapter) are passed in: this module imports no model family.

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 from checkpointing import checkpoint, lock
-from checkpointing import files as checkpoint_files
+from checkpointing import manifest as checkpoint_files
 from checkpointing import runrecord
 
 RUN_ENTRIES = ("config.json", "metrics.jsonl", "tb", "trace", "checkpoints", "samples", "eval", "discarded")

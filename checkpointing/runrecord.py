@@ -16,7 +16,7 @@ A resume compares three things, all before anything loads:
 - the checkpoint against the run in the folder it comes from (that folder's config.json): one
   written by another run (another run id, or without ids another seed or prompt file) needs
   --resume-anyway;
-- the checkpoint's own step against its folder's name (checkpointing/files.py).
+- the checkpoint's own step against its folder's name (checkpointing/manifest.py).
 Pure dict and file code: no torch, no process group.
 """
 from __future__ import annotations

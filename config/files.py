@@ -37,7 +37,7 @@ RUN = "run"
 RECIPE_KEYS = {"name": str, "summary": str, "source": str, "gpu": str, "gpus": int, "model_config": str,
                "needs": dict, "notes": str}
 """What a [recipe] table may hold: name, one-line summary, the published setting it follows, the GPU
-kind and count it is sized for (`runtime/memory.py` checks the fit), the released config under
+kind and count it is sized for (`runtime/budget.py` checks the fit), the released config under
 models/configs/ it runs, the flags it needs, free notes."""
 PACKAGES = ("torch", "diffusers", "transformers", "peft", "accelerate", "safetensors", "tokenizers",
             "huggingface_hub", "numpy", "pillow", "tensorboard")

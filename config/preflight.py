@@ -20,14 +20,14 @@ from checkpointing import checkpoint
 from checkpointing.checkpoint import EXPORT_DTYPES
 from config.schema import eval_scorers
 from models import ATTENTION_BACKENDS, adapter_class, check_attention
-from models.base import check_model_folder, preset_defaults, read_folder_defaults
+from models.adapter import check_model_folder, preset_defaults, read_folder_defaults
 from models.released import released_config
 from parallel import compress
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
 from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
 from prompts import embeds
-from prompts import shapes
+from prompts import resolutions
 from rl import algorithms, old_policy, sampler
 from rl.advantages import COMBINES, STD_MODES
 from rl.loss import KL_FORMS
@@ -343,10 +343,10 @@ def check_window(window: WindowSchedule, steps: int) -> None:
 
 def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
     """Each distinct shape a .jsonl prompt gives itself ((file, record) pairs), as the loaded
-    model's check would (prompts.shapes.check_shapes), from the size factors alone."""
+    model's check would (prompts.resolutions.check_shapes), from the size factors alone."""
     seen = {default}
     for path, r in prompts:
-        shape = shapes.record_shape(r, default)
+        shape = resolutions.record_shape(r, default)
         if shape in seen:
             continue
         seen.add(shape)
@@ -356,7 +356,7 @@ def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
         try:
             cls.check_size(geometry, *shape)
         except ValueError as e:
-            raise ValueError(f"{where}: prompt shape {shapes.shape_name(shape)}: {e}") from None
+            raise ValueError(f"{where}: prompt shape {resolutions.shape_name(shape)}: {e}") from None
 
 
 def check_prompts(cfg, prompt_sets) -> None:

@@ -6,8 +6,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from torch import Tensor
 
 from models import tiny_text
-from models.base import (MID_SAMPLING, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
-                         check_packed_image_size, to_unit_range)
+from models.adapter import MID_SAMPLING, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, check_packed_image_size, to_unit_range
 
 
 class FluxAdapter(DiTAdapter):

@@ -1,5 +1,5 @@
 """Prompt sets: a .txt file (one prompt per line) or a .jsonl file (a `prompt` field plus free metadata;
-`height`, `width` and `frames`, when present, give the prompt its own shape: prompts/shapes.py).
+`height`, `width` and `frames`, when present, give the prompt its own shape: prompts/resolutions.py).
 
 A run reads each prompt file once, before anything loads (`read_prompt_file`, through
 config.validate.RunFacts), and keeps the records: a file edited while the model loads cannot change

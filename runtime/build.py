@@ -27,7 +27,7 @@ from parallel.stepplan import replica_speeds
 from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
-from prompts import shapes as prompt_shapes
+from prompts import resolutions as prompt_shapes
 from rewards import RewardSet, parse_reward_specs, reward_model_paths, reward_url
 from rl import algorithms
 from rollout import Generator, VersionSync
@@ -53,7 +53,7 @@ class Rank:
     """the first step this run trains (a resumed run's checkpoint step)"""
     shares: list[float]
     """each generator replica's share of fragments (measured speeds, or even)"""
-    shapes: object  # prompts.shapes table of the prompts' shapes, or None for one shape
+    shapes: object  # prompts.resolutions table of the prompts' shapes, or None for one shape
     publish_names: dict[int, list[str]]
     """the weights each generator rank holds (a GAP stage: its blocks'), by rank"""
     generator: Generator | None = None

@@ -1,4 +1,4 @@
-"""Check a run's recorded communication for NCCL deadlocks (see telemetry/commcheck.py).
+"""Check a run's recorded communication for NCCL deadlocks (see lab/nccl/replay.py).
 
     DIGENRL_COMM_TRACE=runs/x/comm torchrun ... # record (any backend; gloo on CPU is enough)
     python -m scripts.check_comm runs/x/comm     # replay under NCCL's rules
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from telemetry.commcheck import TraceError, check, load
+from lab.nccl.replay import TraceError, check, load
 
 
 def main(argv: list[str] | None = None) -> int:

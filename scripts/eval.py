@@ -15,7 +15,7 @@ import os
 
 
 from config import cli
-from prompts import shapes
+from prompts import resolutions
 from rl import sampler
 from runtime.evaluation import evaluate, summarize
 from prompts.sets import eval_records
@@ -66,12 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = sampler.SamplingConfig.for_adapter(adapter, height=args.height, width=args.width,
                                              num_steps=args.sample_steps, guidance=args.guidance,
                                              cfg_scale=args.cfg_scale, seed=args.seed, num_frames=args.num_frames)
-    shapes.check_shapes(adapter, records, cfg, args.prompts)  # prompts of their own shape: each must fit the model
+    resolutions.check_shapes(adapter, records, cfg, args.prompts)  # prompts of their own shape: each must fit the model
     scores, images = evaluate(adapter, cfg, records, rewards, batch_size=args.batch_size, keep_images=LOGGED_IMAGES,
                               thumbnail=thumbnails, progress=True, scorers=scorers)
     os.makedirs(args.out, exist_ok=True)
-    default = shapes.default_shape(cfg)
-    summary = summarize(scores, [shapes.shape_name(shapes.record_shape(r, default)) for r in records])
+    default = resolutions.default_shape(cfg)
+    summary = summarize(scores, [resolutions.shape_name(resolutions.record_shape(r, default)) for r in records])
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         per_image = [{"prompt": r.prompt, **{k: v[i] for k, v in scores.items()}} for i, r in enumerate(records)]
         json.dump({"summary": summary, "model_path": args.model_path, "checkpoint": args.checkpoint,

@@ -1,4 +1,4 @@
-"""Record every communication operation a rank posts, so that telemetry/commcheck.py can replay the
+"""Record every communication operation a rank posts, so that lab/nccl/replay.py can replay the
 job under NCCL's rules offline.
 
 Why: the tests run on gloo, which buffers sends, so a rank that sends and then receives never

@@ -14,10 +14,10 @@ import socket
 import pytest
 import torch
 
-from checkpointing import files as checkpoint_files
+from checkpointing import manifest as checkpoint_files
 from checkpointing.folder import RUN_ENTRIES
 from checkpointing.lock import LOCK, _start_ticks
-from runtime.launch import ROOT, TINY
+from lab.launch import ROOT, TINY
 from forked import run_cases
 
 BOUND_S = 20.0  # every rank exits within this (it reads flags and files, or loads a tiny model)

@@ -25,11 +25,11 @@ import time
 import pytest
 import torch
 
-from checkpointing import files as checkpoint_files
+from checkpointing import manifest as checkpoint_files
 from checkpointing.checkpoint import KILL_ENV
 from checkpointing.lock import LOCK
 from forked import run_cases
-from runtime.launch import TINY, alive, torchrun, torchrun_background, trained_weights, worker_pids
+from lab.launch import TINY, alive, torchrun, torchrun_background, trained_weights, worker_pids
 from telemetry.metrics import read_metrics
 from traced import assert_nccl_ok, traced
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpointing import files as checkpoint_files
-from runtime.launch import ROOT
+from checkpointing import manifest as checkpoint_files
+from lab.launch import ROOT
 from rl.nonfinite import RunAbort, SkipTracker
 
 

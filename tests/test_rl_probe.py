@@ -1,11 +1,11 @@
-"""scripts/rl_probe.py: the policy gradient it probes is keyed by the batch's noise alone, and an
+"""lab/rl_probe.py: the policy gradient it probes is keyed by the batch's noise alone, and an
 update of size 0 leaves the evaluation unchanged."""
 import os
 
 import pytest
 import torch
 
-from scripts import rl_probe
+from lab import rl_probe
 
 from rl import sampler
 from models import load_model

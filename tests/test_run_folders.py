@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpointing import files as checkpoint_files
+from checkpointing import manifest as checkpoint_files
 from checkpointing import folder as run_folders
 from checkpointing import lock
 from config.cli import parse_config

@@ -1,12 +1,12 @@
-"""scripts/time_to_reward.py: the table and clock logic on made-up curves, and the whole script on the
+"""lab/time_to_reward.py: the table and clock logic on made-up curves, and the whole script on the
 tiny preset (two algorithms, 2 steps each), whose table, curves and plot it must write."""
 import json
 import shlex
 
 import pytest
 
-from runtime.launch import TINY
-from scripts import time_to_reward as ttr
+from lab.launch import TINY
+from lab import time_to_reward as ttr
 
 
 def _run(algorithm, placement, seed, rewards, step_s=2.0):
