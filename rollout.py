@@ -50,7 +50,8 @@ def sample_images(adapter, prompts: list[str], cfg: sampler.SamplingConfig, *, s
         trajs.append(traj)
         images.append(adapter.decode(traj.latents[:, -1]).cpu())
     traj = sampler.Trajectory(latents=torch.cat([t.latents for t in trajs]).cpu(),
-                              log_probs=torch.cat([t.log_probs for t in trajs]).cpu(), sigmas=trajs[0].sigmas)
+                              log_probs=torch.cat([t.log_probs for t in trajs]).cpu(), sigmas=trajs[0].sigmas,
+                              steps={k: torch.cat([t.steps[k] for t in trajs]).cpu() for k in trajs[0].steps})
     return traj, torch.cat(images)
 
 
@@ -94,20 +95,20 @@ class Generator:
     def __init__(self, adapter, sampling: sampler.SamplingConfig, scorer, records, *, seed: int,
                  negative_prompt: str = "", same_group_noise: bool = False,
                  rule: advantages.AdvantageRule | None = None, store=None, autocast_ctx=None,
-                 slowdown: Slowdown | None = None, clean_only: bool = False, policy=None):
+                 slowdown: Slowdown | None = None, carried: Callable | None = None, policy=None):
         """`scorer`: a parallel.scoring.LocalScorer or RemoteScorer (a RewardSet is scored locally).
         `rule`: how rewards become advantages (default: group std, clamp 5); `store` receives each
         fragment's facts when the rule needs the end of the step. `slowdown` (--debug-slow-rank)
-        wraps all of this rank's generation work. `clean_only`: the chunks carry the clean samples
-        only (DiffusionNFT trains no path). `policy`: a context that puts the sampling policy into
-        the model while this generator denoises (a trainer's `sampling_policy`, for ranks that
-        generate with the trainer's model)."""
+        wraps all of this rank's generation work. `carried`: what a chunk carries of a sampled
+        trajectory (the algorithm's `carried`; default all of it). `policy`: a context that puts the
+        sampling policy into the model while this generator denoises (a trainer's `sampling_policy`,
+        for ranks that generate with the trainer's model)."""
         self.adapter, self.sampling, self.records = adapter, sampling, records
         self.scorer = scorer if hasattr(scorer, "wait") else LocalScorer(scorer)  # a RewardSet has `submit` too
         self.seed, self.negative_prompt = seed, negative_prompt
         self.same_group_noise, self.rule, self.store = same_group_noise, rule or advantages.AdvantageRule(), store
         self.autocast = autocast_ctx or contextlib.nullcontext
-        self.clean_only, self.policy = clean_only, policy or contextlib.nullcontext
+        self.carried, self.policy = carried or (lambda traj: traj), policy or contextlib.nullcontext
         self.sigmas = sampler.sigmas_for(adapter, sampling)
         self.shapes: dict = {}  # shape key -> (its SamplingConfig, its sigmas): the dynamic shift depends on it
         self.slowdown = slowdown or Slowdown()
@@ -190,14 +191,12 @@ class Generator:
         d = scoring.denoised
         for chunk, traj, cond, neg in zip(fragment.chunks, d.trajectories, d.conds, d.negs):
             sl = slice(start, start + len(chunk.sample_ids))
-            latents, log_probs = traj.latents, traj.log_probs
-            if self.clean_only:  # DiffusionNFT: the clean samples (n, 1, ...), no log-probs (n, 0)
-                latents, log_probs = latents[:, -1:].contiguous(), log_probs[:, :0].contiguous()
+            kept = self.carried(traj)
             # The trajectories and conditioning stay on the device until they are sent (or, colocated,
             # trained); the per-sample metadata is small and read on the host.
             chunks.append(TrainChunk(plan.step, fragment.index, chunk.index, scoring.version,
-                                     torch.tensor(chunk.sample_ids, dtype=torch.int64), latents, log_probs,
-                                     adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(), cond, neg))
+                                     torch.tensor(chunk.sample_ids, dtype=torch.int64), kept.latents, kept.log_probs,
+                                     adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(), cond, neg, kept.steps))
             start = sl.stop
         rewards = {name: v.float().cpu().tolist() for name, v in scores.items()}
         rewards["combined"] = combined.tolist()

@@ -49,7 +49,8 @@ ADAPTER = ".default"  # peft's adapter name inside parameter names
 STALE_FILE = "stale.safetensors"
 STATE_DIR = "state"
 RESIDUAL = "residual."  # state/ keys of the publication codec's residual (parallel/compress.py)
-OLD = "old."  # state/ keys of DiffusionNFT's old policy (rl/old_policy.py), the generators' weights
+SAMPLED = "old."  # state/ keys of the weights the generators sample with when an algorithm's trainers keep
+#                   them apart from the trained ones (Trainer.sampled_copy: DiffusionNFT's old policy)
 EMA_DIR = "ema"
 WEIGHTS_NAME = "diffusion_pytorch_model"  # diffusers' file names: <name>.safetensors, <name>-i-of-n, index
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -198,8 +199,9 @@ def _state_tensors(trainer) -> dict[str, Tensor]:
     out = {f"model.{n}": params[n].detach() for n in trainer.names}
     if trainer.ema is not None:
         out.update({f"ema.{n}": e for n, e in zip(trainer.names, trainer.ema)})
-    if trainer.old is not None:  # DiffusionNFT's old policy: what the generators sample with
-        out.update({f"{OLD}{n}": t for n, t in zip(trainer.names, trainer.old.tensors)})
+    sampled = trainer.sampled_copy()  # what the generators sample with, kept apart from the weights
+    if sampled is not None:
+        out.update({f"{SAMPLED}{n}": t for n, t in sampled.items()})
     out.update(_optimizer_tensors(trainer)[1])
     if trainer.codec is not None:  # whole tensors, the same on every trainer rank
         out.update({f"{RESIDUAL}{n}": r for n, r in trainer.codec.residual.items()})
@@ -230,8 +232,9 @@ def _load_state(path: str, trainer) -> None:
     targets = {f"model.{n}": params[n].detach() for n in trainer.names}
     if trainer.ema is not None and any(k.startswith("ema.") for k in saved):
         targets.update({f"ema.{n}": e for n, e in zip(trainer.names, trainer.ema)})
-    if trainer.old is not None:
-        targets.update({f"{OLD}{n}": t for n, t in zip(trainer.names, trainer.old.tensors)})
+    sampled = trainer.sampled_copy()
+    if sampled is not None:
+        targets.update({f"{SAMPLED}{n}": t for n, t in sampled.items()})
     has_optim = any(k.startswith("optim.") for k in saved)
     osd, flat = _optimizer_tensors(trainer, for_load=True) if has_optim else ({}, {})
     targets.update(flat)
@@ -296,8 +299,8 @@ def restore_run_state(path: str, adapter, trainer, running, use_stale: bool = Fa
     """Every rank installs checkpoint `path`'s weights from state/ (with `use_stale`, the TCSS
     generators' version N-1 on top); trainers load their own shards of the weights, the optimizer
     and the EMA. Returns trainer_state.pt (its "step" is the checkpoint's)."""
-    if trainer is None:  # a generator installs what it samples with: DiffusionNFT's old policy, else the weights
-        install_weights(adapter.transformer, read_state(path, OLD, missing_ok=True) or read_state(path, "model."))
+    if trainer is None:  # a generator installs what it samples with: a sampled copy if any, else the weights
+        install_weights(adapter.transformer, read_state(path, SAMPLED, missing_ok=True) or read_state(path, "model."))
     else:
         _load_state(path, trainer)
     stale_path = os.path.join(path, STALE_FILE)

@@ -28,11 +28,9 @@ from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
 from prompts import embeds
 from prompts import resolutions
-from rl import algorithms, old_policy, sampler
+from rl import algorithms, sampler
 from rl.advantages import COMBINES, STD_MODES
 from rl.loss import KL_FORMS
-from rl.timesteps import trained_timesteps
-from rl.window import WINDOW_SCHEDULES, WindowSchedule
 from rewards import parse_reward_spec, reward_class, reward_model_paths
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -139,11 +137,6 @@ def check_numbers(cfg) -> None:
     _need(_finite(t.stop_grace_s) and 1 <= t.stop_grace_s <= 86400, "--stop-grace-s", t.stop_grace_s,
           "in [1, 86400] seconds")
     _need(cfg.output.keep_checkpoints >= 0, "--keep-checkpoints", cfg.output.keep_checkpoints, ">= 0 (0 = keep all)")
-    _need(s.window_size >= 1, "--window-size", s.window_size, ">= 1")
-    _need(s.window_stride >= 0, "--window-stride", s.window_stride, ">= 0 (0 = a fixed window)")
-    _need(s.window_interval >= 1, "--window-interval", s.window_interval, ">= 1")
-    _need(_finite(rl.nft_beta) and rl.nft_beta > 0, "--nft-beta", rl.nft_beta, "a finite number > 0")
-    _need(rl.old_policy_interval >= 1, "--old-policy-interval", rl.old_policy_interval, ">= 1")
 
 
 def _choice(flag: str, value, choices) -> None:
@@ -152,14 +145,11 @@ def _choice(flag: str, value, choices) -> None:
 
 
 def check_choices(cfg) -> None:
-    """Every flag with a set of values (the algorithm's name: rl.algorithms)."""
+    """Every flag with a set of values (the algorithm's name and the algorithms' own options: rl.algorithms)."""
     rl, s, t, o = cfg.rl, cfg.sampling, cfg.topology, cfg.output
     _choice("--std-mode", rl.std_mode, STD_MODES)
     _choice("--reward-combine", rl.reward_combine, COMBINES)
     _choice("--kl-form", rl.kl_form, KL_FORMS)
-    if rl.std_mode == "global" and algorithms.algorithm(rl.algorithm).forward_process:
-        raise ValueError(f"--std-mode global scales the gradient of a loss that is linear in the advantages' scale; "
-                         f"--algorithm {rl.algorithm}'s loss is not: use --std-mode group or running")
     if rl.reward_combine != "rewards" and rl.std_mode != "group":
         raise ValueError(f"--std-mode {rl.std_mode} normalises the combined reward; --reward-combine "
                          f"{rl.reward_combine} normalises each reward by its group's std: use --std-mode group")
@@ -176,8 +166,6 @@ def check_choices(cfg) -> None:
     _choice("--dispatch", t.dispatch, DISPATCHES)
     _choice("--export-dtype", o.export_dtype, EXPORT_DTYPES)
     _choice("--ode-solver", s.ode_solver, sampler.ODE_SOLVERS)
-    _choice("--window-schedule", s.window_schedule, WINDOW_SCHEDULES)
-    old_policy.schedule(rl.old_policy_decay)
     compress.parse(t.publish_compression)
     m = cfg.model
     if m.dtype not in DTYPES:
@@ -308,37 +296,11 @@ def check_model(cfg, prompts=(), released: str | None = None) -> None:
         raise ValueError(f"--height/--width/--num-frames: {e}") from None
     _check_prompt_shapes(cls, geometry, (height, width, frames), prompts)
     steps = s.sample_steps if s.sample_steps is not None else defaults.num_steps
-    if s.sde_window is not None and not s.sde_window[1] <= steps:
-        raise ValueError(f"--sde-window {s.sde_window[0]}:{s.sde_window[1]} ends after the {steps} sampling steps")
-    if cfg.rl.algorithm == "mixgrpo":
-        check_window(window_schedule(cfg, steps), cfg.rl.steps)
     noise = s.noise_level if s.noise_level is not None else (
         defaults.dance_eta if s.sde_type == "dance" else defaults.noise_level)
     if s.sde_type == "cps" and not 0 <= noise <= 1:
         raise ValueError(f"--noise-level {noise} must be in [0, 1] for --sde-type cps (sin(a pi / 2) of the step)")
-    rl, algo = cfg.rl, algorithms.algorithm(cfg.rl.algorithm)
-    if rl.beta > 0 and s.sde_type == "cps" and not algo.sliding_window and steps - 1 in trained_timesteps(
-            algo.timesteps, steps, rl.timestep_fraction, seed=0, step=0, sample_id=0, window=s.sde_window):
-        raise ValueError(f"--beta {rl.beta} with --sde-type cps trains the last step, whose std is 0, and the KL "
-                         f"divides by it: use --timestep-fraction below 1 or an --sde-window that ends before "
-                         f"step {steps - 1}")
-
-
-def window_schedule(cfg, num_steps: int) -> WindowSchedule:
-    """MixGRPO's sliding window of a run of `num_steps` denoising steps (a ValueError for fewer than 3)."""
-    s = cfg.sampling
-    return WindowSchedule(s.window_size, s.window_stride, s.window_interval, num_steps, s.window_schedule, cfg.seed)
-
-
-def check_window(window: WindowSchedule, steps: int) -> None:
-    """No training step of the run has an empty window (MixGRPO reaches one at start K-2 and trains
-    nothing there)."""
-    empty = window.first_empty(range(steps))
-    if empty is not None:
-        raise ValueError(f"the MixGRPO window is empty at step {empty} (it starts at step {window.start(empty)} "
-                         f"of the {window.num_steps} sampling steps, and MixGRPO trains only steps before "
-                         f"K - 2 = {window.last}): use fewer --steps, a larger --window-interval or more "
-                         f"--sample-steps")
+    algorithms.algorithm(cfg.rl.algorithm).check_steps(cfg, steps)  # what the algorithm asks of the K steps
 
 
 def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:

@@ -15,6 +15,7 @@ from config import files
 from models import model_names
 from rewards import parse_reward_spec
 from rl import algorithms
+from rl.loss import KL_FORMS
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,19 +102,14 @@ class RLConfig:
     prompts_per_step: int = _f(8, "B: prompts (groups) per step")
     group_size: int = _f(8, "G: samples per prompt")
     micro_batch: int = _f(8, "samples per forward pass, in generation and in training")
-    algorithm: str = _f("flow_grpo", "RL algorithm: flow_grpo (trains the first int(frac*K) steps in order), "
-                                     "dance_grpo (a random int(frac*(K-1)) of the steps before the last per sample; "
-                                     "Bessel std + 1e-8), flow_grpo_fast (SDE and training only inside --sde-window; "
-                                     "old spelling: window), mixgrpo (SDE and training in a window that slides with "
-                                     "the step: --window-*), nft (DiffusionNFT: ODE rollout with the old policy, a "
-                                     "flow-matching loss on the clean samples)")
+    algorithm: str = _f(algorithms.DEFAULT, f"RL algorithm (rl/algorithms/): {algorithms.describe()}")
     timestep_fraction: float = _f(0.99, "fraction of the K steps trained (Flow-GRPO 0.99, DanceGRPO 0.6)")
     clip_range: float = _f(1e-4, "PPO clip range eps of the importance ratio")
     adv_clip: float = _f(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
     beta: float = _f(0.0, "KL coefficient to the reference policy (0 disables the reference forward)")
-    kl_form: str = _f("flow_grpo", "the KL term: flow_grpo (mean (mu - mu_ref)^2 / (2 std_dev_t^2), Flow-GRPO's, "
-                                   "std_dev_t without sqrt(-dt)) or transition (the exact KL of the two Gaussian "
-                                   "steps: Flow-GRPO's divided by sigma - sigma' for sde)")
+    kl_form: str = _f(KL_FORMS[0], f"the KL term: {KL_FORMS[0]} (mean (mu - mu_ref)^2 / (2 std_dev_t^2), "
+                                   "Flow-GRPO's, std_dev_t without sqrt(-dt)) or transition (the exact KL of the two "
+                                   "Gaussian steps: Flow-GRPO's divided by sigma - sigma' for sde)")
     std_mode: str = _f("group", "advantage std: group (the group's own), global (of the whole step's rewards, exact "
                                 "while streaming: Flow-GRPO's default, which its recipes set) or running (of the "
                                 "previous steps)")

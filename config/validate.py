@@ -94,21 +94,7 @@ def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> Ru
     topo = Topology.build(world_size, t.mode, t.generators, t.trainers, t.scorers, t.gap_stages)
     preflight.check_numbers(cfg)  # every range, in one place
     preflight.check_choices(cfg)
-    algo = algorithms.algorithm(rl.algorithm)
-    if algo.sliding_window and s.sde_window is not None:
-        raise ValueError(f"--algorithm {algo.name} slides its own window (--window-size, --window-stride, "
-                         f"--window-interval); --sde-window {s.sde_window[0]}:{s.sde_window[1]} fixes one: use "
-                         f"--algorithm flow_grpo_fast for a fixed window")
-    if s.sde_window is not None:
-        start, end = s.sde_window
-        top = s.sample_steps if s.sample_steps is not None else end
-        if not 0 <= start < end <= top:
-            raise ValueError(f"--sde-window {start}:{end} must satisfy 0 <= START < END <= --sample-steps ({top})")
-        if not algo.needs_window:
-            raise ValueError(f"--sde-window {start}:{end} samples ODE steps outside the window, which have no "
-                             f"log-probability to train: use --algorithm flow_grpo_fast (got {rl.algorithm!r})")
-    if algo.needs_window and s.sde_window is None:
-        raise ValueError(f"--algorithm {algo.name} needs --sde-window START:END")
+    algorithms.check(cfg)  # the algorithms' own options, and what the run's algorithm asks of the flags
     if o.debug_slow_rank is not None:
         rank, factor = o.debug_slow_rank
         if not 0 <= rank < world_size or not factor >= 1:

@@ -174,6 +174,8 @@ class Scenario(NamedTuple):
         return self.modes[0]
 
 
+WINDOW_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_window.toml")
+"""the window scenario's sampler and algorithm"""
 SCENARIOS: dict[str, Scenario] = {
     "fits": Scenario(("colocated-replicate", "gap", "gap+tag", "gap+tag+tcss"), (),
                      "identical ranks, the model replicated"),
@@ -185,7 +187,7 @@ SCENARIOS: dict[str, Scenario] = {
                        ("--debug-slow-rank", "0:2"),
                        "rank 0 is 2x slower (an older or inference-class GPU): colocated splits evenly (or by speed); "
                        "DigenRL puts generation on the slow rank"),
-    "window": Scenario(("colocated-replicate", "gap+tag", "gap+tag+tcss"), ("--algorithm", "flow_grpo_fast", "--sde-window", "0:2"),
+    "window": Scenario(("colocated-replicate", "gap+tag", "gap+tag+tcss"), ("--config", WINDOW_CONFIG),
                        "a 2-timestep SDE window: training is cheap, rollout dominates"),
     "skew": Scenario(("colocated-replicate3", "gap2x1-rr", "gap2x1-lpt"),
                      ("--prompts", "data/shapes_mixed.jsonl", "--prompts-per-step", "8", "--group-size", "2",

@@ -27,7 +27,8 @@ TOPOLOGIES = [os.path.join(ROOT, "recipes", "topology", f"{n}gpus.toml") for n i
 
 
 def out_name(recipe: str, topology: str) -> str:
-    """docs/memory/ file name: dance_grpo-flux_dev-8gpus.json."""
+    """docs/memory/ file name: the recipe's folder, name and topology (recipes/A/B.toml on 8 GPUs:
+    A-B-8gpus.json)."""
     rel = os.path.relpath(recipe, os.path.join(ROOT, "recipes"))[:-len(".toml")].replace(os.sep, "-")
     return f"{rel}-{os.path.basename(topology)[:-len('.toml')]}.json"
 

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import tomllib
 
 from lab.planning import timeline as plot_timeline
 from planner.hardware import gpu
@@ -49,23 +50,23 @@ WORKLOADS = {
     "hunyuan_video": Workload("hunyuan_video", 480, 480, 53, 16, 9, 16, 8, 1.0, "full", 32, True,
                               rewards=("videoalign",)),
 }
-# The algorithms' workloads (planner/workload.py for_algorithm): what changes the regime is how many
-# (sample, t) pairs each sample trains and what each costs, against the rollout's K steps.
-ALGORITHM_WORKLOADS = {
-    # DanceGRPO's FLUX row above, trained as Flow-GRPO-Fast: the same 16-step rollout, a 2-step window.
-    "flux flow_grpo_fast": for_algorithm(WORKLOADS["flux"], "flow_grpo_fast", window=2),
-    # MixGRPO's published FLUX run (scripts/finetune/finetune_flux_grpo_MixGRPO.sh): 720^2, 25 steps, a
-    # window of 4, 32 prompts x 12, full fine-tuning, HPS-v2.1 + PickScore (+ ImageReward, left out).
-    "flux mixgrpo": for_algorithm(Workload("flux", 720, 720, 1, 25, 4, 32, 12, 1.0, "full", 32, True,
-                                           rewards=("hpsv2", "pickscore")), "mixgrpo", window=4),
-    # DiffusionNFT on the FLUX row above: its 10-step ODE rollout, 9 of 10 sigmas trained, the old
-    # policy's forward and the KL reference's (lambda 1e-4) per pair; NFT publishes no FLUX config.
-    "flux nft": for_algorithm(WORKLOADS["flux"].with_(sampling_steps=10, kl=True), "nft"),
-    # VeRL-Omni's published DiffusionNFT run (examples/diffusionnft_trainer/qwen_image/
-    # run_qwen_image_ocr_lora.sh): 512^2, 10 steps without CFG, all 10 trained, 24 x 16, LoRA 64, KL 1e-4.
-    "qwen_image nft": for_algorithm(Workload("qwen_image", 512, 512, 1, 10, 10, 24, 16, 1.0, "lora", 64, True,
-                                             kl=True, rewards=("ocr_vlm",)), "nft", fraction=1.0),
-}
+ALGORITHMS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper_table.toml")
+
+
+def algorithm_workloads(path: str = ALGORITHMS_FILE) -> dict[str, Workload]:
+    """The algorithms' workloads of the settings file (planner/workload.py for_algorithm): each row's
+    workload (a row of WORKLOADS changed by `with`, or its own) as its algorithm prices it."""
+    with open(path, "rb") as f:
+        rows = tomllib.load(f)
+    out = {}
+    for name, row in rows.items():
+        own = {k: tuple(v) if isinstance(v, list) else v for k, v in row.get("workload", {}).items()}
+        wl = (WORKLOADS[row["base"]] if "base" in row else Workload(**own)).with_(**row.get("with", {}))
+        out[name] = for_algorithm(wl, row["algorithm"], window=row.get("window", 2), fraction=row.get("fraction"))
+    return out
+
+
+ALGORITHM_WORKLOADS = algorithm_workloads()
 TESTBEDS = ("h100", "h800", "mixed")
 PEERS = ("verl-omni", "dance-grpo", "genrl", "flow-grpo")
 BEGIN, END = "<!-- paper-table:begin -->", "<!-- paper-table:end -->"

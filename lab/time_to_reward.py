@@ -4,13 +4,14 @@ in the best placement for 2 ranks and colocated, two seeds each (issue #31).
     python -m lab.time_to_reward --out runs/time_to_reward        # 20 runs, then their evaluations
 
 Every run is the README's main command (the shipped shapes model, 50 steps of 8 prompts x 8 samples,
-2 ranks) with the algorithm's published settings (ALGORITHMS) and a placement (PLACEMENTS). It runs
-with no evaluation inside it (--eval-every 0) and its default checkpoint every 5 steps (kept); its
-wall-clock at step N is the sum of perf/step_s over steps 0..N-1 (the step loop's period: generation,
-training, publication and the checkpoints the run writes anyway; start-up excluded). When every run
-has trained, each checkpoint is evaluated on the 64 held-out prompts exactly as a run evaluates
-(runtime.evaluation: the ODE sampler, the run's fixed seeds: eval/reward), so evaluation never
-competes with training for the cores and a disaggregated generator cannot run ahead during it.
+2 ranks) with the algorithm's published settings (ALGORITHMS, from lab/time_to_reward.toml) and a
+placement (PLACEMENTS). It runs with no evaluation inside it (--eval-every 0) and its default
+checkpoint every 5 steps (kept); its wall-clock at step N is the sum of perf/step_s over steps
+0..N-1 (the step loop's period: generation, training, publication and the checkpoints the run writes
+anyway; start-up excluded). When every run has trained, each checkpoint is evaluated on the 64
+held-out prompts exactly as a run evaluates (runtime.evaluation: the ODE sampler, the run's fixed
+seeds: eval/reward), so evaluation never competes with training for the cores and a disaggregated
+generator cannot run ahead during it.
 
 The same samples are also scored by each --eval-scorer (default shapes_detector, a check the training
 reward does not see: rewards/shapes_detector.py), reported beside eval/reward.
@@ -34,6 +35,7 @@ import json
 import os
 import shlex
 import sys
+import tomllib
 from dataclasses import dataclass, field
 
 import matplotlib
@@ -53,36 +55,27 @@ from runtime.evaluation import evaluate, summarize
 from lab.launch import torchrun
 from telemetry.metrics import read_metrics
 
-ALGORITHMS = {
-    # The defaults of train_disagg.py: Flow-GRPO's for FLUX (10 SDE steps at noise level 0.9, 9 trained).
-    "flow_grpo": [],
-    # DanceGRPO: its sampler (eta 0.3, shift 3), 60% of the steps at random, one initial noise per group.
-    "dance_grpo": ["--algorithm", "dance_grpo", "--sde-type", "dance", "--timestep-fraction", "0.6",
-                   "--same-group-noise"],
-    # Flow-GRPO-Fast: the SDE and training in the first 2 of the 10 steps, one initial noise per group.
-    "flow_grpo_fast": ["--algorithm", "flow_grpo_fast", "--sde-window", "0:2", "--same-group-noise"],
-    # MixGRPO's scripts: a window of 4 moving 1 step every 25 updates, one initial noise per group.
-    "mixgrpo": ["--algorithm", "mixgrpo", "--window-size", "4", "--window-stride", "1", "--window-interval", "25",
-                "--same-group-noise"],
-    # DiffusionNFT's sd3 configs: 10-step DPM-Solver++(2M) ODE rollout with the old policy, 9 of 10
-    # sigmas trained, beta 1, KL 1e-4, the old policy's linear_to_0_5 schedule.
-    "nft": ["--algorithm", "nft", "--ode-solver", "dpm2", "--nft-beta", "1.0", "--beta", "1e-4",
-            "--old-policy-decay", "linear_to_0_5"],
-}
-# Issue #31 item 6, on the unfaded first-stage model (--extra "--model-path DIR"): the published
-# settings first, then one change each (docs/shapes-rl-notes.md: what did not rise before, and why).
-FIRST_STAGE = {
-    "nft": ALGORITHMS["nft"],
-    "nft-lr1e-3": [*ALGORITHMS["nft"], "--lr", "1e-3"],
-    "nft-beta0.1": [*ALGORITHMS["nft"], "--nft-beta", "0.1"],  # NFT's OCR and multi-reward strength
-    "nft-copy": [*ALGORITHMS["nft"], "--old-policy-decay", "copy"],  # sample with the newest weights
-    "nft-running-std": [*ALGORITHMS["nft"], "--std-mode", "running"],  # NFT's batch-global std, streamed
-    "nft-16-prompts": [*ALGORITHMS["nft"], "--prompts-per-step", "16"],  # 128 samples per update
-    "mixgrpo": ALGORITHMS["mixgrpo"],
-    "flow_grpo_fast-lr1e-3": [*ALGORITHMS["flow_grpo_fast"], "--lr", "1e-3"],  # the README's best on the faded model
-    "flow_grpo": ALGORITHMS["flow_grpo"],
-}
-SETTINGS = {"published": ALGORITHMS, "first-stage": FIRST_STAGE}
+SETTINGS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "time_to_reward.toml")
+
+
+def read_settings(path: str = SETTINGS_FILE) -> dict[str, dict[str, list[str]]]:
+    """{settings name: {setting: flags}} of the settings file: [published] as given, every other
+    table's entries as their `base` published setting's flags followed by their own `flags`."""
+    with open(path, "rb") as f:
+        tables = tomllib.load(f)
+    published = {name: list(flags) for name, flags in tables["published"].items()}
+    out = {"published": published}
+    for table, entries in tables.items():
+        if table != "published":
+            out[table] = {name: published[e["base"]] + list(e.get("flags", [])) for name, e in entries.items()}
+    return out
+
+
+SETTINGS = read_settings()
+ALGORITHMS = SETTINGS["published"]
+"""each algorithm's published settings (the settings file's [published])"""
+FIRST_STAGE = SETTINGS["first-stage"]
+"""issue #31 item 6's candidates for the unfaded first-stage model"""
 PLACEMENTS = {
     # Every rank generates, then trains (the colocated systems' placement).
     "colocated": ["--mode", "colocated"],

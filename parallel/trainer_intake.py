@@ -15,17 +15,18 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from rl import algorithms
-from rl.timesteps import trained_timesteps
 from parallel import p2p, tsp
 from parallel.stepplan import StepPlan
 from rl.conditioning import Conditioning
-from rl.window import WindowSchedule
+
+STEPS = "step."
+"""payload key prefix of the per-step fields a record carries (an algorithm's `SamplingConfig.record`)"""
 
 CPU = torch.device("cpu")
 
@@ -45,10 +46,12 @@ class TrainChunk:
     sigmas: Tensor       # (K+1,) float32
     cond: Conditioning
     neg_cond: Conditioning | None
+    steps: dict[str, Tensor] = field(default_factory=dict)  # per-step fields the rollout recorded: (n, K, ...)
 
     @property
     def clean(self) -> bool:
-        """A forward-process record (DiffusionNFT): the clean samples only, no path, no log-probs."""
+        """A record of clean samples only (an algorithm that trains the forward process), no path,
+        no log-probs."""
         return self.log_probs.shape[1] == 0
 
     def at(self, rows, t: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -60,9 +63,14 @@ class TrainChunk:
         lead = x0.shape[:x0.dim() - (self.latents.dim() - 2)]
         return x0, x0.new_empty((*lead, 0)), x0.new_zeros(lead)
 
+    def steps_at(self, rows, t: int) -> dict[str, Tensor]:
+        """The per-step fields of `rows` at step t."""
+        return {name: v[rows, t] for name, v in self.steps.items()}
+
     def to_payload(self) -> tuple[dict[str, Tensor], dict]:
         tensors = {"sample_ids": self.sample_ids, "latents": self.latents, "log_probs": self.log_probs,
-                   "advantages": self.advantages, "keep": self.keep, "sigmas": self.sigmas, **self.cond.state_dict()}
+                   "advantages": self.advantages, "keep": self.keep, "sigmas": self.sigmas, **self.cond.state_dict(),
+                   **{STEPS + k: v for k, v in self.steps.items()}}
         if self.neg_cond is not None:
             tensors.update({"neg." + k: v for k, v in self.neg_cond.state_dict().items()})
         meta = {"kind": "chunk", "step": self.step, "fragment": self.fragment, "chunk": self.chunk,
@@ -75,7 +83,7 @@ class TrainChunk:
         return cls(meta["step"], meta["fragment"], meta["chunk"], meta["version"], tensors["sample_ids"],
                    tensors["latents"], tensors["log_probs"], tensors["advantages"], tensors["keep"],
                    tensors["sigmas"], Conditioning.from_state_dict(tensors),
-                   Conditioning.from_state_dict(neg) if neg else None)
+                   Conditioning.from_state_dict(neg) if neg else None, _steps(tensors))
 
 
 @dataclass
@@ -101,6 +109,7 @@ class TransitionBatch:
     cond_index: Tensor   # (n,) int64 rows of cond / neg_cond
     cond: Conditioning   # (u rows): the samples involved
     neg_cond: Conditioning | None
+    steps: dict[str, Tensor] = field(default_factory=dict)  # per-step fields at each transition's t: (n, ...)
 
     _ROWS = ("sample_ids", "timesteps", "x_t", "x_next", "sigma", "sigma_next", "log_probs", "advantages", "keep",
              "cond_index")
@@ -130,7 +139,8 @@ class TransitionBatch:
                    advantages=torch.stack([c.advantages[j] for c, j, _, _ in rows]),
                    keep=torch.stack([c.keep[j] for c, j, _, _ in rows]),
                    cond_index=torch.tensor([u for _, _, _, u in rows], dtype=torch.int64),
-                   cond=Conditioning.cat(conds), neg_cond=Conditioning.cat(negs) if negs else None)
+                   cond=Conditioning.cat(conds), neg_cond=Conditioning.cat(negs) if negs else None,
+                   steps={k: torch.stack([c.steps[k][j, t] for c, j, t, _ in rows]) for k in first.steps})
 
     def bounds(self) -> list[tuple[int, int]]:
         """[lo, hi) rows of each micro-batch."""
@@ -143,6 +153,7 @@ class TransitionBatch:
     def to_payload(self) -> tuple[dict[str, Tensor], dict]:
         tensors = {k: getattr(self, k) for k in self._ROWS}
         tensors.update(self.cond.state_dict())
+        tensors.update({STEPS + k: v for k, v in self.steps.items()})
         if self.neg_cond is not None:
             tensors.update({"neg." + k: v for k, v in self.neg_cond.state_dict().items()})
         meta = {"kind": "transitions", "step": self.step, "fragment": self.fragment, "version": self.version,
@@ -157,33 +168,37 @@ class TransitionBatch:
         return cls(meta["step"], meta["fragment"], meta["version"], tuple(meta["micro_batches"]),
                    tuple(meta["sizes"]), **{k: tensors[k] for k in cls._ROWS},
                    cond=Conditioning.from_state_dict(tensors),
-                   neg_cond=Conditioning.from_state_dict(neg) if neg else None)
+                   neg_cond=Conditioning.from_state_dict(neg) if neg else None, steps=_steps(tensors))
+
+
+def _steps(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k[len(STEPS):]: v for k, v in tensors.items() if k.startswith(STEPS)}
 
 
 @dataclass(frozen=True)
 class TrainingSpec:
-    """What decides which transitions a step trains: the algorithm's timestep rule (rl/timesteps.py)
-    and the step's window (fixed, or MixGRPO's sliding one)."""
+    """What decides which transitions a step trains: the algorithm (its `timesteps`, an
+    rl.algorithms.Algorithm) and the step's SDE window (fixed, or one that moves with the step)."""
 
-    rule: str
+    algorithm: object
     num_steps: int
     timestep_fraction: float
     seed: int
     sde_window: tuple[int, int] | None
-    window_schedule: WindowSchedule | None = None
+    window_schedule: object | None = None  # sampler.SamplingConfig.window_schedule
 
     @classmethod
     def of(cls, cfg, sampling) -> "TrainingSpec":
         """From a config.RunConfig and the run's sampler.SamplingConfig."""
-        return cls(algorithms.algorithm(cfg.rl.algorithm).timesteps, sampling.num_steps, cfg.rl.timestep_fraction,
-                   cfg.seed, sampling.sde_window, sampling.window_schedule)
+        return cls(algorithms.algorithm(cfg.rl.algorithm), sampling.num_steps, cfg.rl.timestep_fraction, cfg.seed,
+                   sampling.sde_window, sampling.window_schedule)
 
     def window_at(self, step: int) -> tuple[int, int] | None:
         return self.window_schedule.window(step) if self.window_schedule is not None else self.sde_window
 
     def timesteps(self, step: int, sample_id: int) -> tuple[int, ...]:
-        return trained_timesteps(self.rule, self.num_steps, self.timestep_fraction, seed=self.seed, step=step,
-                                 sample_id=sample_id, window=self.window_at(step))
+        return self.algorithm.timesteps(self.num_steps, self.timestep_fraction, seed=self.seed, step=step,
+                                        sample_id=sample_id, window=self.window_at(step))
 
     def forward_timesteps(self, step: int, sample_ids: tuple[int, ...]) -> list[int]:
         """The timesteps at which a chunk needs a forward pass without TSP (all its samples that
@@ -304,9 +319,8 @@ class TransitionIntake(_Intake):
     def packing(self, plan: StepPlan) -> tsp.Packing:
         """The step's packing: a pure function of (seed, step, config), computed alike by the
         generator that routes a fragment and by every trainer that receives a share of it."""
-        s = self.spec
-        return _packing(tuple(f.sample_ids for f in plan.fragments), plan.step, s.rule, s.num_steps,
-                        s.timestep_fraction, s.seed, s.window_at(plan.step), self.micro_batch, self.num_trainers)
+        return _packing(tuple(f.sample_ids for f in plan.fragments), plan.step, self.spec, self.micro_batch,
+                        self.num_trainers)
 
     def key_of(self, item: TransitionBatch):
         return ("tsp", item.fragment)
@@ -374,9 +388,8 @@ class TransitionIntake(_Intake):
 
 
 @functools.lru_cache(maxsize=8)
-def _packing(fragment_ids, step, rule, num_steps, fraction, seed, window, micro_batch, num_trainers):
-    timesteps = {i: trained_timesteps(rule, num_steps, fraction, seed=seed, step=step, sample_id=i, window=window)
-                 for ids in fragment_ids for i in ids}
+def _packing(fragment_ids, step, spec: TrainingSpec, micro_batch, num_trainers):
+    timesteps = {i: spec.timesteps(step, i) for ids in fragment_ids for i in ids}
     return tsp.pack_step(fragment_ids, timesteps, micro_batch=micro_batch, num_trainers=num_trainers)
 
 

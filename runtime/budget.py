@@ -86,7 +86,8 @@ def run_shape(cfg: RunConfig, facts: RunFacts, adapter) -> model.RunShape:
     compute = dtypes["default"].itemsize
     plan = facts.step_plan(cfg, 0)
     text = adapter.max_sequence_length + (77 if adapter.family == "sd3" else 0)
-    loss = algorithms.algorithm(rl.algorithm).loss(rl)
+    algorithm = algorithms.algorithm(rl.algorithm)
+    steps = s.sample_steps or d.num_steps
     return model.RunShape(
         family=adapter.family, dit=counts["transformer"] - lora,
         text=sum(v for k, v in counts.items() if k.startswith("text_encoder")), vae=counts.get("vae", 0),
@@ -94,13 +95,14 @@ def run_shape(cfg: RunConfig, facts: RunFacts, adapter) -> model.RunShape:
         blocks=len(adapter.blocks), largest_unit=max(sum(p.numel() for p in u.parameters()) for u in
                                                      _units(adapter.transformer)),
         largest_tensor=max(p.numel() for p in named.values()), tokens=adapter.image_seq_len(latent) + text,
-        latent=math.prod(latent), pixels=height * width * (frames or 1), steps=s.sample_steps or d.num_steps,
+        latent=math.prod(latent), pixels=height * width * (frames or 1), steps=steps,
         branches=2 if (s.cfg_scale or d.cfg_scale) > 1 else 1, gen_micro=rl.micro_batch,
         train_micro=facts.train_micro_batch if facts.tsp else rl.micro_batch,
         fragment=max(len(f.sample_ids) for f in plan.fragments), lora=float(lora),
         weight_bytes=dtypes["transformer"].itemsize, compute_bytes=compute,
         reward_bytes=4 if rl.reward_dtype == "float32" else compute, checkpointing=o.grad_checkpointing,
-        reference=loss.needs_reference, ema=o.ema_decay > 0, old_policy=loss.forward_process,
+        reference=algorithm.loss(rl).needs_reference, ema=o.ema_decay > 0,
+        state_copies=algorithm.cost(steps, rl.timestep_fraction).state_copies,
         lossy_codec=compress.lossy(cfg.topology.publish_compression), tcss=facts.tcss,
         trainers_sample=cfg.output.eval_every > 0 or facts.tag, encodes=not cfg.model.prompt_embeds)
 

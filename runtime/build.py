@@ -225,7 +225,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     begin = resume.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
     log.std_history = begin.std_history
     all_names = _publish_names(ctx.adapter, facts.lora)
-    sampled = trainer.sampling_tensors(all_names) if trainer is not None else None  # NFT trainers: the old policy
+    sampled = trainer.sampling_tensors(all_names) if trainer is not None else None  # may be an algorithm's copy
     resume.check_same_weights(ctx.adapter, all_names, begin.version,  # every rank starts from its version
                                 resolve_dtype(cfg.model.dtype, ctx.device), sampled)
     layouts = _stage_layouts(ctx, cond) if topo.gap_stages > 1 else {}
@@ -308,15 +308,15 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
 
 def _generator(ctx: RankContext, scorer, store: StepStore, trainer: Trainer | None) -> Generator:
     """A rank's generator; on a rank that also trains (colocated, a TAG helper) it samples with the
-    trainer's sampling policy (DiffusionNFT: the old policy)."""
+    trainer's sampling policy (the algorithm's: DiffusionNFT's old policy)."""
     cfg = ctx.cfg
     weights = tuple(parse_reward_specs(cfg.rl.reward, reward_model_paths(cfg.rl.reward_model)))
-    rule = algorithms.algorithm(cfg.rl.algorithm).advantages(cfg.rl, weights)
+    algorithm = algorithms.algorithm(cfg.rl.algorithm)
     return Generator(ctx.adapter, ctx.sampling, scorer, ctx.records, seed=cfg.seed,
                      negative_prompt=cfg.sampling.negative_prompt, same_group_noise=cfg.sampling.same_group_noise,
-                     rule=rule, store=store, autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype),
-                     slowdown=ctx.slowdown, clean_only=algorithms.algorithm(cfg.rl.algorithm).forward_process,
-                     policy=trainer.sampling_policy if trainer is not None else None)
+                     rule=algorithm.advantages(cfg.rl, weights), store=store,
+                     autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype), slowdown=ctx.slowdown,
+                     carried=algorithm.carried, policy=trainer.sampling_policy if trainer is not None else None)
 
 
 def _member_groups(topo: Topology, rank: int, groups: ProcessGroups) -> list:

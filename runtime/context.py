@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from config import preflight
 from config.schema import RunConfig
 from config.validate import RunFacts
 from models import TEXT_ENCODERS, DiTAdapter, load_model, model_dtypes, resolve_device, resolve_dtype
@@ -122,17 +121,14 @@ def released_components(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[str
 
 
 def run_sampling(cfg: RunConfig, adapter: DiTAdapter) -> sampler.SamplingConfig:
-    """The run's sampler: the flags over the family's defaults, and what the algorithm prescribes
-    (DiffusionNFT samples with the ODE unless --noise-level says otherwise; MixGRPO's window slides)."""
-    s, algo = cfg.sampling, algorithms.algorithm(cfg.rl.algorithm)
-    noise = 0.0 if s.noise_level is None and algo.forward_process else s.noise_level
+    """The run's sampler: the flags over the family's defaults, as the algorithm samples and records
+    (`Algorithm.sampling`: its noise level, its window, the step fields its loss reads)."""
+    s = cfg.sampling
     sampling = sampler.SamplingConfig.for_adapter(
-        adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type, noise_level=noise,
-        guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed, num_frames=s.num_frames, sde_window=s.sde_window,
-        ode_solver=s.ode_solver, quantize_timestep=s.quantize_timestep)
-    if algo.sliding_window:
-        sampling.window_schedule = preflight.window_schedule(cfg, sampling.num_steps)
-    return sampling
+        adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
+        noise_level=s.noise_level, guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed, num_frames=s.num_frames,
+        sde_window=s.sde_window, ode_solver=s.ode_solver, quantize_timestep=s.quantize_timestep)
+    return algorithms.algorithm(cfg.rl.algorithm).sampling(cfg, sampling)
 
 
 def _reward_set(cfg: RunConfig, device) -> RewardSet:

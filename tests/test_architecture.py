@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import io
+import re
 import subprocess
+import tokenize
 from collections import deque
 from pathlib import Path
+
+from rl import algorithms
 
 ROOT = Path(__file__).resolve().parent.parent
 ROOT_MODULES = {"train_disagg", "rollout", "trainer"}
@@ -26,6 +31,13 @@ LAYERS = [("lab",), ("train_disagg",), ("runtime",), ("rollout", "trainer"), ("c
 MODEL_AGNOSTIC = ("parallel", "planner", "lab.planning")
 """packages that never reach models/, a role or runtime/ (they run without torch models)"""
 MAX_RUNTIME_FUNCTION_LINES = 80
+REGISTRY = "rl/algorithms/__init__.py"
+"""the algorithms' registry, which names every algorithm"""
+NAMED_OTHERWISE = {
+    ("rl/loss.py", "flow_grpo"): "--kl-form flow_grpo: the KL term named after Flow-GRPO's formula, a value recipes "
+                                 "and config.json files hold",
+}
+"""(file, word): an algorithm's name used for something else"""
 
 # Function-level imports allowed. A key ending in ".py" exempts every function-level import in that
 # file; any other key is the top-level name of an optional dependency (modules not importable in this
@@ -262,6 +274,42 @@ def find_duplicate_basenames(root: Path) -> list[str]:
     return sorted(", ".join(sorted(paths)) for paths in seen.values() if len(paths) > 1)
 
 
+def own_algorithm_files(registry=algorithms) -> dict[str, set[str]]:
+    """File -> the algorithm names (and old spellings) it may hold: each algorithm's own file, the registry all."""
+    out: dict[str, set[str]] = {REGISTRY: set(registry.ALGORITHMS) | set(registry.ALIASES)}
+    for name, a in registry.ALGORITHMS.items():
+        path = type(a).__module__.replace(".", "/") + ".py"
+        out.setdefault(path, set()).update({name} | {old for old, new in registry.ALIASES.items() if new == name})
+    return out
+
+
+def find_algorithm_names(root: Path, names, aliases, own: dict[str, set[str]],
+                         otherwise=NAMED_OTHERWISE) -> list[str]:
+    """An algorithm's name outside its own file, the registry and tests/: as an identifier, or as a
+    word of a string (a path's component aside: the recipes' folders, a peer's OWNER/REPOSITORY). An
+    old spelling that is an ordinary word ("window") counts where a string names it as the algorithm
+    (`--algorithm window`, `algorithm = "window"`). Docs and recipes are not Python: they may name them."""
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "*.py"], capture_output=True, text=True, check=True)
+    words = {n: re.compile(rf"(?<![\w/]){re.escape(n)}(?![\w/])") for n in names}
+    as_algorithm = {a: re.compile(rf"algorithm\W{{1,4}}{re.escape(a)}(?!\w)") for a in aliases}
+    strings = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+    hits = []
+    for rel in out.stdout.split():
+        if rel.startswith("tests/") or not (root / rel).is_file():
+            continue
+        mine = own.get(rel, set())
+        for tok in tokenize.generate_tokens(io.StringIO((root / rel).read_text()).readline):
+            if tok.type == tokenize.NAME:
+                found = {tok.string} & set(names)
+            elif tok.type in strings:
+                found = {n for n, w in words.items() if w.search(tok.string)}
+                found |= {a for a, w in as_algorithm.items() if w.search(tok.string)}
+            else:
+                continue
+            hits += [f"{rel}:{tok.start[0]} {n}" for n in sorted(found - mine) if (rel, n) not in otherwise]
+    return list(dict.fromkeys(hits))
+
+
 def _lines(items) -> str:
     return "\n  " + "\n  ".join(items)
 
@@ -326,6 +374,13 @@ def test_no_two_files_share_a_name():
     assert not dups, "files with the same name (rename one to say what it holds):" + _lines(dups)
 
 
+def test_no_algorithm_name_outside_its_file():
+    """Roles and mechanisms call an algorithm's methods (rl/algorithms/algorithm.py); none asks which
+    algorithm runs, so a new algorithm is its file and one line of the registry."""
+    hits = find_algorithm_names(ROOT, list(algorithms.ALGORITHMS), list(algorithms.ALIASES), own_algorithm_files())
+    assert not hits, "an algorithm named outside its own file (rl/algorithms/NAME.py) and the registry:" + _lines(hits)
+
+
 def test_checker_can_fail(tmp_path):
     files = {
         "parallel/__init__.py": "",
@@ -347,6 +402,9 @@ def test_checker_can_fail(tmp_path):
         "lab/tool.py": "",
         "lab/planning/x.py": "import trainer\n",
         "lab/r.py": "",
+        "rl/algorithms/alpha.py": "NAME = 'alpha'  # its own file\nOTHER = 'beta'\n",
+        "rl/sampler.py": "def f(alpha):\n    return alpha_beta, 'recipes/alpha/x.toml', \"use --algorithm old\"\n",
+        "rl/loss.py": "FORMS = ('alpha', 'old')  # a value named after it, and an ordinary word\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -354,6 +412,9 @@ def test_checker_can_fail(tmp_path):
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
     assert find_lab_in_the_run(tmp_path) == ["train_disagg -> runtime.r -> lab.tool"]
+    own = {"rl/algorithms/alpha.py": {"alpha", "old"}}
+    assert find_algorithm_names(tmp_path, ["alpha", "beta"], ["old"], own, {("rl/loss.py", "alpha"): ""}) == [
+        "rl/algorithms/alpha.py:2 beta", "rl/sampler.py:1 alpha", "rl/sampler.py:2 old"]
     assert find_duplicate_basenames(tmp_path) == ["lab/planning/x.py, x.py", "lab/r.py, rewards/r.py, runtime/r.py"]
     assert find_cycles(tmp_path) == [["x", "y"]]
     assert find_leaks(tmp_path) == [["lab.planning.x", "trainer"], ["parallel.a", "models.b"],

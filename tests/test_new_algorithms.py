@@ -8,12 +8,11 @@ import os
 import pytest
 import torch
 
-from rl import sampler
+from rl import algorithms, sampler
 from rl.advantages import group_advantages
-from rl.nft import NFTLoss, optimality
-from rl.old_policy import SCHEDULES, OldPolicy, schedule
-from rl.timesteps import trained_timesteps
-from rl.window import WindowSchedule
+from rl.algorithms.mixgrpo import WindowSchedule
+from rl.algorithms.nft import NFTLoss, optimality
+from rl.algorithms.old_policy import SCHEDULES, OldPolicy, schedule
 
 PEERS = os.path.join(os.path.dirname(__file__), "fixtures", "peers")
 
@@ -98,12 +97,13 @@ def test_old_policy_soft_update_and_swap():
 def test_nft_trains_a_seeded_subset_of_every_sigma():
     """int(K x fraction) distinct sigma indices of all K (the first, sigma = 1, included), per sample,
     a function of (seed, step, sample) alone."""
-    picks = [trained_timesteps("subset", 10, 0.99, seed=0, step=3, sample_id=i) for i in range(40)]
+    nft = algorithms.algorithm("nft")
+    picks = [nft.timesteps(10, 0.99, seed=0, step=3, sample_id=i) for i in range(40)]
     assert all(len(p) == 9 and len(set(p)) == 9 and set(p) <= set(range(10)) for p in picks)
     assert len(set(picks)) > 1 and any(0 in p for p in picks) and any(9 in p for p in picks)
-    assert picks[5] == trained_timesteps("subset", 10, 0.99, seed=0, step=3, sample_id=5)
-    assert picks[5] != trained_timesteps("subset", 10, 0.99, seed=0, step=4, sample_id=5) or \
-        picks[6] != trained_timesteps("subset", 10, 0.99, seed=0, step=4, sample_id=6)
+    assert picks[5] == nft.timesteps(10, 0.99, seed=0, step=3, sample_id=5)
+    assert picks[5] != nft.timesteps(10, 0.99, seed=0, step=4, sample_id=5) or \
+        picks[6] != nft.timesteps(10, 0.99, seed=0, step=4, sample_id=6)
 
 
 @pytest.mark.parametrize("key,interval,stride", [("mixgrpo_default_windows", 25, 1), ("mixgrpo_flash_windows", 20, 1),
@@ -269,9 +269,9 @@ def test_nft_update_moves_the_old_policy_and_generation_uses_it():
     trainer.current_step = 0
     stats = trainer.finish_step()
     assert stats["train/old_deviation"] == 0.0  # step 0: the old policy is the initial weights
-    for o, b, p in zip(trainer.old.tensors, before, trainer.params):
+    for o, b, p in zip(trainer.state.tensors, before, trainer.params):
         torch.testing.assert_close(o, 0.5 * b + 0.5 * p.detach(), rtol=0, atol=1e-7)
-    theta, old = [p.detach().clone() for p in trainer.params], [o.clone() for o in trainer.old.tensors]
+    theta, old = [p.detach().clone() for p in trainer.params], [o.clone() for o in trainer.state.tensors]
     gen = Generator(trainer.adapter, trainer.sampling, LocalScorer(None), [], seed=0,
                     policy=trainer.sampling_policy)  # a scorer stand-in: nothing is scored here
     cond = trainer.adapter.encode_prompts(["a red circle"])
@@ -281,7 +281,7 @@ def test_nft_update_moves_the_old_policy_and_generation_uses_it():
         assert all(torch.equal(p.detach(), o) for p, o in zip(trainer.params, old))
     assert not torch.equal(live, sampled_old)
     assert all(torch.equal(p.detach(), q) for p, q in zip(trainer.params, theta))
-    assert all(torch.equal(o, q) for o, q in zip(trainer.old.tensors, old))
+    assert all(torch.equal(o, q) for o, q in zip(trainer.state.tensors, old))
     held = trainer.sampling_tensors(trainer.names)  # what a publication sends the generators
     assert all(torch.equal(held[n].detach(), o) for n, o in zip(trainer.names, old))
 
@@ -364,7 +364,9 @@ def test_new_recipes_carry_the_published_settings_and_fit():
 
 # ----- bad inputs: each a ValueError naming the value, before anything loads -------------------------
 @pytest.mark.parametrize("argv,message", [
-    (["--algorithm", "mixgrpo", "--sde-window", "0:2"], "--algorithm mixgrpo slides its own window"),
+    (["--algorithm", "mixgrpo", "--sde-window", "0:2"], "--sde-window 0:2 is read by --algorithm flow_grpo_fast only"),
+    (["--window-size", "3"], "--window-size 3 is read by --algorithm mixgrpo only: use --algorithm mixgrpo (got "),
+    (["--nft-beta", "0.5"], "--nft-beta 0.5 is read by --algorithm nft only"),
     (["--algorithm", "mixgrpo", "--sample-steps", "5", "--window-interval", "2", "--steps", "10"],
      "the MixGRPO window is empty at step 6"),
     (["--algorithm", "mixgrpo", "--sample-steps", "2"], "at least 3 sampling steps"),

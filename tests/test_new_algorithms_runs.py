@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from checkpointing.checkpoint import OLD, checkpoint_dir, read_state
+from checkpointing.checkpoint import SAMPLED, checkpoint_dir, read_state
 from lab.launch import TINY, torchrun, trained_weights
 from telemetry.metrics import read_metrics
 from weights import assert_same_weights
@@ -25,7 +25,7 @@ SLOW_GENERATOR = ["--debug-slow-rank", "0:5"]  # idle trainers claim fragments (
 
 
 def _old(run, step):
-    return read_state(checkpoint_dir(str(run), step), OLD)
+    return read_state(checkpoint_dir(str(run), step), SAMPLED)
 
 
 def _rows(run):

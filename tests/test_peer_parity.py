@@ -14,7 +14,6 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from config.cli import load_config_files
 from rl import advantages, algorithms, sampler
 from rl.loss import ClippedPolicyLoss, clipped_policy_loss, kl_to_reference
-from rl.timesteps import trained_timesteps
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "peers")
 F32 = dict(rtol=4 * torch.finfo(torch.float32).eps, atol=1e-7)  # a few ulp of float32: reductions
@@ -52,10 +51,10 @@ def test_dance_grpo_schedule_timesteps_and_trained_count(case):
     # HunyuanVideo takes the integer; its adapter's 1000 x sigma is that integer exactly on these schedules
     assert (cfg.model_sigma(sigmas[:-1]) * 1000).tolist() == [float(i) for i in s["hunyuan_model_timestep_input"]]
     assert torch.equal(sampler.SamplingConfig(16, 16, s["K"]).model_sigma(sigmas), sigmas)  # off: exact sigma
-    rule = algorithms.algorithm("dance_grpo").timesteps
+    dance = algorithms.algorithm("dance_grpo")
     for fraction, count in s["train_timesteps_line570"].items():
         for sample in range(6):
-            ts = trained_timesteps(rule, s["K"], float(fraction), seed=0, step=3, sample_id=sample)
+            ts = dance.timesteps(s["K"], float(fraction), seed=0, step=3, sample_id=sample)
             assert len(ts) == count and len(set(ts)) == count
             assert set(ts) <= set(range(s["candidate_train_steps_after_drop_last_line512"]))
 
@@ -66,15 +65,17 @@ def test_dance_grpo_subsets_are_keyed_by_the_sample_not_a_global_rng():
     sample trains depends on the process and the order of draws; ours come from (seed, step,
     sample), so every placement trains the same transitions. The counts agree."""
     example = fixture("dance_grpo_schedule.json")["outputs"]["random_step_selection_example"]
-    ours = [trained_timesteps("random", 16, 0.6, seed=0, step=0, sample_id=i) for i in range(4)]
+    dance = algorithms.algorithm("dance_grpo")
+    ours = [dance.timesteps(16, 0.6, seed=0, step=0, sample_id=i) for i in range(4)]
     assert [len(t) for t in ours] == [len(t) for t in example["trained_step_indices_per_sample"]] == [9] * 4
-    assert ours == [trained_timesteps("random", 16, 0.6, seed=0, step=0, sample_id=i) for i in range(4)]
+    assert ours == [dance.timesteps(16, 0.6, seed=0, step=0, sample_id=i) for i in range(4)]
     assert len(set(ours)) > 1
 
 
 def test_flow_grpo_trains_the_first_int_k_fraction_steps():
-    assert trained_timesteps("first", 10, 0.99, seed=0, step=0, sample_id=0) == tuple(range(9))  # train_sd3.py:345
-    assert trained_timesteps("first", 10, 1.0, seed=0, step=0, sample_id=0) == tuple(range(10))  # base.py's 1.0
+    flow = algorithms.algorithm("flow_grpo")
+    assert flow.timesteps(10, 0.99, seed=0, step=0, sample_id=0) == tuple(range(9))  # train_sd3.py:345
+    assert flow.timesteps(10, 1.0, seed=0, step=0, sample_id=0) == tuple(range(10))  # base.py's 1.0
 
 
 # ----- the steps and their log-probabilities ---------------------------------------------------------

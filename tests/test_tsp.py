@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from rl import algorithms
-from rl.timesteps import trained_timesteps
 from lab.launch import TINY, torchrun, trained_weights
 from traced import assert_nccl_ok, traced
 from weights import assert_same_weights
@@ -75,7 +74,7 @@ def test_packing_is_deterministic_and_validates():
 @pytest.mark.parametrize("name,window", [("flow_grpo", None), ("dance_grpo", None), ("flow_grpo_fast", (1, 3))])
 def test_packing_of_trained_timestep_selections(name, window):
     num_steps, ids = 6, [list(range(0, 4)), list(range(4, 8)), list(range(8, 12))]
-    timesteps = {i: trained_timesteps(algorithms.algorithm(name).timesteps, num_steps, 0.6, seed=3, step=1, sample_id=i, window=window)
+    timesteps = {i: algorithms.algorithm(name).timesteps(num_steps, 0.6, seed=3, step=1, sample_id=i, window=window)
                  for f in ids for i in f}
     packing = tsp.pack_step(ids, timesteps, micro_batch=8, num_trainers=2)
     fragments = [tsp.fragment_transitions(f, timesteps) for f in ids]

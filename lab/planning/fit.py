@@ -26,8 +26,12 @@ import math
 import os
 import statistics
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from parallel.stepplan import plan_step
+from parallel.trainer_intake import TrainingSpec
+from rl import algorithms
+from rl.sampler import SamplingConfig
 from parallel.schedule import makespan_slots, partition_blocks
 from parallel.tsp import pack
 from lab.planning import costs as cm
@@ -57,15 +61,22 @@ class UnitCosts:
     source: str
 
 
+def _trained(config: dict, num_steps: int) -> int:
+    """The transitions a sample of the run trains at its first step, as its algorithm chooses them
+    (rl/algorithms/: its sampler's window, its timesteps)."""
+    s, rl = config["sampling"], config["rl"]
+    window = tuple(s["sde_window"]) if s.get("sde_window") else None
+    flags = SimpleNamespace(sampling=SimpleNamespace(**{**s, "sde_window": window}), rl=SimpleNamespace(**rl),
+                            seed=config.get("seed", 0))
+    algorithm = algorithms.algorithm(rl.get("algorithm", algorithms.DEFAULT))
+    sampling = algorithm.sampling(flags, SamplingConfig(16, 16, num_steps, sde_window=window))
+    return len(TrainingSpec.of(flags, sampling).timesteps(0, 0))
+
+
 def _run_shape(config: dict) -> dict:
     s, rl, t = config["sampling"], config["rl"], config["topology"]
     k = s["sample_steps"]
-    trained = max(1, min(k, int(k * rl["timestep_fraction"])))
-    if s.get("sde_window"):
-        trained = s["sde_window"][1] - s["sde_window"][0]
-    if rl.get("algorithm") == "mixgrpo":  # a sliding window: its size (until it shrinks near K - 2)
-        trained = min(s["window_size"], k - 2)
-    return {"K": k, "trained": trained, "group": rl["group_size"], "micro": rl["micro_batch"],
+    return {"K": k, "trained": _trained(config, k), "group": rl["group_size"], "micro": rl["micro_batch"],
             "tsp": bool(t.get("tsp")), "train_micro": t.get("train_micro_batch") or rl["micro_batch"],
             "groups": rl["prompts_per_step"]}
 

@@ -291,7 +291,7 @@ def verl_omni_best(wl: Workload, g: GPU, n: int, *, rollout_gpu: GPU | None = No
     return min(candidates, key=lambda p: (not p.feasible, p.step_s))
 
 
-def dance_grpo(wl: Workload, g: GPU, n: int, *, accumulation: int = 4) -> Prediction:
+def dance_grpo_system(wl: Workload, g: GPU, n: int, *, accumulation: int = 4) -> Prediction:
     """DanceGRPO (fastvideo/train_grpo_*.py): FSDP full shard with fp32 parameters, batch-1 rollout,
     per-sample per-timestep training, an optimizer step every `accumulation` samples."""
     per_gpu = ceil_div(wl.samples, n)
@@ -311,7 +311,7 @@ def dance_grpo(wl: Workload, g: GPU, n: int, *, accumulation: int = 4) -> Predic
                     ["fp32 FSDP parameters: every gather moves 4 bytes per parameter"])
 
 
-def flow_grpo(wl: Workload, g: GPU, n: int, *, micro: int | None = None) -> Prediction:
+def flow_grpo_system(wl: Workload, g: GPU, n: int, *, micro: int | None = None) -> Prediction:
     """Flow-GRPO (scripts/train_*.py): LoRA on replicated weights (FSDP for full fine-tuning),
     rollout in batches with CFG concatenated, a per-timestep training loop over the same batches."""
     micro = micro or wl.rollout_micro_batch
@@ -370,13 +370,13 @@ def verl_omni_best_separate(wl: Workload, g: GPU, n: int, **kw) -> Prediction:
 
 
 def predict_system(system: str, wl: Workload, g: GPU, n: int, **kw) -> Prediction:
-    fn = {"verl-omni": verl_omni, "verl-omni-separate": verl_omni_best_separate, "dance-grpo": dance_grpo,
-          "flow-grpo": flow_grpo, "genrl": genrl}.get(system)
+    fn = {"verl-omni": verl_omni, "verl-omni-separate": verl_omni_best_separate, "dance-grpo": dance_grpo_system,
+          "flow-grpo": flow_grpo_system, "genrl": genrl}.get(system)
     if fn is None:
         raise ValueError(f"unknown system {system!r}; known: {list(SYSTEMS)}")
     return fn(wl, g, n, **kw)
 
 
-__all__ = ["BUSY_KINDS", "Prediction", "SYSTEMS", "Segment", "dance_grpo", "delta_sync_s", "flow_grpo", "genrl",
-           "lockstep", "predict_system", "separate_async_step_s", "sync_s", "verl_omni", "verl_omni_best",
+__all__ = ["BUSY_KINDS", "Prediction", "SYSTEMS", "Segment", "dance_grpo_system", "delta_sync_s", "flow_grpo_system",
+           "genrl", "lockstep", "predict_system", "separate_async_step_s", "sync_s", "verl_omni", "verl_omni_best",
            "verl_omni_best_separate", "verl_omni_separate"]

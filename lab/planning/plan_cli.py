@@ -211,12 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--width", type=int, default=512)
     w.add_argument("--frames", type=int, default=1)
     w.add_argument("--sampling-steps", type=int, default=None, help="K (default: the model's)")
-    w.add_argument("--algorithm", choices=ALGORITHMS, default="flow_grpo",
-                   help="what each trained (sample, t) pair costs and how many a sample has (planner/workload.py "
-                        "for_algorithm): nft adds the old policy's forward and sends clean samples only")
-    w.add_argument("--window", type=int, default=2, help="flow_grpo_fast / mixgrpo: the SDE window's steps")
+    w.add_argument("--algorithm", choices=ALGORITHMS, default=ALGORITHMS[0],
+                   help="what each trained (sample, t) pair costs and how many a sample has (its `cost`, "
+                        "rl/algorithms/; planner/workload.py for_algorithm)")
+    w.add_argument("--window", type=int, default=2, help="an algorithm that trains an SDE window: its steps")
     w.add_argument("--trained-timesteps", type=int, default=None,
-                   help="override the algorithm's count (default: floor(0.99 K) for flow_grpo and nft)")
+                   help="override the algorithm's count (its authors' fraction of K, or its window)")
     w.add_argument("--prompts-per-step", type=int, default=24)
     w.add_argument("--group-size", type=int, default=24)
     w.add_argument("--cfg-scale", type=float, default=1.0, help="> 1: classifier-free guidance (two branches)")

@@ -1,6 +1,6 @@
-"""MixGRPO's sliding window (arXiv 2507.21802; Tencent-Hunyuan/MixGRPO fastvideo/utils/grpo_states.py
-at commit e5cdd6a, docs/ALGORITHMS.md "MixGRPO"): the denoising steps that run the SDE and are
-trained move along the schedule as training proceeds; every other step is an ODE step.
+"""MixGRPO (arXiv 2507.21802; Tencent-Hunyuan/MixGRPO fastvideo/utils/grpo_states.py
+at commit e5cdd6a, docs/ALGORITHMS.md "MixGRPO"): a sliding window, the denoising steps that run
+the SDE and are trained move along the schedule as training proceeds; every other step is an ODE step.
 
 MixGRPO keeps a start `cur` (0 at first) and after every training step counts it on: every
 `interval` steps (iters_per_group) `cur` moves by `stride` (prog_overlap_step); past the last start
@@ -13,14 +13,17 @@ That is a closed form of s, so every rank and the planner compute a step's windo
     random:             cur(s) uniform in [0, last - size], seeded by (seed, s)  (MixGRPO's "random")
 
 The window is empty when cur reaches K - 2 (MixGRPO trains nothing then and fails on it; here
-`RunConfig` validation refuses a run whose steps reach it). MixGRPO's decay and exp_decay
-strategies are not implemented (no published script uses them)."""
+`check_steps` refuses a run whose steps reach it). MixGRPO's decay and exp_decay strategies are not
+implemented (no published script uses them). Advantages and loss are Flow-GRPO's clipped surrogate
+on the window's transitions (train_grpo_flux.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from rl import timesteps
+from rl.algorithms.algorithm import Algorithm, Cost, replace
 from rl.seeding import derive_seed
 
 WINDOW_SCHEDULES = ("progressive", "progressive-clamp", "random")
@@ -76,3 +79,48 @@ class WindowSchedule:
     def first_empty(self, steps: range) -> int | None:
         """The first training step of `steps` whose window is empty (None: there is none)."""
         return next((s for s in steps if self.window(s)[0] == self.window(s)[1]), None)
+
+
+class MixGRPO(Algorithm):
+    name = "mixgrpo"
+    description = "MixGRPO: SDE and training only inside a window that slides along the steps (--window-*)"
+    options = ("sampling.window_size", "sampling.window_stride", "sampling.window_interval",
+               "sampling.window_schedule")
+
+    def check_flags(self, cfg):
+        s = cfg.sampling
+        for flag, value, low in (("--window-size", s.window_size, 1), ("--window-stride", s.window_stride, 0),
+                                 ("--window-interval", s.window_interval, 1)):
+            if value < low:
+                raise ValueError(f"{flag} must be >= {low}{' (0 = a fixed window)' if low == 0 else ''}, got {value}")
+        if s.window_schedule not in WINDOW_SCHEDULES:
+            raise ValueError(f"unknown --window-schedule {s.window_schedule!r}; choose one of {WINDOW_SCHEDULES}")
+
+    def check_steps(self, cfg, num_steps):
+        """The window exists (K >= 3) and no training step of the run has an empty one (MixGRPO
+        reaches one at start K - 2 and trains nothing there). It never reaches the last step."""
+        window = self.schedule(cfg, num_steps)
+        empty = window.first_empty(range(cfg.rl.steps))
+        if empty is not None:
+            raise ValueError(f"the MixGRPO window is empty at step {empty} (it starts at step {window.start(empty)} "
+                             f"of the {window.num_steps} sampling steps, and MixGRPO trains only steps before "
+                             f"K - 2 = {window.last}): use fewer --steps, a larger --window-interval or more "
+                             f"--sample-steps")
+
+    @staticmethod
+    def schedule(cfg, num_steps: int) -> WindowSchedule:
+        """The run's sliding window over `num_steps` denoising steps (a ValueError for fewer than 3)."""
+        s = cfg.sampling
+        return WindowSchedule(s.window_size, s.window_stride, s.window_interval, num_steps, s.window_schedule, cfg.seed)
+
+    def sampling(self, cfg, sampling):
+        return replace(sampling, window_schedule=self.schedule(cfg, sampling.num_steps))
+
+    def timesteps(self, num_steps, fraction, *, seed, step, sample_id, window=None):
+        """The step's window: the SDE ran there and nowhere else."""
+        return timesteps.in_window(window)
+
+    def cost(self, num_steps, fraction=None, window=2):
+        """The window's size (a sliding window trains as many steps as a fixed one until it shrinks
+        before K - 2)."""
+        return Cost(min(window, num_steps))
