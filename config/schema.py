@@ -130,6 +130,11 @@ class RLConfig:
                                                 "FLAT:UPRATE:UPHOLD (d=0 before FLAT, then "
                                                 "min((u-FLAT) UPRATE, UPHOLD))")
     old_policy_interval: int = _f(1, "DiffusionNFT: optimizer updates between soft updates of the old policy")
+    kl_mask_threshold: float = _f(1e-5, "Flow-DPPO: an update is dropped where the KL D_t between the current and the "
+                                        "rollout transition reaches this and the ratio moves away from the rollout "
+                                        "(VeRL-Omni: 1e-5)")
+    add_kl_coefficient: bool = _f(True, "Flow-DPPO: D_t divides the squared mean drift by 2 (std_dev_t sqrt(-dt))^2, "
+                                        "the step's SDE variance (VeRL-Omni's add_kl_coefficient); off: by 2")
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""DiffusionNFT, MixGRPO's sliding window and the DPM-Solver++ ODE steps (docs/ALGORITHMS.md): the
-formulas against the peers' recorded outputs (tests/fixtures/peers, produced by the peers' own code)
-and diffusers, and the trainer's forward-process path against its own per-timestep loop. The
-placement-invariance runs through torchrun are in tests/test_new_algorithms_runs.py."""
+"""DiffusionNFT, MixGRPO's sliding window, Flow-DPPO and the DPM-Solver++ ODE steps
+(docs/ALGORITHMS.md): the formulas against the peers' recorded outputs (tests/fixtures/peers,
+produced by the peers' own code) and diffusers, and the trainer's paths (the forward process, the
+rollout's means) against its own per-timestep loop. The placement-invariance runs through torchrun
+are in tests/test_new_algorithms_runs.py."""
 import json
 import os
 
@@ -286,6 +287,78 @@ def test_nft_update_moves_the_old_policy_and_generation_uses_it():
     assert all(torch.equal(held[n].detach(), o) for n, o in zip(trainer.names, old))
 
 
+# ----- Flow-DPPO: the rollout's means travel with the fragment, the mask in the trainer -------------------
+def _dppo_rollout(threshold=1e-12):
+    """A tiny FLUX Flow-DPPO trainer and the chunks of one fragment of 2 groups, sampled with the
+    algorithm's sampler (it records every step's transition mean)."""
+    from config.schema import RunConfig
+    from models import load_model
+    from models.lora import apply_lora
+    from parallel.trainer_intake import TrainChunk
+    from parallel.stepplan import plan_step
+    from rollout import encode_batch
+    from trainer import Trainer
+
+    torch.manual_seed(0)
+    adapter = load_model("flux", preset="tiny", seed=0)
+    cfg = RunConfig()
+    cfg.rl.algorithm, cfg.rl.micro_batch, cfg.rl.kl_mask_threshold, cfg.optim.lora_rank = "flow_dppo", 2, threshold, 4
+    apply_lora(adapter.transformer, 4, None, "attn", 0)
+    algorithm = algorithms.algorithm("flow_dppo")
+    sampling = algorithm.sampling(cfg, sampler.SamplingConfig.for_adapter(adapter, height=16, width=16, num_steps=4))
+    trainer = Trainer(cfg, adapter, sampling)
+    plan = plan_step(0, seed=0, num_prompts=4, prompts_per_step=2, group_size=2, micro_batch=2, num_replicas=1,
+                     num_trainers=1)
+    chunks, adv = [], torch.tensor([1.0, -0.5, 0.3, -0.8])
+    for c in plan.fragments[0].chunks:
+        cond, neg = encode_batch(adapter, ["a red circle", "a blue square"], "", sampling)
+        traj = sampler.denoise(adapter, cond, neg, list(c.sample_ids), 0, sampling)
+        ids = torch.tensor(c.sample_ids)
+        chunks.append(TrainChunk(0, 0, c.index, 0, ids, traj.latents, traj.log_probs, adv[ids].clone(),
+                                 torch.ones(2, dtype=torch.bool), traj.sigmas, cond, neg, algorithm.carried(traj).steps))
+    return trainer, plan, chunks
+
+
+def test_flow_dppo_records_the_means_and_packs_them_like_the_path():
+    """The rollout records each step's transition mean (what the SDE step drew around); TSP's wire
+    format carries it with each transition. On-policy the divergence is 0 and nothing is dropped;
+    once the weights moved, the mask drops some updates, alike in the per-timestep loop and packed."""
+    from parallel.trainer_intake import TransitionBatch, TransitionIntake
+
+    trainer, plan, chunks = _dppo_rollout()
+    mean = chunks[0].steps["mean"]
+    assert mean.shape == (2, 4, *chunks[0].latents.shape[2:])
+    x, t = chunks[0].latents[:, 1], 1
+    v = sampler.guided_velocity(trainer.adapter, x, chunks[0].sigmas[t].expand(2), chunks[0].cond, None,
+                                trainer.sampling)
+    step = sampler.sde_step(x, v, chunks[0].sigmas[t], chunks[0].sigmas[t + 1], sde_type="sde",
+                            noise_level=trainer.sampling.noise_level, x_next=chunks[0].latents[:, 2])
+    torch.testing.assert_close(mean[:, t], step.mean, rtol=1e-5, atol=1e-6)
+    for moved in (False, True):
+        if moved:
+            with torch.no_grad():
+                for p in trainer.params:
+                    p.add_(0.05 * torch.randn_like(p))
+        trainer.reset_stats()
+        for chunk in chunks:
+            trainer.train_chunk(chunk)
+        ref, sums = _grads(trainer), dict(trainer.sums)
+        n = trainer.num_transitions
+        if moved:
+            assert sums["divergence"] > 0 and 0 < sums["masked"] < n and sums["divergence_high"] == n
+        else:
+            assert sums["divergence"] < 1e-12 and sums["masked"] == 0 and sums["ratio"] == pytest.approx(n)
+        trainer.reset_stats()
+        intake = TransitionIntake(trainer.spec, (0, 1), lambda r: 0, 3)
+        for _, batch in intake.batches(plan, chunks):
+            assert batch.steps["mean"].shape == batch.x_t.shape
+            trainer.train_transitions(TransitionBatch.from_payload(*batch.to_payload()))
+        got = _grads(trainer)
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, moved
+        for k in sums:
+            assert trainer.sums[k] == pytest.approx(sums[k], rel=1e-5, abs=1e-6), k
+
+
 # ----- CFG-free training ------------------------------------------------------------------------------
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "nft"])
 def test_cfg_scale_one_runs_the_conditional_branch_only(algorithm):
@@ -325,6 +398,7 @@ NEW_RECIPES = {  # algorithm, K, CFG scale (None: the family's guidance embeddin
     "diffusion_nft/qwen_image.toml": ("nft", 10, 1.0, "euler", 64, 3e-4, 1e-4),
     "mixgrpo/flux_dev.toml": ("mixgrpo", 25, None, "euler", 0, 1e-5, 0.0),
     "mixgrpo/flux_dev_flash.toml": ("mixgrpo", 25, None, "dpm2", 0, 1e-5, 0.0),
+    "flow_dppo/qwen_image.toml": ("flow_dppo", 10, 4.0, "euler", 64, 3e-4, 0.0),
 }
 
 
@@ -350,6 +424,8 @@ def test_new_recipes_carry_the_published_settings_and_fit():
         if algorithm == "mixgrpo":
             assert (s.window_size, s.window_stride, s.same_group_noise) == (4, 1, True)
             assert s.window_interval == (20 if "flash" in rel else 25)
+        if algorithm == "flow_dppo":  # VeRL-Omni's run: threshold 1e-5, add_kl_coefficient, a window of 2
+            assert (rl.kl_mask_threshold, rl.add_kl_coefficient, s.sde_window, s.noise_level) == (1e-5, True, (0, 2), 1.2)
         cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights/reward" for spec in rl.reward]
         cfg.rl.prompts = cfg.output.eval_prompts = prompts
         cfg.resolve_defaults()
@@ -364,7 +440,7 @@ def test_new_recipes_carry_the_published_settings_and_fit():
 
 # ----- bad inputs: each a ValueError naming the value, before anything loads -------------------------
 @pytest.mark.parametrize("argv,message", [
-    (["--algorithm", "mixgrpo", "--sde-window", "0:2"], "--sde-window 0:2 is read by --algorithm flow_grpo_fast only"),
+    (["--algorithm", "mixgrpo", "--sde-window", "0:2"], "--sde-window 0:2 is read by --algorithm flow_grpo_fast"),
     (["--window-size", "3"], "--window-size 3 is read by --algorithm mixgrpo only: use --algorithm mixgrpo (got "),
     (["--nft-beta", "0.5"], "--nft-beta 0.5 is read by --algorithm nft only"),
     (["--algorithm", "mixgrpo", "--sample-steps", "5", "--window-interval", "2", "--steps", "10"],
@@ -377,6 +453,9 @@ def test_new_recipes_carry_the_published_settings_and_fit():
     (["--nft-beta", "0"], "--nft-beta must be a finite number > 0, got 0.0"),
     (["--old-policy-decay", "ema"], "unknown --old-policy-decay 'ema'"),
     (["--old-policy-interval", "0"], "--old-policy-interval must be >= 1, got 0"),
+    (["--kl-mask-threshold", "0"], "--kl-mask-threshold must be a finite number > 0, got 0.0"),
+    (["--kl-mask-threshold", "1e-3"], "--kl-mask-threshold 0.001 is read by --algorithm flow_dppo only"),
+    (["--no-add-kl-coefficient"], "--add-kl-coefficient False is read by --algorithm flow_dppo only"),
 ])
 def test_new_flags_name_their_bad_values(argv, message):
     from config.cli import parse_config

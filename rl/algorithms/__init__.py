@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 
-from rl.algorithms import dance_grpo, flow_grpo, flow_grpo_fast, mixgrpo, nft
+from rl.algorithms import dance_grpo, flow_dppo, flow_grpo, flow_grpo_fast, mixgrpo, nft
 from rl.algorithms.algorithm import Algorithm, Cost, LossTerms
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
@@ -15,6 +15,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     flow_grpo_fast.FlowGRPOFast(),
     mixgrpo.MixGRPO(),
     nft.NFT(),
+    flow_dppo.FlowDPPO(),
 )}
 ALIASES = {"window": "flow_grpo_fast"}
 """old spellings, accepted with a warning"""
