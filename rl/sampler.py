@@ -97,6 +97,10 @@ class StepOutput:
     x0: Tensor | None = None  # (B, ...) float32 x - sigma v, the data prediction a multistep solver keeps
 
 
+PER_SAMPLE_FIELDS = ("log_prob", "std", "std_dev_t")
+"""StepOutput fields of one value per sample; the others have the latent's shape"""
+
+
 def _bcast(v: Tensor | float, like: Tensor) -> Tensor:
     if isinstance(v, (int, float)):  # filled on the device: no host-to-device copy in the denoising loop
         v = torch.full((like.shape[0],), float(v), dtype=torch.float32, device=like.device)

@@ -32,7 +32,8 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
     images are a tensor [n, 3, H, W] (videos [n, 3, F, H, W]) when they share one shape, else a list
     in record order (metrics.image_grid pads them to the largest)."""
     # Euler whatever the rollout's solver or window, so every algorithm is evaluated alike (NFT too)
-    ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None, window_schedule=None, ode_solver="euler")
+    ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None, window_schedule=None, ode_solver="euler",
+                              record=())
     keep = len(records) if keep_images is None else min(keep_images, len(records))
     by_shape = resolutions.rows_by_shape(records, sampling)
     images, scores = [None] * keep, {}

@@ -53,7 +53,9 @@ def transition_batch(sent: Sent, sampling: sampler.SamplingConfig, sigmas: torch
         sigma=torch.tensor([float(sigmas[t])] * n), sigma_next=torch.tensor([float(sigmas[t + 1])] * n),
         log_probs=torch.tensor([0.0] * n), advantages=torch.tensor([1.0] * n), keep=torch.tensor([True] * n),
         cond_index=torch.tensor(list(range(n))), cond=conditioning(sent.cond, n),
-        neg_cond=conditioning(sent.neg, n) if sent.neg is not None else None)
+        neg_cond=conditioning(sent.neg, n) if sent.neg is not None else None,
+        steps={name: torch.empty((n,) if name in sampler.PER_SAMPLE_FIELDS else (n, *sent.latent))
+               for name in sampling.record})  # the step fields the algorithm's rollout records
 
 
 # ----- rewards ---------------------------------------------------------------------------------
