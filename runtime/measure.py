@@ -124,7 +124,8 @@ def fake_rank(cfg, facts, release: str, rank: int):
     with fakemem.fake_world(topo.world_size, rank), fakemem.FakeRun() as run, \
             patched(context, "load_model", load), patched(context, "_reward_set", rewards), \
             patched(probe, "_timed", _once):
-        groups = ProcessGroups.create(topo, 60, 60, exchange=facts.tsp and not facts.disagg)
+        groups = ProcessGroups.create(topo, 60, 60, exchange=facts.tsp and not facts.disagg,
+                                      own=build.mixed_replicas(cfg, facts))
         ctx, _ = context.make_context(cfg, facts, rank, groups)
         yield run, ctx
 
@@ -214,7 +215,8 @@ def measure_trainer(cfg, facts, release: str, rank: int, sent: Sent) -> tuple[Ra
 
 def _trainer(cfg, facts, ctx) -> Trainer:
     """The rank's Trainer as runtime/build.py makes it, its codec too."""
-    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, ctx.comms.trainers, facts.train_sharding, ctx.slowdown)
+    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, ctx.comms.trainers, facts.train_sharding, ctx.slowdown,
+                      ctx.comms.own.get(ctx.rank))
     fakemem.optimizer_as_on_gpu(trainer.optimizer)
     if compress.lossy(cfg.topology.publish_compression):
         trainer.start_codec(cfg.topology.publish_compression, build._publish_names(ctx.adapter, facts.lora), None)
