@@ -29,6 +29,12 @@ def assert_nccl_ok(out, communicators=(), collectives=(), name: str = "comm") ->
     return result
 
 
+def created(out, name: str = "comm") -> dict[int, list[str]]:
+    """The groups each rank created, by name, in order (the "new_group" lines of its trace)."""
+    traces = commcheck.load(str(Path(out) / name))
+    return {r: [line["name"] for line in lines if line["op"] == "new_group"] for r, lines in traces.items()}
+
+
 def merged(out, prefixes, into: str = "world", name: str = "comm") -> commcheck.Result:
     """The recorded run replayed as if the communicators named by `prefixes` were one (`into`), as
     the code had them before each kind of traffic got its own: the check must find the crossing."""
