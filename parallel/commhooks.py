@@ -95,8 +95,9 @@ def _call_facts(fn, args, kwargs, functional: bool):
     if functional:
         group = _functional_group(group)
         if group is None:
-            torchapi.warn_once(f"{FEATURE}: a functional collective's group {bound.get('group')!r} cannot be "
-                               f"resolved with torch {torch.__version__}; such collectives go unrecorded")
+            torchapi.warn_once(f"{FEATURE}: a functional collective's group given as a "
+                               f"{type(bound.get('group')).__name__} cannot be resolved with torch "
+                               f"{torch.__version__}; such collectives go unrecorded")
             return False, False
         return group, False
     return group, bool(bound.get("async_op", False))
