@@ -145,8 +145,8 @@ class ProcessGroups:
         generators, trainers = list(topo.generator_ranks), list(topo.trainer_ranks)
         if topo.mode == "colocated":
             every = list(range(topo.world_size))
-            out = cls(trainers=dist.group.WORLD,
-                      data={t: commhooks.new_group(f"data.to{t}", every, pending) for t in trainers} if exchange else {})
+            data = {t: commhooks.new_group(f"data.to{t}", every, pending) for t in trainers} if exchange else {}
+            out = cls(trainers=dist.group.WORLD, data=data)
             out.own = cls._own(trainers, out.trainers, timeout) if own else {}
             return out
         out = cls(trainers=commhooks.new_group("trainers", trainers, timeout))

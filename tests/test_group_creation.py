@@ -65,7 +65,8 @@ def test_every_rank_creates_every_group_in_one_order(tmp_path):
 
 def _new_group(rank, ranks, name, where, world=(0, 1, 2), local_sync=False, **extra):
     return {"rank": rank, "op": "new_group", "group": "world", "peer": None, "bytes": 0, "name": name,
-            "where": where, "members": list(world), "ranks": ranks, "local_sync": local_sync, "via": "new_group", **extra}
+            "where": where, "members": list(world), "ranks": ranks, "local_sync": local_sync, "via": "new_group",
+            **extra}
 
 
 def test_creations_in_different_orders_and_missing_ones_are_flagged():

@@ -33,7 +33,8 @@ def main(mode: str) -> None:
         groups = ProcessGroups.create(Topology.build(2, "colocated"), 60, 60, own=True)
         dist.new_subgroups(group_size=1)
         mesh = DeviceMesh.from_group(groups.own[rank], device_type="cpu")
-        layer = fully_shard(torch.nn.Linear(4, 4), mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        layer = fully_shard(torch.nn.Linear(4, 4), mesh=mesh, mp_policy=policy)
         out = layer(torch.randn(2, 4).to(torch.bfloat16))
         assert out.dtype == torch.bfloat16  # computed with the weights cast for the forward
     dist.barrier()
