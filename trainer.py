@@ -38,7 +38,7 @@ from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
 from parallel import compress
 from parallel import forward_rows
-from parallel.fsdp import count_allgathers, full_tensor, local_part, own_group, shard_modules
+from parallel.fsdp import count_allgathers, full_tensor, local_part, shard_modules
 from parallel.trainer_intake import TrainChunk, TrainingSpec, TransitionBatch
 from parallel.p2p import comm_device
 from parallel.publish import Outgoing
@@ -71,8 +71,9 @@ class Transitions:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig, group=None,
-                 sharding: str = "replicate", slowdown: Slowdown | None = None):
-        """`slowdown` (--debug-slow-rank) wraps every training forward + backward."""
+                 sharding: str = "replicate", slowdown: Slowdown | None = None, own_group=None):
+        """`slowdown` (--debug-slow-rank) wraps every training forward + backward. `own_group`: a
+        replicated trainer's group of itself alone (ProcessGroups.own), which every rank created."""
         self.cfg, self.adapter, self.sampling = cfg, adapter, sampling
         self.slowdown = slowdown or Slowdown()
         self.spec = TrainingSpec.of(cfg, sampling)  # which timesteps of a sample are trained
@@ -97,7 +98,10 @@ class Trainer:
         # its forward, float32 gradients): over the trainer group, or for a replicated trainer over
         # this rank alone, so that every forward computes with exactly the weights generators hold.
         mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
-        engine = group if sharding == "fsdp" else (own_group() if mixed is not None else None)
+        engine = group if sharding == "fsdp" else (own_group if mixed is not None else None)
+        if sharding != "fsdp" and mixed is not None and engine is None and dist.is_initialized():
+            raise RuntimeError(f"a replicated trainer computing in {mixed} needs a group of its own, created by every "
+                             f"rank: ProcessGroups.create(..., own=True)")
         if engine is not None:
             adapter.enclosing = shard_modules(model, engine, mixed)  # one root: all-gathers overlap compute
             count_allgathers(model, engine, self._on_allgather)

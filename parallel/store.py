@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-import torch.distributed as dist
+from parallel import torchapi
 
 
 class StepStore:
     def __init__(self, timeout_s: float, prefix: str = "digenrl"):
-        self.store = dist.distributed_c10d._get_default_store()
+        # torchrun's store, which init_process_group connected to: torch names no public getter
+        self.store = torchapi.require("the run's step store (parallel/store.py)",
+                                      "torch.distributed.distributed_c10d._get_default_store")()
         self.store.set_timeout(timedelta(seconds=timeout_s))
         self.prefix = prefix
 

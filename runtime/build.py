@@ -18,7 +18,7 @@ from checkpointing import folder
 from checkpointing import resume
 from config.schema import RunConfig
 from config.validate import RunFacts
-from models import autocast, resolve_dtype
+from models import autocast, resolve_device, resolve_dtype
 from parallel import commhooks, compress, publish
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
@@ -203,7 +203,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     commhooks.install()  # DIGENRL_COMM_TRACE: every collective from here on is recorded
     store = StepStore(t.dist_timeout_s)
     groups = ProcessGroups.create(topo, t.dist_timeout_s, guard.pending_timeout_s(t.dist_timeout_s),
-                                  exchange=facts.tsp and not facts.disagg)
+                                  exchange=facts.tsp and not facts.disagg, own=mixed_replicas(cfg, facts))
     run_guard = guard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
                               stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
                               groups=_member_groups(topo, rank, groups),
@@ -211,8 +211,8 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
                               floor_s=guard.timeout_floor_s(cfg.rl.reward_timeout_s,
                                                             remote=any(map(reward_url, cfg.rl.reward)))).start()
     ctx, shapes = make_context(cfg, facts, rank, groups)  # every check that needs the model: nothing written yet
-    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
-        if topo.is_trainer(rank) else None
+    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown,
+                      groups.own.get(rank)) if topo.is_trainer(rank) else None
     cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
     # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
     speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
@@ -304,6 +304,15 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
     if facts.tcss:  # the generators' version at the next checkpoint; resent at a resume
         resume.publish_start(facts, rank, trainer, r.publisher, r.publish_names, r.start,
                                facts.resume is not None and facts.resume.has_stale, r.store, r.groups.publish)
+
+
+def mixed_replicas(cfg: RunConfig, facts: RunFacts) -> bool:
+    """Whether trainers are replicated and compute in a dtype other than float32: each then runs
+    FSDP2 over a group of its own as its mixed-precision engine (trainer.py), which every rank
+    creates (ProcessGroups.create(own=True)). The same on every rank: it reads the config and the
+    device type, which all ranks share."""
+    compute = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
+    return facts.train_sharding == "replicate" and compute != torch.float32
 
 
 def _generator(ctx: RankContext, scorer, store: StepStore, trainer: Trainer | None) -> Generator:

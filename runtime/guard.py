@@ -52,12 +52,11 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
 from tqdm import tqdm
 
 from config.preflight import RAISE_ENV
 from rl.nonfinite import RunAbort
-from parallel import p2p
+from parallel import p2p, torchapi
 from parallel.store import StepStore
 
 EXIT_OK, EXIT_ERROR, EXIT_USER, EXIT_ABORT, EXIT_STOPPED = 0, 1, 2, 3, 4
@@ -238,8 +237,11 @@ class RunGuard:
         if t == self.timeout_s:
             return
         self.timeout_s = t
-        for group in self.groups:
-            _set_pg_timeout(timedelta(seconds=t), group)
+        set_pg_timeout = torchapi.optional(  # torch's private setter: no public one changes a live group's
+            "torch.distributed.distributed_c10d._set_pg_timeout", "adaptive collective timeouts (runtime/guard.py)",
+            "the collective groups keep --dist-timeout-s; point-to-point waits and the store still adapt")
+        for group in self.groups if set_pg_timeout is not None else ():
+            set_pg_timeout(timedelta(seconds=t), group)
         self.data_store.set_timeout(t)
         p2p.configure(timeout_s=t)
 

@@ -1,4 +1,4 @@
-"""telemetry/replay.py replays recorded communication under NCCL's rules (no buffering, one FIFO
+"""lab/nccl/replay.py replays recorded communication under NCCL's rules (no buffering, one FIFO
 stream per communicator and rank): each hand-reduced pattern below runs on gloo yet hangs on NCCL,
 and must be reported as a deadlock naming the right ranks, while its fixed form must pass."""
 import json

@@ -1,6 +1,6 @@
 """GPU memory: the one memory model (planner/memory.py) against the measurements of the roles' own
 code at the released sizes (docs/memory/*.json, written by lab/measure_recipes.py), a measurement
-at released size run again, the trackers' mechanics on small modules (runtime/fake_run.py,
+at released size run again, the trackers' mechanics on small modules (lab/memory/fake_run.py,
 lab/memory/trackers.py), the recipes' GPUs and the recipe check script."""
 import glob
 import json

@@ -1,5 +1,5 @@
 """The placement-invariance runs record their communication (DIGENRL_COMM_TRACE) and these helpers
-check it under NCCL's rules (telemetry/replay.py): no buffered sends, one FIFO stream per
+check it under NCCL's rules (lab/nccl/replay.py): no buffered sends, one FIFO stream per
 communicator and rank, collectives in one order on every member. A run passes `traced(out)` as its
 environment; `assert_nccl_ok(out, ...)` then replays what every rank posted, and checks that the
 traffic the mode must have was recorded at all (a check of an empty trace proves nothing)."""
@@ -28,6 +28,12 @@ def assert_nccl_ok(out, communicators=(), collectives=(), name: str = "comm") ->
     for c in collectives:
         assert c in posted, (out, c, sorted(posted))
     return result
+
+
+def created(out, name: str = "comm") -> dict[int, list[str]]:
+    """The groups each rank created, by name, in order (the "new_group" lines of its trace)."""
+    traces = replay.load(str(Path(out) / name))
+    return {r: [line["name"] for line in lines if line["op"] == "new_group"] for r, lines in traces.items()}
 
 
 def merged(out, prefixes, into: str = "world", name: str = "comm") -> replay.Result:

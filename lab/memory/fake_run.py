@@ -33,16 +33,22 @@ import sys
 import warnings
 
 import torch
-import torch._subclasses.fake_tensor as fake_tensor
 import torch.distributed as dist
-from torch._guards import active_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import tree_flatten, tree_map_only
 
 import models
+from parallel import torchapi
 from peft.tuners.tuners_utils import BaseTunerLayer
-from lab.memory.trackers import patched, uncounted_propagation
+from lab.memory.trackers import FEATURE, patched, uncounted_propagation
+
+# torch's private APIs the measurement runs on: a torch without one fails here, naming it.
+fake_tensor, FakeTensor, FakeTensorMode, active_fake_mode, FakeStore, tree_flatten, tree_map_only = torchapi.require(
+    FEATURE, "torch._subclasses.fake_tensor", "torch._subclasses.fake_tensor.FakeTensor",
+    "torch._subclasses.fake_tensor.FakeTensorMode", "torch._guards.active_fake_mode",
+    "torch.testing._internal.distributed.fake_pg.FakeStore", "torch.utils._pytree.tree_flatten",
+    "torch.utils._pytree.tree_map_only")
+torchapi.require(FEATURE, "torch._subclasses.fake_tensor.unset_fake_temporarily",
+                 "torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT", "torch._C._ExcludeDispatchKeyGuard",
+                 "torch._C._nn._parse_to", "torch.library.Library._destroy", "torch.ops.aten.sum.default._schema")
 
 GiB = 1024 ** 3
 CONSTANT_NUMEL = 4096
@@ -171,7 +177,8 @@ def gpu_autocast(device: torch.device, dtype_name: str, original=None):
         decided = (original or _AUTOCAST)(torch.device("cuda"), dtype_name)
     if not isinstance(decided, torch.autocast):
         return decided
-    return torch.autocast(device.type, dtype=decided.fast_dtype, cache_enabled=decided._cache_enabled)
+    return torch.autocast(device.type, dtype=decided.fast_dtype,
+                          cache_enabled=torchapi.attribute(decided, "_cache_enabled", FEATURE))
 
 
 # ----- a run ------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Each role's GPU memory at a released model's size, measured on the roles' own code under
-FakeTensorMode with torch's trackers (runtime/fake_run.py): what `python -m scripts.check_recipe`
+FakeTensorMode with torch's trackers (lab/memory/fake_run.py): what `python -m scripts.check_recipe`
 prints and docs/memory/*.json hold.
 
 A rank is built as runtime/build.py builds it (`runtime.context.make_context`, its `load_model` giving the
@@ -125,7 +125,8 @@ def fake_rank(cfg, facts, release: str, rank: int):
     with fake_run.fake_world(topo.world_size, rank), fake_run.FakeRun() as run, \
             patched(context, "load_model", load), patched(context, "_reward_set", rewards), \
             patched(probe, "_timed", _once):
-        groups = ProcessGroups.create(topo, 60, 60, exchange=facts.tsp and not facts.disagg)
+        groups = ProcessGroups.create(topo, 60, 60, exchange=facts.tsp and not facts.disagg,
+                                      own=build.mixed_replicas(cfg, facts))
         ctx, _ = context.make_context(cfg, facts, rank, groups)
         yield run, ctx
 
@@ -215,7 +216,8 @@ def measure_trainer(cfg, facts, release: str, rank: int, sent: Sent) -> tuple[Ra
 
 def _trainer(cfg, facts, ctx) -> Trainer:
     """The rank's Trainer as runtime/build.py makes it, its codec too."""
-    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, ctx.comms.trainers, facts.train_sharding, ctx.slowdown)
+    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, ctx.comms.trainers, facts.train_sharding, ctx.slowdown,
+                      ctx.comms.own.get(ctx.rank))
     fake_run.optimizer_as_on_gpu(trainer.optimizer)
     if compress.lossy(cfg.topology.publish_compression):
         trainer.start_codec(cfg.topology.publish_compression, build._publish_names(ctx.adapter, facts.lora), None)

@@ -11,11 +11,26 @@ import weakref
 from copy import deepcopy
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils.weak import WeakIdKeyDictionary
+
+from parallel import torchapi
+
+FEATURE = "the memory measurement (lab/memory/fake_run.py, lab/memory/trackers.py)"
+# torch's private trackers and the internals they are extended through: a torch without one fails
+# here, naming it (the measurement cannot run without them).
+FakeTensor, FakeTensorMode, fsdp2_mem_tracker, mem_tracker, ShardingPropagator = torchapi.require(
+    FEATURE, "torch._subclasses.fake_tensor.FakeTensor", "torch._subclasses.fake_tensor.FakeTensorMode",
+    "torch.distributed._tools.fsdp2_mem_tracker", "torch.distributed._tools.mem_tracker",
+    "torch.distributed.tensor._sharding_prop.ShardingPropagator")
+torchapi.require(FEATURE, *(f"torch.distributed._tools.mem_tracker.{name}" for name in (
+    "_RefType", "MemTracker._update_and_maybe_create_winfos", "MemTracker._track",
+    "MemTracker._track_module_params_and_buffers", "MemTracker._pre_fw_hook", "MemTracker._update_peak_stats")),
+    *(f"torch.distributed._tools.fsdp2_mem_tracker.{name}" for name in (
+        "_FSDPState", "FSDPMemTracker._fsdp_state_pre_forward", "FSDPMemTracker._fsdp_param_group_post_backward")),
+    "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached",
+    "torch.distributed.tensor.DTensor._local_tensor", "torch.distributed.fsdp.FSDPModule._get_fsdp_state",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.unsharded_param")
 
 
 @contextlib.contextmanager

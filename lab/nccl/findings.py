@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COMM_OPS = ("send", "recv", "collective")
-_POST, _WAIT, _SYNC, _NOP = 0, 1, 2, 3  # the actions of a rank's replay
+COMM_OPS = ("send", "recv", "collective", "new_group")
+_POST, _WAIT, _SYNC, _NOP, _CREATE = 0, 1, 2, 3, 4  # the actions of a rank's replay (_CREATE: post, then wait)
 
 
 @dataclass
@@ -33,12 +33,14 @@ class OpRef:
             what = f"recv from rank {self.peer}"
         elif self.op == "collective":
             what = f"collective {self.name or '?'}"
+        elif self.op == "new_group":
+            what = f"creation of group {self.name or '?'}"
         elif self.op == "wait":
             what = f"wait on line {self.target}"
         else:
             what = self.op
         tag = f" {self.name!r}" if self.name and self.op in ("send", "recv") else ""
-        size = f" {self.nbytes} B" if self.op in COMM_OPS else ""
+        size = f" {self.nbytes} B" if self.op in ("send", "recv", "collective") else ""
         grp = f" on [{self.group}]" if self.op in COMM_OPS else ""
         who = f"rank {self.rank} line {self.line}" if with_rank else f"line {self.line}"
         return f"{who}: {what}{tag}{grp}{size} ({self.where})"
@@ -96,7 +98,7 @@ def _ref(traces, rank: int, line: int) -> OpRef:
 
 @dataclass
 class Replay:
-    """The state a replay (commcheck.check) stopped in: the op tables, indexed by op id, and what
+    """The state a replay (replay.check) stopped in: the op tables, indexed by op id, and what
     each rank, stream and op reached. Ops are sends, receives and collectives; kinds 0, 1, 2."""
 
     traces: dict
@@ -197,7 +199,7 @@ def explain(s: Replay) -> Result:
         if i < len(actions[r]):
             kind, arg = actions[r][i]
             at = _ref(traces, r, i)
-            if kind == _WAIT:
+            if kind in (_WAIT, _CREATE):
                 target = ref(arg)
                 u = op_unit[arg]
                 q = queues[unit_stream[u]]

@@ -19,7 +19,11 @@ reasons (it says nothing about timeouts, sizes or data):
   at the head together, match independently, and the unit (and so each of its ops, as NCCL returns
   one work for the group) completes when all of them matched. Brackets nest; the outermost counts;
   a wait inside a bracket is malformed (it would hang before the group is launched);
-* different communicators proceed independently.
+* different communicators proceed independently;
+* creating a group ("new_group") is a collective of every rank of its parent (the world for
+  new_group), matched by order on a stream of the parent's own (ncclCommSplit is not queued behind
+  the parent's kernels), and the rank waits for it; which group each rank creates, and whether
+  every rank takes part, is NCCL's creation rule (lab/nccl/creation.py), reported as mismatches.
 
 The replay runs to a fixpoint in time linear in the number of ops (every op is posted, activated
 and completed once). Whatever cannot complete is explained (lab/nccl/findings.py): for each stuck rank, the line it is
@@ -36,7 +40,8 @@ import os
 import re
 from collections import deque
 
-from lab.nccl.findings import _NOP, _POST, _SYNC, _WAIT, COMM_OPS, Blocked, HeadOp, OpRef, Replay, Result, _ref, explain
+from lab.nccl import creation as creation_rule
+from lab.nccl.findings import _CREATE, _NOP, _POST, _SYNC, _WAIT, COMM_OPS, Blocked, HeadOp, OpRef, Replay, Result, _ref, explain
 
 OPS = COMM_OPS + ("wait", "sync", "group_start", "group_end")
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
@@ -92,7 +97,8 @@ def check(traces: dict[int, list[dict]]) -> Result:
     TraceError when the traces are malformed (unknown op, wait on a line that is not an earlier op,
     unbalanced brackets); findings about the run are in the Result."""
     ranks = sorted(traces)
-    mismatches: list[str] = []
+    mismatches: list[str] = creation_rule.findings(traces)  # NCCL's rule for creating groups
+    creation_streams: set[str] = set()
 
     # Op tables, indexed by op id (comm ops only).
     op_rank: list[int] = []
@@ -141,7 +147,14 @@ def check(traces: dict[int, list[dict]]) -> Result:
                 group = e.get("group")
                 if not isinstance(group, str):
                     raise TraceError(f"{where}: {op} without a group name")
-                groups.add(group)
+                creation = op == "new_group"
+                if creation:  # a collective of the parent's ranks on a stream of its own, and the rank waits
+                    if depth:
+                        raise TraceError(f"{where}: new_group inside a group_start/group_end bracket")
+                    group = creation_rule.stream(group)
+                    creation_streams.add(group)
+                else:
+                    groups.add(group)
                 oid = len(op_rank)
                 op_rank.append(rank)
                 op_line.append(i)
@@ -158,13 +171,13 @@ def check(traces: dict[int, list[dict]]) -> Result:
                     u = len(unit_ops)
                     unit_ops.append([])
                     unit_stream.append(s)
-                    acts.append((_POST, (u,)))
+                    acts.append((_CREATE, oid) if creation else (_POST, (u,)))
                 unit_ops[u].append(oid)
                 op_unit.append(u)
                 op_partner.append(-1)
-                if op == "collective":
+                if op in ("collective", "new_group"):
                     op_kind.append(2)
-                    members = e.get("members")
+                    members = e.get("members", ranks if creation else None)
                     if not isinstance(members, list) or not all(isinstance(m, int) for m in members):
                         raise TraceError(f"{where}: collective without a list of members")
                     members = sorted(set(members))
@@ -189,7 +202,7 @@ def check(traces: dict[int, list[dict]]) -> Result:
                     else:
                         first = inst_first[inst]
                         fe = traces[op_rank[first]][op_line[first]]
-                        if fe.get("name") != e.get("name"):
+                        if not creation and fe.get("name") != e.get("name"):  # creations: creation_rule.findings
                             mismatches.append(
                                 f"collective order mismatch on [{group}], collective #{k}: "
                                 f"{e.get('name')!r} at {where} but {fe.get('name')!r} at "
@@ -313,15 +326,15 @@ def check(traces: dict[int, list[dict]]) -> Result:
             i = pc[r]
             while i < len(acts):
                 kind, arg = acts[i]
-                if kind == _POST:
-                    for u in arg:
+                if kind == _POST or (kind == _CREATE and not posted[op_unit[arg]]):
+                    for u in arg if kind == _POST else (op_unit[arg],):
                         posted[u] = 1
                         q = queues[unit_stream[u]]
                         q.append(u)
                         outstanding[r] += len(unit_ops[u])
                         if len(q) == 1:
                             activate.append(u)
-                elif kind == _WAIT:
+                if kind in (_WAIT, _CREATE):
                     u = op_unit[arg]
                     if not unit_done[u]:
                         unit_waiters.setdefault(u, []).append(r)
@@ -336,8 +349,10 @@ def check(traces: dict[int, list[dict]]) -> Result:
     stuck = [r for r in ranks if pc[r] < len(actions[r]) or outstanding[r]]
     n_groups = len(groups)
     if not stuck and not mismatches:
-        return Result(True, f"ok: {n_ops} ops on {len(ranks)} ranks, {n_groups} communicators",
-                      n_ops, len(ranks), n_groups)
+        created = sum(1 for group, _ in inst_index if group in creation_streams)  # each made by every rank
+        n_comm = n_ops - sum(len(inst_ops[i]) for (group, _), i in inst_index.items() if group in creation_streams)
+        return Result(True, f"ok: {n_comm} ops on {len(ranks)} ranks, {n_groups} communicators"
+                      + (f", {created} groups created" if created else ""), n_comm, len(ranks), n_groups)
 
     return explain(Replay(traces, ranks, mismatches, groups, n_ops, op_rank, op_line, op_kind, op_unit, op_partner,
                           op_inst, unit_ops, unit_stream, stream_key, actions, inst_ops, inst_members, inst_size,
