@@ -62,10 +62,10 @@ def train_micro_batch_s(wl: Workload, g: GPU, transitions: int, *, sharding: Sha
                         cfg_batched: bool = True, overlap: float = FSDP_OVERLAP,
                         grad_bytes_per_param: int = 2, gather_bytes: int = 2, with_reference: bool = False) -> float:
     """Forward + backward of one micro-batch of `transitions` (sample, timestep) pairs, with the
-    algorithm's forwards without gradient (`wl.frozen_forwards`: DiffusionNFT's old policy) and, `with_reference`, the KL
-    reference's forward inside it (DigenRL's trainer runs both per micro-batch; the peer models
-    price their reference forward as a phase of its own). Every extra forward gathers the weights
-    again under FSDP."""
+    algorithm's forwards without gradient (`wl.frozen_forwards`: DiffusionNFT's old policy) and,
+    `with_reference`, the KL reference's forward inside it (DigenRL's trainer runs both per
+    micro-batch; the peer models price their reference forward as a phase of its own). Every extra
+    forward gathers the weights again under FSDP."""
     calls = 1 if cfg_batched or wl.branches == 1 else wl.branches
     rows = transitions * (wl.branches if calls == 1 else 1)
     reference = int(with_reference and wl.kl)

@@ -94,9 +94,10 @@ class MaskedPolicyLoss:
             dropped_pos, dropped_neg = positive.any(dim=1).float(), negative.any(dim=1).float()
             p = (policy * w).detach().sum()
             k = kl.detach().sum() if kl is not None else torch.zeros((), device=p.device)
-            values = (p + self.beta * k, p, k, (0.5 * d.pow(2) * c).sum(), (kl_old * c).sum(),
-                      ((kl_old >= self.threshold).float() * c).sum(), (torch.maximum(dropped_pos, dropped_neg) * c).sum(),
-                      (dropped_pos * c).sum(), (dropped_neg * c).sum(), (ratio.detach() * c).sum())
+            high = (kl_old >= self.threshold).float()
+            values = (p + self.beta * k, p, k, (0.5 * d.pow(2) * c).sum(), (kl_old * c).sum(), (high * c).sum(),
+                      (torch.maximum(dropped_pos, dropped_neg) * c).sum(), (dropped_pos * c).sum(),
+                      (dropped_neg * c).sum(), (ratio.detach() * c).sum())
             stats = torch.stack([v.double() for v in values])
         return (policy * w).sum(), kl_term, stats
 
