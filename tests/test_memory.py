@@ -251,3 +251,17 @@ def test_tcss_generators_hold_an_idle_copy_of_the_version(adapters):
         assert tcss[phase].tensors - plain[phase].tensors == pytest.approx(copy, rel=1e-6), phase
     assert tcss["start-up probe"].tensors == plain["start-up probe"].tensors
     assert tcss["fragment"].tensors / GiB == pytest.approx(58.2, rel=0.02)
+
+
+def test_the_measured_training_batch_carries_the_fields_the_rollout_records():
+    """An algorithm whose loss reads a recorded step field (Flow-DPPO: the rollout's means) is measured
+    on a batch that carries it, latent-shaped, and nothing else is added for one that records none."""
+    from lab.memory.fake_parts import Sent, transition_batch
+    from rl import sampler
+
+    sent = Sent({"prompt_embeds": ((7, 16), torch.float32)}, None, (4, 2, 2))
+    sigmas = torch.linspace(1, 0, 5)
+    for record, want in (((), {}), (("mean", "std"), {"mean": (4, 4, 2, 2), "std": (4,)})):
+        cfg = sampler.SamplingConfig(16, 16, 4, record=record)
+        batch = transition_batch(sent, cfg, sigmas, 1, rows=4)
+        assert {k: tuple(v.shape) for k, v in batch.steps.items()} == want
