@@ -62,9 +62,10 @@ def checkpoint_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step-{step}")
 
 
-def find_checkpoint(run_dir: str) -> checkpoint_files.Found:
-    """The newest checkpoint of a run folder whose manifest verifies, and those passed over."""
-    return checkpoint_files.find_valid(os.path.join(run_dir, "checkpoints"))
+def find_checkpoint(run_dir: str, pinned_only: str | None = None) -> checkpoint_files.Found:
+    """The newest checkpoint of a run folder whose manifest verifies (`pinned_only`: and that holds
+    a KEEP file), and those passed over."""
+    return checkpoint_files.find_valid(os.path.join(run_dir, "checkpoints"), pinned_only)
 
 
 # ----- the export: diffusers layouts --------------------------------------------------------
