@@ -149,6 +149,24 @@ def _read_transformer(path: str) -> dict[str, Tensor]:
     return out
 
 
+def verify_checkpoint(path: str) -> dict:
+    """A checkpoint folder (checkpoints/step-N, or its ema/) as scripts.sample and scripts.eval read
+    it, verified as --resume verifies it (checkpointing/files.py): every file step-N's manifest
+    lists, with its size and SHA-256. Returns the manifest; a ValueError names the first file that
+    does not match, before any model loads."""
+    folder = os.path.normpath(path)
+    if not os.path.isdir(folder):
+        raise ValueError(f"--checkpoint {path!r} is not a folder")
+    root = folder
+    if os.path.basename(folder) == EMA_DIR and not os.path.isfile(os.path.join(folder, checkpoint_files.MANIFEST)):
+        root = os.path.dirname(folder)  # ema/ is listed in its checkpoint's manifest
+    try:
+        return checkpoint_files.read_manifest(root)
+    except ValueError as e:
+        raise ValueError(f"--checkpoint {path!r}: {e}; a checkpoint whose bytes are not those its run wrote is not "
+                         f"read (another checkpoints/step-N folder of the run, or its ema/)") from None
+
+
 def load_trained_weights(adapter: "DiTAdapter", path: str) -> None:
     """Sampling from a checkpoint or its ema/ (scripts/sample.py --checkpoint): LoRA through
     diffusers' own loader, a full fine-tune into the transformer (cast to its dtype)."""

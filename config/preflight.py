@@ -386,7 +386,8 @@ def check_run(cfg, prompt_sets, released: str | None = None) -> None:
         check_reward_models(cfg)
     check_prompts(cfg, prompt_sets)
     if cfg.model.prompt_embeds:
-        embeds.check(cfg.model.prompt_embeds, cfg.model.model, embedded_prompts(cfg, prompt_sets))
+        encoder = None if released else embeds.encoder_record(cfg.model.model_path, cfg.model.preset, cfg.seed)
+        embeds.check(cfg.model.prompt_embeds, cfg.model.model, embedded_prompts(cfg, prompt_sets), encoder)
 
 
 def embedded_prompts(cfg, prompt_sets) -> list[str]:
