@@ -66,7 +66,8 @@ def config_differences(saved: dict, current: dict, model_bytes: list[str] | None
     for section, name, flag_name in WEIGHT_MEANING:
         if name == "model_path" and model_bytes is not None:
             if model_bytes:
-                shown = ", ".join(model_bytes[:3]) + (f" and {len(model_bytes) - 3} more" if len(model_bytes) > 3 else "")
+                more = f" and {len(model_bytes) - 3} more" if len(model_bytes) > 3 else ""
+                shown = ", ".join(model_bytes[:3]) + more
                 out.append(f"other base model bytes: {shown} in --model-path {current['model']['model_path']} since "
                            f"the checkpoint")
             continue

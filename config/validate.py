@@ -66,8 +66,8 @@ class RunFacts:
     def digests(self) -> dict:
         """The SHA-256 of the prompt files as read and the model folder's digest, for config.json's
         run record (and every checkpoint's): what a resume compares its own with."""
-        return {"prompts_sha256": self.prompts.sha256 if self.prompts else None, "eval_prompts_sha256": self.eval_sha256,
-                "model_digest": self.model_digest}
+        return {"prompts_sha256": self.prompts.sha256 if self.prompts else None,
+                "eval_prompts_sha256": self.eval_sha256, "model_digest": self.model_digest}
 
     @property
     def num_trainers(self) -> int:

@@ -4,16 +4,16 @@ DanceGRPO encodes its prompt set once before training and trains without text en
 GPUs; this is that option. The file is a safetensors file: the conditioning tensors of every prompt
 as a batch of one (`{row}/{name}`, e.g. `0/prompt_embeds`), and in its metadata the prompts in row
 order, the model family, the text length, each tensor's dimensions and the encoder that wrote it:
-the model folder and the digest of its text encoders' and tokenizers' files (checkpointing/digests.py),
-or the preset and seed. A run refuses, before any rank waits, a file whose encoder is not its
-model's: another model of the family (other dimensions, or the same dimensions and other weights:
-the rows would condition the transformer on another encoder's space). Conditioning is padded to a fixed length, so a prompt
-encoded alone equals the same prompt encoded in a batch (docs/DESIGN.md section 4), and a looked-up
-batch is the concatenation of its rows. Every rank that would encode (generators, evaluating or
-TAG trainers) reads the rows it needs from the file (memory-mapped), so no rank holds a text
-encoder. The embeddings carry the dtype and device kernels they were computed with: a run that
-encodes on the fly on other hardware may differ in the last bits, but every rank of a run reads
-the same file, so placement invariance holds.
+the model folder and the digest of its text encoders' and tokenizers' files
+(checkpointing/digests.py), or the preset and seed. A run refuses, before any rank waits, a file
+whose encoder is not its model's: another model of the family (other dimensions, or the same
+dimensions and other weights: the rows would condition the transformer on another encoder's space).
+Conditioning is padded to a fixed length, so a prompt encoded alone equals the same prompt encoded
+in a batch (docs/DESIGN.md section 4), and a looked-up batch is the concatenation of its rows.
+Every rank that would encode (generators, evaluating or TAG trainers) reads the rows it needs from
+the file (memory-mapped), so no rank holds a text encoder. The embeddings carry the dtype and
+device kernels they were computed with: a run that encodes on the fly on other hardware may differ
+in the last bits, but every rank of a run reads the same file, so placement invariance holds.
 """
 from __future__ import annotations
 

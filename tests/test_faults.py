@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import time
 
 import pytest
@@ -232,3 +233,34 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(tmp_path, mode):
     assert [[r[k] for k in keys] for r in _rows(run)] == [[r[k] for k in keys] for r in _rows(straight)]
     if mode == "tcss":
         assert [r["train/staleness_mean"] for r in _rows(run)] == [0.0, 1.0, 1.0]
+
+
+def test_a_disk_that_fills_during_a_checkpoint_is_named_and_nothing_is_lost(tmp_path):
+    """The output folder on a 200 KiB file system: step-1 fits, step-2 does not. Every rank stops
+    (exit 3) with one line naming ENOSPC, the folder and its free space; once there is room the
+    run continues from step-1 with --resume DIR --output-dir DIR."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs CAP_SYS_ADMIN")
+    try:
+        run = disk / "run"
+        args = [*BASE, "--steps", "3", "--save-every", "1", "--keep-checkpoints", "0", "--output-dir", str(run)]
+        full = run_cases([{"name": "full", "world": 2, "env": {}, "argv": args}], limit=120)["full"]
+        subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)  # room again
+        resumed = run_cases([{"name": "resumed", "world": 2, "env": {},
+                              "argv": ["--resume", str(run), "--output-dir", str(run)]}], limit=120)["resumed"]
+        rows = _rows(run)
+    finally:
+        subprocess.run(["umount", str(disk)])
+    said = (f"checkpoint step-2: no space left on device (ENOSPC) writing into {run / 'checkpoints'}, 0 bytes free of "
+            f"200.0 KiB on its file system: free space (the unfinished step-2.tmp can go), then continue from step-1")
+    for r in full["ranks"]:
+        lines = [line for line in r["stderr"].splitlines() if line.startswith("error:")]
+        assert r["code"] == 3 and len(lines) == 1 and said in lines[0], (r["code"], r["stderr"][-3000:])
+        assert "Traceback" not in r["stderr"] and "CheckpointException" not in lines[0]
+    assert [r["code"] for r in resumed["ranks"]] == [0, 0], resumed["ranks"][1]["stderr"][-3000:]
+    assert f"continuing from {run / 'checkpoints' / 'step-1'} (step 1)" in resumed["ranks"][0]["stderr"]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    print(f"\nENOSPC: every rank gone {max(r['seconds'] for r in full['ranks']):.1f} s after its start "
+          f"(2 steps, one checkpoint)")

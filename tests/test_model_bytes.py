@@ -119,7 +119,7 @@ def test_a_resume_follows_the_model_bytes_not_the_path(tmp_path):
     noise(str(moved / TRANSFORMER))
     for anyway in (False, True):
         with pytest.raises(ValueError, match=f"the checkpoint was trained with other base model bytes: {TRANSFORMER} "
-                                             f"changed in --model-path {moved} since the checkpoint; these change what"):
+                                             f"changed in --model-path {moved} since the checkpoint; these change"):
             _check(run, moved, anyway)
     old = tmp_path / "old"
     old.mkdir()
@@ -188,8 +188,8 @@ def test_eval_and_sample_verify_the_checkpoint_as_resume_does(tmp_path):
                            str(ckpt)], cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (f"error: --checkpoint {str(ckpt)!r}: pytorch_lora_weights.safetensors "
-                                                    f"has 100 bytes, the manifest says {size}; a checkpoint whose bytes "
-                                                    f"are not those its run wrote is not read (another "
-                                                    f"checkpoints/step-N folder of the run, or its ema/)")
+    line = (f"error: --checkpoint {str(ckpt)!r}: pytorch_lora_weights.safetensors has 100 bytes, the manifest says "
+            f"{size}; a checkpoint whose bytes are not those its run wrote is not read (another checkpoints/step-N "
+            f"folder of the run, or its ema/)")
+    assert proc.stderr.strip().splitlines()[-1] == line
     assert not (tmp_path / "e").exists() and not (tmp_path / "s").exists()
