@@ -257,13 +257,12 @@ def check_folder_files(path: str) -> None:
     for folder, _, names in os.walk(path):
         for name in sorted(names):
             full = os.path.join(folder, name)
+            try:
+                os.stat(full)
+            except OSError as e:
+                raise ValueError(f"{full}: cannot be read ({e.strerror})") from None
             if name in FOLDER_JSON or name.endswith(".safetensors"):
-                check_regular(full, "model file")  # a FIFO would block the reader, a broken link is named
-            else:
-                try:
-                    os.stat(full)
-                except OSError as e:
-                    raise ValueError(f"{full}: cannot be read ({e.strerror})") from None
+                check_regular(full, "model file")  # a FIFO would block the reader
             if name in FOLDER_JSON:
                 _read_json(full)
             elif name.endswith(".safetensors"):
