@@ -4,8 +4,11 @@
   60 s, naming the dead one by role (torchrun: in one line per worker, with no traceback);
 - an exception raised by a generator, a trainer or a scorer: every rank's line names that rank
   and its exception, and no rank is blamed as silent;
-- --overwrite of a live run is refused on every rank, naming the host and pid that hold it, and
-  the live run goes on untouched (the second-signal rule: tests/test_reliability.py);
+- --overwrite of a live run is refused to a launch with the same rdzv id, through a bind mount of
+  its folder, naming the host and pid that hold it, and the live run goes on untouched (the
+  second-signal rule: tests/test_reliability.py);
+- a disk that fills during a checkpoint is named (ENOSPC, the folder, its free space), and the run
+  continues from the previous checkpoint once there is room;
 - SIGTERM on one rank: every rank finishes the same steps, a checkpoint is written, the run exits
   within --stop-grace-s, and resuming from it is bitwise equal to an uninterrupted run (disagg +
   TSP);
@@ -30,7 +33,7 @@ from checkpointing import files as checkpoint_files
 from checkpointing.checkpoint import KILL_ENV
 from checkpointing.lock import LOCK
 from forked import run_cases
-from runtime.launch import TINY, alive, torchrun, torchrun_background, trained_weights, worker_pids
+from runtime.launch import TINY, alive, rendezvous, torchrun, torchrun_background, trained_weights, worker_pids
 from telemetry.metrics import read_metrics
 from traced import assert_nccl_ok, traced
 
@@ -130,29 +133,39 @@ def test_an_exception_on_any_role_is_that_ranks_on_every_rank(injected, role):
         assert r["seconds"] < 60
 
 
-def test_a_live_runs_folder_is_refused_on_every_rank_and_the_run_goes_on(tmp_path):
-    """While a run trains, --overwrite into its folder is refused on every rank of the second
-    launch, naming the host and pid holding it, and the live run goes on with every byte it wrote;
-    stopped by SIGTERM to torchrun, it saves a checkpoint and its lock leaves with it."""
-    run, log = tmp_path / "run", tmp_path / "log"
+def test_a_live_runs_folder_is_refused_to_a_launch_of_the_same_rdzv_id_and_the_run_goes_on(tmp_path):
+    """While a run trains, a second torchrun with the same c10d rdzv id (every launch of a SLURM
+    allocation has one: scripts/slurm/launch.sh) and --overwrite into the run's folder through
+    another name of it (a bind mount; a symlink where mounting is refused) is refused, naming the
+    host and pid holding it, and the live run goes on with every byte it wrote; stopped by SIGTERM
+    to torchrun, it saves a checkpoint and its lock leaves with it."""
+    run, log, alias = tmp_path / "run", tmp_path / "log", tmp_path / "alias"
     proc = torchrun_background(2, [*BASE, "--steps", "500", "--save-every", "1", "--keep-checkpoints", "0",
-                                   "--output-dir", str(run)], str(log))
+                                   "--output-dir", str(run)], str(log), rdzv=rendezvous("samejob"))
+    mounted = False
     try:
         _wait_rows(run, 2, proc, log)
+        alias.mkdir()
+        mounted = subprocess.run(["mount", "--bind", str(run), str(alias)], capture_output=True).returncode == 0
+        if not mounted:
+            alias.rmdir()
+            alias.symlink_to(run)
         pids = worker_pids(proc.pid)
         rows = (run / "metrics.jsonl").read_text()
         saved = checkpoint_files.find_valid(str(run / "checkpoints"))
-        second = run_cases([{"name": "overwrite", "world": 2, "env": {},
-                             "argv": [*BASE, "--overwrite", "--output-dir", str(run)]}])["overwrite"]
+        second = torchrun(2, [*BASE, "--overwrite", "--output-dir", str(alias)], check=False, timeout=240,
+                          rdzv=rendezvous("samejob"))
         _wait_rows(run, len(rows.splitlines()) + 1, proc, log)  # the live run goes on
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
         _end(proc)
+        if mounted:
+            subprocess.run(["umount", str(alias)], check=True)
     holder = f"pid {pids[0]} on host {socket.gethostname()}"
-    for r in second["ranks"]:
-        assert r["code"] == 2 and f"--overwrite would delete the files of a live run: {run / LOCK} is held by " \
-            f"{holder}" in r["stderr"], r["stderr"][-2000:]
+    said = second.stdout + second.stderr
+    assert second.returncode != 0 and f"error: --overwrite would delete the files of a live run: {alias / LOCK} is " \
+        f"held by {holder}" in said, said[-3000:]
     assert (run / "metrics.jsonl").read_text().startswith(rows)
     checkpoint_files._VERIFIED.clear()
     assert checkpoint_files.read_manifest(saved.path)["step"] == saved.step  # every byte of it
