@@ -153,8 +153,10 @@ def test_a_live_runs_folder_is_refused_to_a_launch_of_the_same_rdzv_id_and_the_r
         pids = worker_pids(proc.pid)
         rows = (run / "metrics.jsonl").read_text()
         saved = checkpoint_files.find_valid(str(run / "checkpoints"))
+        began = time.monotonic()
         second = torchrun(2, [*BASE, "--overwrite", "--output-dir", str(alias)], check=False, timeout=240,
                           rdzv=rendezvous("samejob"))
+        second_s = time.monotonic() - began
         _wait_rows(run, len(rows.splitlines()) + 1, proc, log)  # the live run goes on
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
@@ -170,6 +172,8 @@ def test_a_live_runs_folder_is_refused_to_a_launch_of_the_same_rdzv_id_and_the_r
     checkpoint_files._VERIFIED.clear()
     assert checkpoint_files.read_manifest(saved.path)["step"] == saved.step  # every byte of it
     assert "stopped on a signal after step" in log.read_text() and not (run / LOCK).exists()
+    print(f"\nthe second launch (same rdzv id, --overwrite through {'a bind mount' if mounted else 'a symlink'}) "
+          f"was refused and its torchrun gone in {second_s:.1f} s")
 
 
 def test_sigterm_on_one_rank_writes_a_checkpoint_and_resume_is_bitwise(tmp_path):
