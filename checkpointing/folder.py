@@ -135,7 +135,7 @@ def check(cfg, prompts_sha256: str | None = None, not_carried=frozenset(), model
                          + ("" if os.path.realpath(o.resume) == os.path.realpath(out) else
                             f" ({o.resume!r} and --output-dir {out!r} are one folder)"))
     if resume and resume.same_folder:
-        check_metrics(out)  # cut back before the model loads, and read again after
+        check_metrics(out)  # cut back and replayed once the model has loaded: its bytes are checked now
     return resume
 
 

@@ -310,7 +310,8 @@ def test_an_alias_of_a_run_folder_is_that_folder(alias, tmp_path):
 
 
 def _race(folders: list[str], start, results, launch: str) -> None:
-    """One racer: for each folder, wait for the others, then try to take the folder's lock."""
+    """One racer: for each folder, wait for the others, then try to take the folder's lock, and wait
+    until every racer has tried (a winner that ended would leave a dead run's lock to take over)."""
     lock.set_launch(launch)
     for folder in folders:
         start.wait()
@@ -319,6 +320,7 @@ def _race(folders: list[str], start, results, launch: str) -> None:
             results.put((folder, os.getpid()))
         except ValueError:
             results.put((folder, None))
+        start.wait()
 
 
 def test_a_stale_lock_has_exactly_one_taker_among_6_racers(tmp_path):
