@@ -194,11 +194,15 @@ def unfinished_dirs(root: str) -> list[str]:
                   if re.fullmatch(r"step-\d+\.(tmp|old-.*)", d))
 
 
-def find_valid(root: str) -> Found:
+def find_valid(root: str, pinned_only: str | None = None) -> Found:
     """The newest `step-N/` under `root` whose manifest verifies; newer ones that fail are listed
-    in `skipped` with the reason, and so are unfinished writes."""
+    in `skipped` with the reason, and so are unfinished writes. `pinned_only`: only folders holding
+    a KEEP file count, the others are skipped for this reason (a live run's, which it may prune)."""
     skipped = [(p, "an unfinished write") for p in unfinished_dirs(root)]
     for step, path in step_dirs(root):
+        if pinned_only and not os.path.exists(os.path.join(path, PIN_FILE)):
+            skipped.append((path, pinned_only))
+            continue
         try:
             manifest = read_manifest(path)
         except ValueError as e:

@@ -57,10 +57,20 @@ def _meaning(cfg: dict, section: str, name: str):
     return value
 
 
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """The settings that change the weights' meaning and differ: ['--lora-rank 4 (this run: 8)', ...]."""
+def config_differences(saved: dict, current: dict, model_bytes: list[str] | None = None) -> list[str]:
+    """The settings that change the weights' meaning and differ: ['--lora-rank 4 (this run: 8)', ...].
+    `model_bytes`: the base model's files whose bytes differ from the checkpoint's record
+    (checkpointing/digests.differences; [] the same bytes): they, not the folder's path, decide;
+    None where there is no record to compare (a preset, an older run): the path stands for them."""
     out = []
     for section, name, flag_name in WEIGHT_MEANING:
+        if name == "model_path" and model_bytes is not None:
+            if model_bytes:
+                more = f" and {len(model_bytes) - 3} more" if len(model_bytes) > 3 else ""
+                shown = ", ".join(model_bytes[:3]) + more
+                out.append(f"other base model bytes: {shown} in --model-path {current['model']['model_path']} since "
+                           f"the checkpoint")
+            continue
         a, b = _meaning(saved, section, name), _meaning(current, section, name)
         if a != b:
             out.append(f"{flag_name} {a} (this run: {b})")
@@ -90,9 +100,11 @@ def free(key: str) -> bool:
     return key in FREE or key.startswith("output.") or (key.startswith("topology.") and key not in TRAINING_TOPOLOGY)
 
 
-def needs_anyway(changed: dict, saved_run: dict, prompts_sha256: str | None) -> list[str]:
-    """The changes only --resume-anyway allows, named: ['--seed 1 (this run: 0)', ...]."""
-    out = [f"{flag(k)} {old} (this run: {new})" for k, (old, new) in changed.items() if not free(k)]
+def needs_anyway(changed: dict, saved_run: dict, prompts_sha256: str | None, same_model: bool = False) -> list[str]:
+    """The changes only --resume-anyway allows, named: ['--seed 1 (this run: 0)', ...].
+    `same_model`: the model folder holds the checkpoint's bytes, wherever it is now."""
+    skip = {"model.model_path"} if same_model else set()
+    out = [f"{flag(k)} {old} (this run: {new})" for k, (old, new) in changed.items() if not free(k) and k not in skip]
     then = saved_run.get("prompts_sha256")
     if then and prompts_sha256:
         if then != prompts_sha256:

@@ -28,6 +28,7 @@ from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
 from prompts import embeds
 from prompts import resolutions
+from prompts.sets import check_regular
 from rl import algorithms, sampler
 from rl.advantages import COMBINES, STD_MODES
 from rl.loss import KL_FORMS
@@ -248,6 +249,8 @@ def check_folder_files(path: str) -> None:
                 os.stat(full)
             except OSError as e:
                 raise ValueError(f"{full}: cannot be read ({e.strerror})") from None
+            if name in FOLDER_JSON or name.endswith(".safetensors"):
+                check_regular(full, "model file")  # a FIFO would block the reader
             if name in FOLDER_JSON:
                 _read_json(full)
             elif name.endswith(".safetensors"):
@@ -290,12 +293,14 @@ def check_model(cfg, prompts=(), released: str | None = None) -> None:
     height = s.height if s.height is not None else defaults.height
     width = s.width if s.width is not None else defaults.width
     frames = s.num_frames if s.num_frames is not None else defaults.num_frames
+    steps = s.sample_steps if s.sample_steps is not None else defaults.num_steps
+    shift = _shift_config(cls, m.model_path, defaults, s.sde_type)
     try:
         cls.check_size(geometry, height, width, frames)
+        _check_shift(cls, geometry, shift, (height, width, frames), steps)
     except ValueError as e:
         raise ValueError(f"--height/--width/--num-frames: {e}") from None
-    _check_prompt_shapes(cls, geometry, (height, width, frames), prompts)
-    steps = s.sample_steps if s.sample_steps is not None else defaults.num_steps
+    _check_prompt_shapes(cls, geometry, (height, width, frames), prompts, shift, steps)
     noise = s.noise_level if s.noise_level is not None else (
         defaults.dance_eta if s.sde_type == "dance" else defaults.noise_level)
     if s.sde_type == "cps" and not 0 <= noise <= 1:
@@ -303,9 +308,28 @@ def check_model(cfg, prompts=(), released: str | None = None) -> None:
     algorithms.algorithm(cfg.rl.algorithm).check_steps(cfg, steps)  # what the algorithm asks of the K steps
 
 
-def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
+def _shift_config(cls, model_path: str | None, defaults, sde_type: str) -> dict | None:
+    """The scheduler config of a family whose timesteps shift by the sample's size (the folder's
+    or, for a preset or a released config, the family's own); None where they do not."""
+    if defaults.shift != "dynamic" or sde_type == "dance":
+        return None
+    if model_path:
+        return _read_json(os.path.join(model_path, "scheduler", "scheduler_config.json"))
+    return dict(cls.scheduler().config)
+
+
+def _check_shift(cls, geometry: dict, shift: dict | None, shape: tuple, steps: int) -> None:
+    """A sample of `shape` gets a schedule the run can sample with (rl.sampler.check_schedule)."""
+    if shift is not None:
+        height, width, frames = shape
+        sampler.check_schedule(shift, steps, cls.image_tokens(geometry, height, width, frames))
+
+
+def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts, shift: dict | None = None,
+                         steps: int = 1) -> None:
     """Each distinct shape a .jsonl prompt gives itself ((file, record) pairs), as the loaded
-    model's check would (prompts.resolutions.check_shapes), from the size factors alone."""
+    model's check would (prompts.resolutions.check_shapes), from the size factors alone, and its
+    timestep schedule (`shift`: the scheduler config of a family that shifts by the size)."""
     seen = {default}
     for path, r in prompts:
         shape = resolutions.record_shape(r, default)
@@ -317,6 +341,7 @@ def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
             raise ValueError(f"{where}: 'frames' {r.metadata['frames']} given for {cls.family!r}, an image model")
         try:
             cls.check_size(geometry, *shape)
+            _check_shift(cls, geometry, shift, shape, steps)
         except ValueError as e:
             raise ValueError(f"{where}: prompt shape {resolutions.shape_name(shape)}: {e}") from None
 
@@ -348,7 +373,8 @@ def check_run(cfg, prompt_sets, released: str | None = None) -> None:
         check_reward_models(cfg)
     check_prompts(cfg, prompt_sets)
     if cfg.model.prompt_embeds:
-        embeds.check(cfg.model.prompt_embeds, cfg.model.model, embedded_prompts(cfg, prompt_sets))
+        encoder = None if released else embeds.encoder_record(cfg.model.model_path, cfg.model.preset, cfg.seed)
+        embeds.check(cfg.model.prompt_embeds, cfg.model.model, embedded_prompts(cfg, prompt_sets), encoder)
 
 
 def embedded_prompts(cfg, prompt_sets) -> list[str]:

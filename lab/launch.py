@@ -1,6 +1,7 @@
 """Run train_disagg.py, or a module such as a distributed test script, under torchrun in a subprocess
 (tiny settings, a timeout, offline): the tests, the bench and the fault figures start runs through here."""
 import os
+import socket
 import subprocess
 import sys
 
@@ -13,8 +14,9 @@ TINY = ["--preset", "tiny", "--prompts-per-step", "2", "--group-size", "2", "--m
 
 
 def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: int = 300,
-             check: bool = True) -> subprocess.CompletedProcess:
-    return _torchrun(nproc, [os.path.join(ROOT, "train_disagg.py")], args, env, timeout, check)
+             check: bool = True, rdzv: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`rdzv`: torchrun's rendezvous flags in place of --standalone (`rendezvous`)."""
+    return _torchrun(nproc, [os.path.join(ROOT, "train_disagg.py")], args, env, timeout, check, rdzv)
 
 
 def torchrun_module(nproc: int, module: str, args: list[str] = (), env: dict | None = None, timeout: int = 300,
@@ -23,8 +25,18 @@ def torchrun_module(nproc: int, module: str, args: list[str] = (), env: dict | N
     return _torchrun(nproc, ["-m", module], args, env, timeout, check)
 
 
-def _torchrun(nproc: int, target: list[str], args, env, timeout, check) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *target, *args]
+def rendezvous(run_id: str) -> list[str]:
+    """torchrun's flags for a c10d rendezvous of one node on a free local port with the rdzv id
+    `run_id`, as scripts/slurm/launch.sh launches (there, $SLURM_JOB_ID for every launch)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
+
+
+def _torchrun(nproc: int, target: list[str], args, env, timeout, check, rdzv=None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *(rdzv or ["--standalone"]), "--nproc_per_node", str(nproc),
+           *target, *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -38,10 +50,11 @@ def trained_weights(run_dir: str, step: int):
     return read_state(checkpoint_dir(run_dir, step))
 
 
-def torchrun_background(nproc: int, args: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
+def torchrun_background(nproc: int, args: list[str], log_path: str, env: dict | None = None,
+                        rdzv: list[str] | None = None) -> subprocess.Popen:
     """train_disagg.py under torchrun, running on: its own session (so a test can end everything it
-    started by process group), stdout and stderr to `log_path`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+    started by process group), stdout and stderr to `log_path`. `rdzv`: as `torchrun`'s."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *(rdzv or ["--standalone"]), "--nproc_per_node", str(nproc),
            os.path.join(ROOT, "train_disagg.py"), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     log = open(log_path, "w")

@@ -140,6 +140,12 @@ class DiTAdapter:
         Video families get num_frames already defaulted by the caller."""
         raise NotImplementedError
 
+    @classmethod
+    def image_tokens(cls, geometry: dict, height: int, width: int, num_frames: int | None = None) -> int:
+        """`image_seq_len` of a sample of this size from the size factors alone (no weights), for the
+        families whose timesteps shift by it (`defaults.shift` "dynamic")."""
+        raise NotImplementedError
+
     def own_geometry(self) -> dict:
         """The size factors this loaded model uses (equal to `geometry` of its configs)."""
         raise NotImplementedError
@@ -302,6 +308,11 @@ def check_packed_image_size(family: str, vae_factor: int, height: int, width: in
         if size <= 0 or size % factor:
             raise ValueError(f"{name} {size} must be a positive multiple of {factor} for {family!r} "
                              f"(VAE factor {vae_factor} x 2x2 packing)")
+
+
+def packed_image_tokens(vae_factor: int, height: int, width: int) -> int:
+    """Image tokens of the families that pack 2x2 latent patches (FLUX, Qwen-Image)."""
+    return (height // (2 * vae_factor)) * (width // (2 * vae_factor))
 
 
 def video_latent_shape(adapter: DiTAdapter, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:

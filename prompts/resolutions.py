@@ -50,8 +50,9 @@ def sampling_for(sampling: sampler.SamplingConfig, shape: Shape | None) -> sampl
 
 def check_shapes(adapter, records, sampling: sampler.SamplingConfig, path: str) -> dict[Shape, int]:
     """Every distinct shape of `records` checked against the model (its patch and VAE factors, its
-    frame rules): a bad one is a ValueError naming the prompt file, the line of the first prompt
-    with that shape and the bad value. Returns each shape's tokens per sample."""
+    frame rules, the timestep schedule it gets): a bad one is a ValueError naming the prompt file,
+    the line of the first prompt with that shape and the bad value. Returns each shape's tokens per
+    sample."""
     default = default_shape(sampling)
     video = adapter.defaults.num_frames is not None
     tokens: dict[Shape, int] = {}
@@ -63,12 +64,13 @@ def check_shapes(adapter, records, sampling: sampler.SamplingConfig, path: str) 
         if "frames" in r.metadata and not video:
             raise ValueError(f"{where}: 'frames' {r.metadata['frames']} given for {adapter.family!r}, an image model")
         try:
-            latent = adapter.latent_shape(*shape)
+            tokens[shape] = adapter.image_seq_len(adapter.latent_shape(*shape))
+            if sampling.schedule == "dynamic":  # the timesteps shift by the sample's size
+                sampler.check_schedule(dict(sampler.flow_scheduler(adapter).config), sampling.num_steps, tokens[shape])
         except ValueError as e:
             own = [k for k in ("height", "width", "frames") if k in r.metadata]
             what = f"prompt shape {shape_name(shape)}" if own else "the run's --height/--width/--num-frames"
             raise ValueError(f"{where}: {what}: {e}") from None
-        tokens[shape] = adapter.image_seq_len(latent)
     return tokens
 
 

@@ -172,10 +172,16 @@ class Rank:
             while not self.store.ready(f"exit/{rank}"):
                 time.sleep(0.05)  # rank wait: the trainers' last checkpoint and evaluation
 
-    def close(self) -> None:
-        self.log.close()
-        if self.cfg.output.trace:
-            self.ctx.tracer.save(os.path.join(self.cfg.output.output_dir, "trace", f"rank{self.ctx.rank}.json"))
+    def close(self, failing: bool = False) -> None:
+        """Flush the step log, write the trace. While the run fails (`failing`), a write that fails
+        too (the same full disk) is dropped: the run reports the error that ended it."""
+        try:
+            self.log.close()
+            if self.cfg.output.trace:
+                self.ctx.tracer.save(os.path.join(self.cfg.output.output_dir, "trace", f"rank{self.ctx.rank}.json"))
+        except OSError:
+            if not failing:
+                raise
 
     def exit_code(self) -> int:
         return guard.EXIT_STOPPED if self.guard.stopping else guard.EXIT_OK

@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 
-
+from checkpointing.checkpoint import load_trained_weights, verify_checkpoint
 from config import cli
 from prompts import resolutions
 from rl import sampler
@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output folder for metrics.json and grid.png")
     args = p.parse_args(argv)
 
+    if args.checkpoint:
+        verify_checkpoint(args.checkpoint)  # its bytes are those its run wrote, before any model loads
     records = eval_records(args.prompts, args.num_prompts, args.samples_per_prompt)
     specs, model_paths = args.reward or ["shapes:1.0"], reward_model_paths(args.reward_model)
     scorer_specs = args.eval_scorer or default_eval_scorers(specs)
@@ -60,8 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     scorers = RewardSet(eval_scorers(scorer_specs), model_paths=model_paths) if eval_scorers(scorer_specs) else None
     adapter = load_model(args.model, args.model_path, device=resolve_device(args.device))
     if args.checkpoint:
-        from checkpointing.checkpoint import load_trained_weights
-
         load_trained_weights(adapter, args.checkpoint)
     cfg = sampler.SamplingConfig.for_adapter(adapter, height=args.height, width=args.width,
                                              num_steps=args.sample_steps, guidance=args.guidance,

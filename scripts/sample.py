@@ -24,7 +24,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from rl import sampler
-from checkpointing.checkpoint import load_trained_weights
+from checkpointing.checkpoint import load_trained_weights, verify_checkpoint
 from config import cli
 from config.cli import config_from_args, config_parser
 from models import load_model, resolve_device, resolve_dtype, set_attention
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
     m, s = cfg.model, cfg.sampling
     device = resolve_device(m.device)
+    if args.checkpoint:
+        verify_checkpoint(args.checkpoint)  # its bytes are those its run wrote, before any model loads
     records = load_prompts(args.prompts) if args.prompts else [PromptRecord(p) for p in args.prompt]
     adapter = load_model(m.model, m.model_path, preset=m.preset, seed=cfg.seed, device=device,
                          dtype=resolve_dtype(m.dtype, device))
