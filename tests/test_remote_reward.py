@@ -183,8 +183,10 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
     at once, then one byte of a 1,000-byte body every 0.5 s."""
 
     delay, body, status, trickle = 0.0, b"", 200, False
+    requests: list  # when each request arrived (time.monotonic())
 
     def do_POST(self):  # noqa: N802 - the name http.server calls
+        self.requests.append(time.monotonic())
         self.rfile.read(int(self.headers["Content-Length"]))
         time.sleep(self.delay)
         try:
@@ -205,8 +207,10 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
 
 
 def _stand_in(delay: float, body: bytes, status: int = 200, trickle: bool = False):
-    handler = type("Handler", (_StandIn,), {"delay": delay, "body": body, "status": status, "trickle": trickle})
+    handler = type("Handler", (_StandIn,), {"delay": delay, "body": body, "status": status, "trickle": trickle,
+                                            "requests": []})
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.requests = handler.requests
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd
@@ -300,3 +304,31 @@ def test_a_run_scoring_over_http_through_a_server_restart_trains_the_local_runs_
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_a_run_whose_service_trickles_ends_within_the_deadline_naming_the_url(tmp_path):
+    """The service sends its headers, then a byte every 0.5 s, from the first request of the first
+    step on: every rank exits within --reward-timeout-s + 60 s of that request (code 3; the
+    generator names the service, the trainer prints its line), never blaming a rank."""
+    httpd = _stand_in(0.0, b"", trickle=True)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/jpeg_compressibility"
+    args = [a for a in TINY]
+    at = args.index("--reward")
+    del args[at:at + 2]
+    try:
+        run = torchrun(2, [*args, "--reward", url, "--reward-timeout-s", "10", "--steps", "2",
+                           "--output-dir", str(tmp_path / "run")], check=False, timeout=240)
+        ended = time.monotonic()
+    finally:
+        httpd.shutdown()
+    assert httpd.requests, run.stderr[-3000:]
+    took = ended - httpd.requests[0]
+    lines = [line[line.index("error: "):] for line in run.stderr.splitlines()  # (after a progress bar's text)
+             if "error: " in line and "traceback :" not in line]
+    said = f"error: generator rank 0 (replica 0) stopped the run at step 0: reward service {url} gave no scores " \
+           f"within 10 s"
+    assert len(lines) == 2 and all(line.startswith((said, f"error: reward service {url} gave no scores within 10 s"))
+                                   for line in lines), run.stderr[-3000:]
+    assert "stopped answering" not in run.stderr and "train_disagg.py\", line" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.count("exitcode  : 3") == 2, run.stderr[-3000:]
+    assert took < 10 + 60, took
