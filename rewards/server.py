@@ -42,7 +42,7 @@ try:
     _LIBC.malloc_trim  # noqa: B018 - glibc only
 except (OSError, AttributeError):
     _LIBC = None
-FD_RESERVE = 64  # open files kept for everything but connections (the listening socket, weights, logs)
+FD_MARGIN = 16  # open files kept free beside those open at start (a log, a late import)
 
 
 @dataclass
@@ -91,10 +91,17 @@ def give_back_memory() -> None:
 
 
 def connection_limit(config: ServerConfig) -> int:
-    """max_connections, within what the open-file limit leaves beside FD_RESERVE."""
+    """max_connections, within the open-file limit: beside the files already open and a margin."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    room = config.max_connections if soft == resource.RLIM_INFINITY else soft - FD_RESERVE
+    room = config.max_connections if soft == resource.RLIM_INFINITY else soft - _open_files() - FD_MARGIN
     return max(1, min(config.max_connections, room))
+
+
+def _open_files() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux: a guess at what a loaded reward model holds
+        return 64
 
 
 def is_loopback(host: str) -> bool:
@@ -107,10 +114,13 @@ def is_loopback(host: str) -> bool:
 
 
 class Connections:
-    """Every connection's first deadline and the open-connection bound, as a protocol factory around
-    aiohttp's (`server`: aiohttp tracks its open connections, oldest first, in `Server.connections`).
-    The middleware marks the connections a request is being served on (`busy`) and those that have
-    sent one (no longer `fresh`)."""
+    """Accepts connections one at a time, each within the open-connection bound, and gives each a
+    first deadline; aiohttp serves them (`server`, its protocol factory, which tracks the open
+    connections oldest first in `Server.connections`). asyncio's own server accepts a backlog of
+    connections before it makes any protocol, so a bound there would be counted late, and the
+    open files run out (EMFILE pauses its accepting for a second at a time). The middleware marks
+    the connections a request is being served on (`busy`) and those that have sent one (no
+    longer `fresh`)."""
 
     def __init__(self, limit: int, deadline_s: float):
         self.server: web.Server | None = None  # aiohttp's protocol factory, set once the app runner is set up
@@ -118,10 +128,25 @@ class Connections:
         self.busy: set = set()
         self.fresh: set = set()
 
-    def __call__(self):
-        """A protocol for a connection just accepted (asyncio calls this before the connection is made)."""
-        if len(self.server.connections) >= self.limit and not self._evict():
-            return _Refused()
+    async def accept(self, sock: socket.socket) -> None:
+        """Serve the listening socket until cancelled."""
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError:  # out of files or buffers for a moment: the margin beside the bound
+                await asyncio.sleep(0.1)
+                continue
+            if len(self.server.connections) >= self.limit and not self._evict():
+                _refuse(conn)
+                continue
+            try:
+                await loop.connect_accepted_socket(self._protocol, conn)
+            except OSError:  # the client went away already
+                conn.close()
+
+    def _protocol(self):
         handler = self.server()
         self.fresh.add(handler)
         asyncio.get_running_loop().call_later(self.deadline_s, self._expire, handler)
@@ -153,14 +178,16 @@ class Connections:
             self.busy.discard(protocol)
 
 
-class _Refused(asyncio.Protocol):
+def _refuse(conn: socket.socket) -> None:
     """A connection over the bound while every open one is being served: 503, closed."""
-
-    def connection_made(self, transport) -> None:
-        text = b"every connection of this service is in use; try again"
-        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: text/plain\r\n"
-                        b"Content-Length: %d\r\n\r\n%s" % (len(text), text))
-        transport.close()
+    text = b"every connection of this service is in use; try again"
+    try:
+        conn.setblocking(False)
+        conn.send(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: text/plain\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(text), text))
+    except OSError:
+        pass
+    conn.close()
 
 
 def make_app(rewards: dict, config: ServerConfig | None = None, log=None, connections: Connections | None = None
@@ -307,21 +334,23 @@ def serve(rewards_of, host: str, port: int, config: ServerConfig, *, device: str
     if warning:
         say(warning, file=sys.stderr)
     rewards = rewards_of()
+    limit = connection_limit(config)
 
     async def main() -> None:
-        connections = Connections(connection_limit(config), config.read_timeout_s)
+        connections = Connections(limit, config.read_timeout_s)
         app = make_app(rewards, config, log=lambda line: say(line, flush=True), connections=connections)
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=config.read_timeout_s)
         await runner.setup()
-        connections.server = runner.server  # aiohttp's protocol factory, which the guard wraps
-        server = await asyncio.get_running_loop().create_server(connections, sock=sock)
+        connections.server = runner.server  # aiohttp's protocol factory
+        accepting = asyncio.create_task(connections.accept(sock))
         bound = sock.getsockname()[1]  # the port the OS gave for --port 0
         say("serving " + ", ".join(f"http://{host}:{bound}/{n}" for n in rewards) + f" on {device} (requests up "
             f"to {config.max_body_bytes() / 1e6:.0f} MB, at most {connections.limit} connections)", flush=True)
         try:
             await asyncio.Event().wait()
         finally:
-            server.close()
+            accepting.cancel()
+            sock.close()
             await runner.cleanup()
 
     try:

@@ -157,6 +157,10 @@ def test_slow_connections_are_closed_and_never_hold_the_service(guarded):
     health = http.client.HTTPConnection("127.0.0.1", guarded.port, timeout=10)
     health.request("GET", "/", headers={"Authorization": f"Bearer {TOKEN}"})
     assert health.getresponse().status == 200
+    printed = []
+    while not guarded.lines.empty():
+        printed.append(guarded.lines.get())
+    assert not any("Too many open files" in line or "Traceback" in line for line in printed), printed[-20:]
 
 
 def test_a_large_body_costs_its_size_once_and_is_given_back(guarded):
