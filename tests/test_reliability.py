@@ -195,8 +195,9 @@ def test_tensorboard_shows_every_step_once_after_a_resume(tmp_path):
 
 def test_timeouts_follow_the_slowest_step():
     """5 x the slowest step, at least 60 s (above --dist-timeout-s for long steps: a video step may
-    take longer), and 60 s beyond --reward-timeout-s when a reward service scores; before the first step --dist-timeout-s or 5 x the predicted step, whichever is
-    longer, and never below the reward floor; when relaxed, never below --dist-timeout-s."""
+    take longer), and 60 s beyond --reward-timeout-s when a reward service scores; before the first
+    step --dist-timeout-s or 5 x the predicted step, whichever is longer, and never below that
+    reward floor; when relaxed, never below --dist-timeout-s."""
     from parallel import p2p
     from parallel.topology import Topology
     from runtime.guard import RunGuard, timeout_floor_s

@@ -94,7 +94,8 @@ def test_malformed_and_oversized_bodies_are_4xx_with_the_reason_and_no_traceback
         conn.putheader(k, v)
     conn.endheaders()
     answer = conn.getresponse()
-    assert answer.status == 413 and "a body of 1099511627776 bytes; this service takes at most" in answer.read().decode()
+    text = answer.read().decode()
+    assert answer.status == 413 and "a body of 1099511627776 bytes; this service takes at most" in text, text
     time.sleep(0.5)
     printed = []
     while not guarded.lines.empty():
