@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 
 from rl import advantages
-from prompts import shapes
+from prompts import resolutions
 from rl import sampler
-from parallel import stepfacts
-from parallel.intake import TrainChunk
+from parallel import fragment_records
+from parallel.trainer_intake import TrainChunk
 from parallel.stepplan import Chunk, Fragment, StepPlan
 from parallel.publish import PublicationError
 from parallel.scoring import LocalScorer, Ticket
@@ -118,7 +118,7 @@ class Generator:
         if shape is None:
             return self.sampling, self.sigmas
         if shape not in self.shapes:
-            cfg = shapes.sampling_for(self.sampling, shape)
+            cfg = resolutions.sampling_for(self.sampling, shape)
             self.shapes[shape] = (cfg, sampler.sigmas_for(self.adapter, cfg))
         return self.shapes[shape]
 
@@ -174,7 +174,7 @@ class Generator:
 
     def complete(self, plan: StepPlan, scoring: Scoring, reward_std: float | None) -> "FragmentResult":
         """Wait for a fragment's scores, compute its group advantages and cut it into chunks; put
-        the facts the end of the step reads on the store (parallel/stepfacts.py)."""
+        the facts the end of the step reads on the store (parallel/fragment_records.py)."""
         fragment = scoring.denoised.fragment
         scores = self.scorer.wait(scoring.ticket)
         ids = list(fragment.sample_ids)
@@ -182,7 +182,7 @@ class Generator:
         out = advantages.fragment_advantages(self.rule, scores, group_ids, ids, std=reward_std,
                                              whole_step=len(plan.fragments) == 1, seed=self.seed, step=plan.step)
         if self.rule.needs_step_end:
-            stepfacts.publish(self.store, plan.step, fragment.index, out.facts)
+            fragment_records.publish(self.store, plan.step, fragment.index, out.facts)
         combined = scores.pop("combined")
         zero_std = advantages.zero_std_groups(combined, group_ids)
         adv, keep = out.advantages, out.keep

@@ -10,7 +10,7 @@ reduction order (docs/DESIGN.md, placement invariance).
 Without TSP a chunk of samples goes whole to one trainer, which runs one forward per trained
 timestep. With --tsp every trainer receives a `TransitionBatch`: its share of each fragment's
 transitions, packed by `parallel.tsp` into micro-batches that mix samples and timesteps. Which of
-the two a run uses is its intake's choice (parallel/intake.py).
+the two a run uses is its intake's choice (parallel/trainer_intake.py).
 
 DiffusionNFT (--algorithm nft) trains the same way on clean records: a transition is a (sample,
 sigma) pair whose clean latent the trainer noises itself, against the old policy this trainer keeps
@@ -38,9 +38,10 @@ from models.lora import trainable_names
 from rl import nft, old_policy
 from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
-from parallel import compress, forwards
-from parallel.fsdp import count_allgathers, full_tensor, local_part, own_group, shard_modules
-from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
+from parallel import compress
+from parallel import forward_rows
+from parallel.fsdp import count_allgathers, full_tensor, local_part, shard_modules
+from parallel.trainer_intake import TrainChunk, TrainingSpec, TransitionBatch
 from parallel.p2p import comm_device
 from parallel.publish import Outgoing
 from telemetry.tracing import Slowdown
@@ -71,8 +72,9 @@ class Transitions:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig, group=None,
-                 sharding: str = "replicate", slowdown: Slowdown | None = None):
-        """`slowdown` (--debug-slow-rank) wraps every training forward + backward."""
+                 sharding: str = "replicate", slowdown: Slowdown | None = None, own_group=None):
+        """`slowdown` (--debug-slow-rank) wraps every training forward + backward. `own_group`: a
+        replicated trainer's group of itself alone (ProcessGroups.own), which every rank created."""
         self.cfg, self.adapter, self.sampling = cfg, adapter, sampling
         self.slowdown = slowdown or Slowdown()
         self.spec = TrainingSpec.of(cfg, sampling)  # which timesteps of a sample are trained
@@ -97,7 +99,10 @@ class Trainer:
         # its forward, float32 gradients): over the trainer group, or for a replicated trainer over
         # this rank alone, so that every forward computes with exactly the weights generators hold.
         mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
-        engine = group if sharding == "fsdp" else (own_group() if mixed is not None else None)
+        engine = group if sharding == "fsdp" else (own_group if mixed is not None else None)
+        if sharding != "fsdp" and mixed is not None and engine is None and dist.is_initialized():
+            raise RuntimeError(f"a replicated trainer computing in {mixed} needs a group of its own, created by every "
+                             f"rank: ProcessGroups.create(..., own=True)")
         if engine is not None:
             adapter.enclosing = shard_modules(model, engine, mixed)  # one root: all-gathers overlap compute
             count_allgathers(model, engine, self._on_allgather)
@@ -192,7 +197,7 @@ class Trainer:
         cond = item.cond.to(self.device)
         neg = item.neg_cond.to(self.device) if item.neg_cond is not None else None
         packed = isinstance(item, TransitionBatch)
-        for key, rows in forwards.forwards(item, self.spec, end):
+        for key, rows in forward_rows.forwards(item, self.spec, end):
             if not rows:  # padding keeps FSDP ranks' forward counts equal (the end's: in train_again)
                 if end is None and (not packed or self.sharding == "fsdp"):
                     self._start_forward()
@@ -222,7 +227,7 @@ class Trainer:
                            cond if whole else cond.select(_index(js, dev)),
                            neg if (neg is None or whole) else neg.select(_index(js, dev)),
                            logp.to(dev), chunk.advantages[host].to(dev), chunk.sample_ids[host].tolist(), chunk.step,
-                           *forwards.weights(rows, dev))
+                           *forward_rows.weights(rows, dev))
 
     def _packed_rows(self, batch: TransitionBatch, rows: list[tuple[int, float, bool]], cond, neg) -> Transitions:
         """The rows of a packed micro-batch: its latents indexed where they arrived, its metadata
@@ -234,7 +239,7 @@ class Trainer:
                            batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
                            neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
                            batch.advantages[sel].to(dev), batch.sample_ids[sel].tolist(), batch.step,
-                           *forwards.weights(rows, dev))
+                           *forward_rows.weights(rows, dev))
 
     def _forward(self, tr: Transitions, pad: bool = False) -> None:
         """One forward + backward of the loss of `tr`. Padding runs the same computation and
@@ -308,7 +313,7 @@ class Trainer:
         """The step's end: the transitions of the samples it trains again, from the items kept this
         step. FSDP ranks agree on the group's most such forwards first (their forwards are
         collectives) and pad to it. Returns this rank's count."""
-        count = sum(1 for item in self.items for _, rows in forwards.forwards(item, self.spec, end) if rows)
+        count = sum(1 for item in self.items for _, rows in forward_rows.forwards(item, self.spec, end) if rows)
         target = self.num_forwards + count
         if self.sharding == "fsdp":
             target = self.num_forwards + int(self._all_reduce_max(float(count)))  # sync point: all trainers

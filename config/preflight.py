@@ -20,14 +20,15 @@ from checkpointing import checkpoint
 from checkpointing.checkpoint import EXPORT_DTYPES
 from config.schema import eval_scorers
 from models import ATTENTION_BACKENDS, adapter_class, check_attention
-from models.base import check_model_folder, preset_defaults, read_folder_defaults
+from models.adapter import check_model_folder, preset_defaults, read_folder_defaults
 from models.released import released_config
 from parallel import compress
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
 from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
 from prompts import embeds
-from prompts import shapes
+from prompts import resolutions
+from prompts.sets import check_regular
 from rl import algorithms, old_policy, sampler
 from rl.advantages import COMBINES, STD_MODES
 from rl.loss import KL_FORMS
@@ -260,6 +261,8 @@ def check_folder_files(path: str) -> None:
                 os.stat(full)
             except OSError as e:
                 raise ValueError(f"{full}: cannot be read ({e.strerror})") from None
+            if name in FOLDER_JSON or name.endswith(".safetensors"):
+                check_regular(full, "model file")  # a FIFO would block the reader
             if name in FOLDER_JSON:
                 _read_json(full)
             elif name.endswith(".safetensors"):
@@ -302,12 +305,14 @@ def check_model(cfg, prompts=(), released: str | None = None) -> None:
     height = s.height if s.height is not None else defaults.height
     width = s.width if s.width is not None else defaults.width
     frames = s.num_frames if s.num_frames is not None else defaults.num_frames
+    steps = s.sample_steps if s.sample_steps is not None else defaults.num_steps
+    shift = _shift_config(cls, m.model_path, defaults, s.sde_type)
     try:
         cls.check_size(geometry, height, width, frames)
+        _check_shift(cls, geometry, shift, (height, width, frames), steps)
     except ValueError as e:
         raise ValueError(f"--height/--width/--num-frames: {e}") from None
-    _check_prompt_shapes(cls, geometry, (height, width, frames), prompts)
-    steps = s.sample_steps if s.sample_steps is not None else defaults.num_steps
+    _check_prompt_shapes(cls, geometry, (height, width, frames), prompts, shift, steps)
     if s.sde_window is not None and not s.sde_window[1] <= steps:
         raise ValueError(f"--sde-window {s.sde_window[0]}:{s.sde_window[1]} ends after the {steps} sampling steps")
     if cfg.rl.algorithm == "mixgrpo":
@@ -341,12 +346,31 @@ def check_window(window: WindowSchedule, steps: int) -> None:
                          f"--sample-steps")
 
 
-def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
+def _shift_config(cls, model_path: str | None, defaults, sde_type: str) -> dict | None:
+    """The scheduler config of a family whose timesteps shift by the sample's size (the folder's
+    or, for a preset or a released config, the family's own); None where they do not."""
+    if defaults.shift != "dynamic" or sde_type == "dance":
+        return None
+    if model_path:
+        return _read_json(os.path.join(model_path, "scheduler", "scheduler_config.json"))
+    return dict(cls.scheduler().config)
+
+
+def _check_shift(cls, geometry: dict, shift: dict | None, shape: tuple, steps: int) -> None:
+    """A sample of `shape` gets a schedule the run can sample with (rl.sampler.check_schedule)."""
+    if shift is not None:
+        height, width, frames = shape
+        sampler.check_schedule(shift, steps, cls.image_tokens(geometry, height, width, frames))
+
+
+def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts, shift: dict | None = None,
+                         steps: int = 1) -> None:
     """Each distinct shape a .jsonl prompt gives itself ((file, record) pairs), as the loaded
-    model's check would (prompts.shapes.check_shapes), from the size factors alone."""
+    model's check would (prompts.resolutions.check_shapes), from the size factors alone, and its
+    timestep schedule (`shift`: the scheduler config of a family that shifts by the size)."""
     seen = {default}
     for path, r in prompts:
-        shape = shapes.record_shape(r, default)
+        shape = resolutions.record_shape(r, default)
         if shape in seen:
             continue
         seen.add(shape)
@@ -355,8 +379,9 @@ def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
             raise ValueError(f"{where}: 'frames' {r.metadata['frames']} given for {cls.family!r}, an image model")
         try:
             cls.check_size(geometry, *shape)
+            _check_shift(cls, geometry, shift, shape, steps)
         except ValueError as e:
-            raise ValueError(f"{where}: prompt shape {shapes.shape_name(shape)}: {e}") from None
+            raise ValueError(f"{where}: prompt shape {resolutions.shape_name(shape)}: {e}") from None
 
 
 def check_prompts(cfg, prompt_sets) -> None:
@@ -386,7 +411,8 @@ def check_run(cfg, prompt_sets, released: str | None = None) -> None:
         check_reward_models(cfg)
     check_prompts(cfg, prompt_sets)
     if cfg.model.prompt_embeds:
-        embeds.check(cfg.model.prompt_embeds, cfg.model.model, embedded_prompts(cfg, prompt_sets))
+        encoder = None if released else embeds.encoder_record(cfg.model.model_path, cfg.model.preset, cfg.seed)
+        embeds.check(cfg.model.prompt_embeds, cfg.model.model, embedded_prompts(cfg, prompt_sets), encoder)
 
 
 def embedded_prompts(cfg, prompt_sets) -> list[str]:

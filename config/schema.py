@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from checkpointing.files import write_json_atomic
+from checkpointing.manifest import write_json_atomic
 from config import files
 from models import model_names
 from rewards import parse_reward_spec

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpointing import folder
+from checkpointing.digests import folder_digest
 from config import preflight
 from config.schema import NOT_CARRIED, RunConfig, eval_scorers
 from models import adapter_class, model_names
@@ -58,11 +59,15 @@ class RunFacts:
     eval_sha256: str | None = None
     resume: folder.ResumePoint | None = None
     """--resume: the verified checkpoint the run continues from"""
+    model_digest: dict | None = None
+    """the base model folder's bytes (checkpointing/digests.py); None for a preset"""
 
     @property
     def digests(self) -> dict:
-        """The SHA-256 of the prompt files as read, for config.json's run record."""
-        return {"prompts_sha256": self.prompts.sha256 if self.prompts else None, "eval_prompts_sha256": self.eval_sha256}
+        """The SHA-256 of the prompt files as read and the model folder's digest, for config.json's
+        run record (and every checkpoint's): what a resume compares its own with."""
+        return {"prompts_sha256": self.prompts.sha256 if self.prompts else None,
+                "eval_prompts_sha256": self.eval_sha256, "model_digest": self.model_digest}
 
     @property
     def num_trainers(self) -> int:
@@ -134,10 +139,12 @@ def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> Ru
         held_out_sha = read.sha256
         sets.append((o.eval_prompts, read.records[:o.eval_num_prompts]))
     preflight.check_run(cfg, sets, released)  # every other flag, the model folder and sizes, the prompts' shapes and grammar
-    resume = folder.check(cfg, prompts.sha256, NOT_CARRIED)  # the run folder, its lock and --resume
+    model_digest = folder_digest(cfg.model.model_path) if cfg.model.model_path and released is None else None
+    resume = folder.check(cfg, prompts.sha256, NOT_CARRIED, model_digest)  # the run folder, its lock and --resume
     disagg = topo.mode == "disagg"
     return RunFacts(topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
                     train_sharding=t.train_sharding if disagg else t.colocated_sharding,
                     train_micro_batch=t.train_micro_batch or rl.micro_batch, fragment_split=t.fragment_split,
                     lora=cfg.optim.lora_rank > 0, num_prompts=len(prompts.records), log_rank=topo.trainer_ranks[0],
-                    prompts=prompts, eval_records=held_out, eval_sha256=held_out_sha, resume=resume)
+                    prompts=prompts, eval_records=held_out, eval_sha256=held_out_sha, resume=resume,
+                    model_digest=model_digest)

@@ -28,7 +28,7 @@ import torch
 
 from parallel import p2p
 from parallel.bts import CostTracker, decide
-from parallel.engine import StepState
+from parallel.event_engine import StepState
 
 POLL_S = 0.003
 
@@ -110,7 +110,7 @@ class Assistant:
         self.board = None
 
     def begin_step(self, plan, reward_std: float | None, trainer, intake) -> None:
-        """`intake`: this trainer's parallel.intake; fragments generated here leave its own share there."""
+        """`intake`: this trainer's parallel.trainer_intake; fragments generated here leave its own share there."""
         self.plan, self.reward_std, self.trainer, self.intake = plan, reward_std, trainer, intake
         self.board = FragmentBoard(self.store, plan.step, len(plan.fragments))
         self.step_start = time.time()

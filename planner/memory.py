@@ -1,9 +1,9 @@
 """GPU memory per role and phase: the one model that the planner prices placements with and that the
-runtime checks recipes and --memory-budget-gb with (runtime/memory.py gives it a run's sizes). A
-test holds it within 10% of the peaks measured on the roles' own code (runtime/measure.py, committed
+runtime checks recipes and --memory-budget-gb with (runtime/budget.py gives it a run's sizes). A
+test holds it within 10% of the peaks measured on the roles' own code (lab/memory/measure.py, committed
 in docs/memory/*.json) for every recipe and topology.
 
-A rank's peak is the largest of its phases, the ones runtime/measure.py measures: a generator's
+A rank's peak is the largest of its phases, the ones lab/memory/measure.py measures: a generator's
 "fragment" (encode, K steps per chunk, decode, score) and "publication" (receive, install); a
 trainer's "micro-batch" (forward + backward), "optimizer step", "publication" (make and send a
 version) and "evaluation"; every rank's "start-up probe". Each item has a category: parameters,
@@ -45,7 +45,7 @@ BUCKET_BYTES = 64 << 20
 @dataclass(frozen=True)
 class RunShape:
     """What memory depends on, counted: built from a planner Workload (`shape_of`) or by the runtime
-    from a released config and a run's config (runtime/memory.py)."""
+    from a released config and a run's config (runtime/budget.py)."""
 
     family: str
     dit: float
@@ -328,7 +328,7 @@ def generator_memory(wl: Workload, g: GPU, *, stages: int = 1, stage: int = 0, m
 def trainer_memory(wl: Workload, g: GPU, *, shard: int, micro: int, buffered_samples: int = 0,
                    generates: bool = False) -> MemoryUse:
     """The peak of one trainer rank; with TAG (`generates`) it also holds what generation needs.
-    Landed trajectories wait in host memory (parallel/intake.py)."""
+    Landed trajectories wait in host memory (parallel/trainer_intake.py)."""
     s = shape_of(wl, train_micro=micro)
     phases = trainer_phases(s, g.memory_bytes, shard=shard, evaluates=False)
     for m in phases.values():

@@ -1,7 +1,7 @@
 """Seconds of each phase of an RL step on one GPU (or one FSDP group): rollout forwards, training
 micro-batches, reference forwards, VAE decode, rewards, text encoding, the optimizer, host copies
-and transfers. Both the DigenRL plans (planner/placements.py) and the peer-system models
-(planner/systems.py) are built from these, so every system pays the same price for the same work.
+and transfers. Both the DigenRL plans (lab/planning/placements.py) and the peer-system models
+(lab/planning/peer_systems.py) are built from these, so every system pays the same price for the same work.
 
 Conventions (docs/calibration.md): a forward of b samples with CFG runs both branches in one batch
 (2b rows) unless `cfg_batched` is False; an FSDP forward all-gathers the bf16 weights once per

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from parallel.compress import parse as parse_codec
 from planner.hardware import Kernels
-from planner.released import model_spec
+from planner.released_specs import model_spec
 from planner.specs import AuxModel, ModelSpec, Resolution, attention_share, forward_flops, image_tokens
 
 REWARDS: dict[str, AuxModel] = {r.name: r for r in (
@@ -73,7 +73,7 @@ class Workload:
     reward_gpus: int = 0
     """GPUs of a reward service (the runtime's --reward http://HOST:PORT/NAME): the reward models
     run there, not on the plan's ranks, while the generators denoise their next fragment; the plan
-    pays for these GPUs too (planner.placements.with_reward_service)"""
+    pays for these GPUs too (lab.planning.placements.with_reward_service)"""
 
     def __post_init__(self):
         model_spec(self.model)

@@ -4,7 +4,7 @@ A reward may also be scored by an HTTP reward service: `http://HOST:PORT/NAME[:W
 registered reward that the service at that URL computes (rewards/remote.py, rewards/server.py).
 
 Every reward is called as `reward(images, prompts, metadata) -> Tensor[B]` (float32, CPU); see
-rewards/base.py and rewards/README.md. Factories are "module:Class" strings imported on first use,
+rewards/reward.py and rewards/README.md. Factories are "module:Class" strings imported on first use,
 so naming a reward costs nothing until it is built and a model reward's dependencies are needed only
 by the ranks that build it. Rule rewards are built as `Factory(device=...)`, model rewards as
 `Factory(device=..., model_path=DIR)` with DIR a local folder (`--reward-model NAME=DIR`)."""

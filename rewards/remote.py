@@ -26,7 +26,7 @@ answered (`RewardServiceError`, a `RunAbort`: exit code 3), never with a made-up
 
 A service started with `--token-file FILE` answers only requests that carry its token: a run sends
 `Authorization: Bearer TOKEN` read from the file named by the environment variable
-DIGENRL_REWARD_TOKEN_FILE (docs/reward-service.md).
+DIGENRL_REWARD_TOKEN_FILE (docs/rewards-http.md).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Connections are handled by aiohttp's event loop; scoring runs on one worker thre
 model (one GPU, not re-entrant) scores one batch at a time, in arrival order, while the loop keeps
 accepting requests and answering `GET` health checks.
 
-Safe to expose (docs/reward-service.md): with a token (`ServerConfig.token`) every request without
+Safe to expose (docs/rewards-http.md): with a token (`ServerConfig.token`) every request without
 `Authorization: Bearer TOKEN` is answered 401 before its body is read; a body must declare its
 length, at most what the largest allowed request needs (413), and arrive whole within the read
 deadline (408); at most `max_requests` bodies are held at once (read into one buffer each, the
@@ -308,7 +308,7 @@ def exposure_warning(host: str, token: str | None) -> str | None:
         return None
     return (f"warning: --host {host} takes requests from other machines and no --token-file is set: anyone who "
             f"reaches this port can make it score (and spend its GPU); give --token-file FILE, and the runs "
-            f"DIGENRL_REWARD_TOKEN_FILE=FILE (docs/reward-service.md)")
+            f"DIGENRL_REWARD_TOKEN_FILE=FILE (docs/rewards-http.md)")
 
 
 def listen(host: str, port: int, backlog: int) -> socket.socket:

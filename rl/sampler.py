@@ -9,6 +9,7 @@ which rank produced it, on its batch neighbours, or on generation order.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,30 @@ def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, sche
     if sigmas.shape != (num_steps + 1,) or sigmas[-1] != 0:
         raise RuntimeError(f"the scheduler gave sigmas {sigmas.tolist()} for {num_steps} steps")
     return sigmas
+
+
+def check_schedule(config: dict, num_steps: int, image_seq_len: int) -> None:
+    """The dynamic schedule of a sample of `image_seq_len` image tokens is one a run can sample
+    with: diffusers' time shift exp(mu) / (exp(mu) + (1 / t - 1)) stays finite (mu grows with the
+    tokens: beyond about 4M of FLUX's, exp(mu) overflows) and the sigmas fall at every step in
+    float32 (a large mu saturates them at 1, and a step of zero length trains nothing). ValueError
+    saying which otherwise (the caller names the sample's size and where it came from)."""
+    mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                         config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+    try:
+        with warnings.catch_warnings():  # numpy's warning of the cast this check reports
+            warnings.simplefilter("ignore", RuntimeWarning)
+            sigmas = make_sigmas(FlowMatchEulerDiscreteScheduler.from_config(config), num_steps, "dynamic",
+                                 image_seq_len)
+    except (OverflowError, RuntimeError) as e:
+        raise ValueError(f"its timestep shift overflows at {image_seq_len} image tokens (mu = {mu:.4g}: {e})") from None
+    shown = ", ".join(f"{x:.4g}" for x in sigmas.tolist()[:6]) + (", ..." if len(sigmas) > 6 else "")
+    if not bool(torch.isfinite(sigmas).all()):
+        raise ValueError(f"its timestep shift overflows float32 at {image_seq_len} image tokens (mu = {mu:.4g}, "
+                         f"exp(mu) = inf): sigmas [{shown}]")
+    if not bool((sigmas[1:] < sigmas[:-1]).all()):
+        raise ValueError(f"its timestep schedule degenerates at {image_seq_len} image tokens: the shift mu = {mu:.4g} "
+                         f"saturates the sigmas [{shown}] in float32, so steps have zero length")
 
 
 # ----- one step with log-probability ------------------------------------------------------------

@@ -18,7 +18,7 @@ from checkpointing import folder
 from checkpointing import resume
 from config.schema import RunConfig
 from config.validate import RunFacts
-from models import autocast, resolve_dtype
+from models import autocast, resolve_device, resolve_dtype
 from parallel import commhooks, compress, publish
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
@@ -27,7 +27,7 @@ from parallel.stepplan import replica_speeds
 from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
-from prompts import shapes as prompt_shapes
+from prompts import resolutions as prompt_shapes
 from rewards import RewardSet, parse_reward_specs, reward_model_paths, reward_url
 from rl import algorithms
 from rollout import Generator, VersionSync
@@ -53,7 +53,7 @@ class Rank:
     """the first step this run trains (a resumed run's checkpoint step)"""
     shares: list[float]
     """each generator replica's share of fragments (measured speeds, or even)"""
-    shapes: object  # prompts.shapes table of the prompts' shapes, or None for one shape
+    shapes: object  # prompts.resolutions table of the prompts' shapes, or None for one shape
     publish_names: dict[int, list[str]]
     """the weights each generator rank holds (a GAP stage: its blocks'), by rank"""
     generator: Generator | None = None
@@ -172,10 +172,16 @@ class Rank:
             while not self.store.ready(f"exit/{rank}"):
                 time.sleep(0.05)  # rank wait: the trainers' last checkpoint and evaluation
 
-    def close(self) -> None:
-        self.log.close()
-        if self.cfg.output.trace:
-            self.ctx.tracer.save(os.path.join(self.cfg.output.output_dir, "trace", f"rank{self.ctx.rank}.json"))
+    def close(self, failing: bool = False) -> None:
+        """Flush the step log, write the trace. While the run fails (`failing`), a write that fails
+        too (the same full disk) is dropped: the run reports the error that ended it."""
+        try:
+            self.log.close()
+            if self.cfg.output.trace:
+                self.ctx.tracer.save(os.path.join(self.cfg.output.output_dir, "trace", f"rank{self.ctx.rank}.json"))
+        except OSError:
+            if not failing:
+                raise
 
     def exit_code(self) -> int:
         return guard.EXIT_STOPPED if self.guard.stopping else guard.EXIT_OK
@@ -203,7 +209,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     commhooks.install()  # DIGENRL_COMM_TRACE: every collective from here on is recorded
     store = StepStore(t.dist_timeout_s)
     groups = ProcessGroups.create(topo, t.dist_timeout_s, guard.pending_timeout_s(t.dist_timeout_s),
-                                  exchange=facts.tsp and not facts.disagg)
+                                  exchange=facts.tsp and not facts.disagg, own=mixed_replicas(cfg, facts))
     served = any(map(reward_url, cfg.rl.reward))  # a reward service scores: the guard's timeouts outwait it
     run_guard = guard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
                               stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
@@ -211,8 +217,8 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
                               start_step=facts.resume.step if facts.resume else 0,
                               reward_timeout_s=cfg.rl.reward_timeout_s if served else None).start()
     ctx, shapes = make_context(cfg, facts, rank, groups)  # every check that needs the model: nothing written yet
-    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown) \
-        if topo.is_trainer(rank) else None
+    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown,
+                      groups.own.get(rank)) if topo.is_trainer(rank) else None
     cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
     # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
     speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
@@ -304,6 +310,15 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
     if facts.tcss:  # the generators' version at the next checkpoint; resent at a resume
         resume.publish_start(facts, rank, trainer, r.publisher, r.publish_names, r.start,
                                facts.resume is not None and facts.resume.has_stale, r.store, r.groups.publish)
+
+
+def mixed_replicas(cfg: RunConfig, facts: RunFacts) -> bool:
+    """Whether trainers are replicated and compute in a dtype other than float32: each then runs
+    FSDP2 over a group of its own as its mixed-precision engine (trainer.py), which every rank
+    creates (ProcessGroups.create(own=True)). The same on every rank: it reads the config and the
+    device type, which all ranks share."""
+    compute = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
+    return facts.train_sharding == "replicate" and compute != torch.float32
 
 
 def _generator(ctx: RankContext, scorer, store: StepStore, trainer: Trainer | None) -> Generator:

@@ -16,13 +16,13 @@ from config.validate import RunFacts
 from models import TEXT_ENCODERS, DiTAdapter, load_model, model_dtypes, resolve_device, resolve_dtype
 from models import set_attention
 from models.lora import apply_lora
-from parallel.intake import TrainingSpec, make_intake
+from parallel.trainer_intake import TrainingSpec, make_intake
 from parallel.topology import ProcessGroups, Topology
-from prompts import shapes as prompt_shapes
+from prompts import resolutions as prompt_shapes
 from prompts.embeds import PromptEmbeddings
 from rewards import RewardSet, reward_model_paths
 from rl import algorithms, sampler
-from runtime import memory
+from runtime import budget
 from telemetry.tracing import Slowdown, Tracer
 
 
@@ -38,7 +38,7 @@ class RankContext:
     adapter: DiTAdapter
     sampling: sampler.SamplingConfig
     records: list  # list[prompts.sets.PromptRecord]: the training prompt set
-    intake: object  # parallel.intake.ChunkIntake or TransitionIntake: routing and the trainer's intake
+    intake: object  # parallel.trainer_intake.ChunkIntake or TransitionIntake: routing and the trainer's intake
     slowdown: Slowdown  # --debug-slow-rank: wraps every kind of this rank's work
     comms: ProcessGroups  # the communicators, one per direction of traffic
     rewards: RewardSet | None = None
@@ -81,7 +81,7 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
     if facts.lora:
         apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
     compute = resolve_dtype(cfg.model.dtype, device)
-    memory.check_budget(cfg, facts, adapter)  # --memory-budget-gb: the same on every rank, before any wait
+    budget.check_budget(cfg, facts, adapter)  # --memory-budget-gb: the same on every rank, before any wait
     if not topo.is_trainer(rank):  # generators (and scorers) hold frozen weights in the compute dtype, no gradient
         adapter.transformer.requires_grad_(False).to(compute)
     sampling = run_sampling(cfg, adapter)

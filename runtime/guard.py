@@ -36,7 +36,7 @@ blocking get holds its connection, so the main thread's waits never delay a beat
 - Exits. Every way out that runs code (shutdown, a fault, a second signal) runs the exit hooks
   (`at_exit`: rank 0 releases the run folder's lock, checkpointing/lock.py).
 
-Exit codes (README, "Reliability"): 0 done; 1 unexpected error (traceback); 2 user error, one
+Exit codes (docs/reliability.md): 0 done; 1 unexpected error (traceback); 2 user error, one
 line; 3 the run stopped on a fault it names (a peer failed, died or stopped answering, torchrun
 died, non-finite values N steps in a row, a timeout, the stop grace ran out); 4 stopped by
 SIGTERM/SIGINT after writing a checkpoint; 128 + N a second signal N.
@@ -53,12 +53,11 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
 from tqdm import tqdm
 
 from config.preflight import RAISE_ENV
 from rl.nonfinite import RunAbort
-from parallel import p2p
+from parallel import p2p, torchapi
 from parallel.store import StepStore
 
 EXIT_OK, EXIT_ERROR, EXIT_USER, EXIT_ABORT, EXIT_STOPPED = 0, 1, 2, 3, 4
@@ -243,8 +242,11 @@ class RunGuard:
         if t == self.timeout_s:
             return
         self.timeout_s = t
-        for group in self.groups:
-            _set_pg_timeout(timedelta(seconds=t), group)
+        set_pg_timeout = torchapi.optional(  # torch's private setter: no public one changes a live group's
+            "torch.distributed.distributed_c10d._set_pg_timeout", "adaptive collective timeouts (runtime/guard.py)",
+            "the collective groups keep --dist-timeout-s; point-to-point waits and the store still adapt")
+        for group in self.groups if set_pg_timeout is not None else ():
+            set_pg_timeout(timedelta(seconds=t), group)
         self.data_store.set_timeout(t)
         p2p.configure(timeout_s=t)
 

@@ -10,7 +10,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from parallel import forwards, p2p, stepfacts
+from parallel import p2p
+from parallel import forward_rows, fragment_records
 from parallel.publish import WeightPublisher
 from parallel.stepplan import StepPlan
 from parallel.tag import FragmentBoard, claimed_rounds, publish_replica_cost
@@ -100,7 +101,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     publish version k+1 to every generator. With TAG, the `assistant` may generate fragments while
     this rank waits for one (under FSDP: the whole group, between forwards)."""
     tracer, topo, facts, intake, step = ctx.tracer, ctx.topo, ctx.facts, ctx.intake, plan.step
-    pad_to = forwards.fsdp_pad_target(plan, facts, intake)
+    pad_to = forward_rows.fsdp_pad_target(plan, facts, intake)
     streamed_end = trainer.rule.needs_step_end and len(plan.fragments) > 1  # else its fragment decided it all
     trainer.begin_step(keep_items=streamed_end, scale_later=streamed_end and trainer.rule.std_mode == "global")
     trainer.current_step = step
@@ -128,7 +129,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     if pad_to:
         with tracer.span("pad", "train", step):
             trainer.pad_forwards(pad_to, template)
-    end = stepfacts.end_step(ctx, trainer, plan, store, template) if trainer.rule.needs_step_end else None
+    end = fragment_records.end_step(ctx, trainer, plan, store, template) if trainer.rule.needs_step_end else None
     t0 = time.perf_counter()
     with tracer.span("optimizer", "optimizer", step):
         stats = trainer.finish_step(end.scale if end is not None else 1.0)  # sync point: all trainers
@@ -136,7 +137,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     if end is not None:
         stats.update(end.metrics)
         if ctx.rank == topo.trainer_ranks[0]:  # every trainer has read the facts before finish_step's all-reduce
-            stepfacts.clear(store, step, len(plan.fragments))
+            fragment_records.clear(store, step, len(plan.fragments))
     t0 = time.perf_counter()
     if facts.disagg:
         sent = []

@@ -13,9 +13,9 @@ import argparse
 import json
 import os
 
-
+from checkpointing.checkpoint import load_trained_weights, verify_checkpoint
 from config import cli
-from prompts import shapes
+from prompts import resolutions
 from rl import sampler
 from runtime.evaluation import evaluate, summarize
 from prompts.sets import eval_records
@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output folder for metrics.json and grid.png")
     args = p.parse_args(argv)
 
+    if args.checkpoint:
+        verify_checkpoint(args.checkpoint)  # its bytes are those its run wrote, before any model loads
     records = eval_records(args.prompts, args.num_prompts, args.samples_per_prompt)
     specs, model_paths = args.reward or ["shapes:1.0"], reward_model_paths(args.reward_model)
     scorer_specs = args.eval_scorer or default_eval_scorers(specs)
@@ -60,18 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     scorers = RewardSet(eval_scorers(scorer_specs), model_paths=model_paths) if eval_scorers(scorer_specs) else None
     adapter = load_model(args.model, args.model_path, device=resolve_device(args.device))
     if args.checkpoint:
-        from checkpointing.checkpoint import load_trained_weights
-
         load_trained_weights(adapter, args.checkpoint)
     cfg = sampler.SamplingConfig.for_adapter(adapter, height=args.height, width=args.width,
                                              num_steps=args.sample_steps, guidance=args.guidance,
                                              cfg_scale=args.cfg_scale, seed=args.seed, num_frames=args.num_frames)
-    shapes.check_shapes(adapter, records, cfg, args.prompts)  # prompts of their own shape: each must fit the model
+    resolutions.check_shapes(adapter, records, cfg, args.prompts)  # prompts of their own shape: each must fit the model
     scores, images = evaluate(adapter, cfg, records, rewards, batch_size=args.batch_size, keep_images=LOGGED_IMAGES,
                               thumbnail=thumbnails, progress=True, scorers=scorers)
     os.makedirs(args.out, exist_ok=True)
-    default = shapes.default_shape(cfg)
-    summary = summarize(scores, [shapes.shape_name(shapes.record_shape(r, default)) for r in records])
+    default = resolutions.default_shape(cfg)
+    summary = summarize(scores, [resolutions.shape_name(resolutions.record_shape(r, default)) for r in records])
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         per_image = [{"prompt": r.prompt, **{k: v[i] for k, v in scores.items()}} for i, r in enumerate(records)]
         json.dump({"summary": summary, "model_path": args.model_path, "checkpoint": args.checkpoint,

@@ -6,7 +6,7 @@
 
 Every reward named is built before the service takes a request (a missing weight folder fails at
 once, and so does a port in use), then served at /NAME until Ctrl-C; one line per scored request
-goes to stdout. Exposing it (--host beyond loopback, --token-file, the limits): docs/reward-service.md;
+goes to stdout. Exposing it (--host beyond loopback, --token-file, the limits): docs/rewards-http.md;
 the protocol: rewards/wire.py; the server: rewards/server.py.
 """
 from __future__ import annotations

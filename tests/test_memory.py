@@ -1,7 +1,7 @@
 """GPU memory: the one memory model (planner/memory.py) against the measurements of the roles' own
-code at the released sizes (docs/memory/*.json, written by scripts/measure_recipes.py), a measurement
-at released size run again, the trackers' mechanics on small modules (runtime/fakemem.py,
-runtime/memtrack.py), the recipes' GPUs and the recipe check script."""
+code at the released sizes (docs/memory/*.json, written by lab/measure_recipes.py), a measurement
+at released size run again, the trackers' mechanics on small modules (lab/memory/fake_run.py,
+lab/memory/trackers.py), the recipes' GPUs and the recipe check script."""
 import glob
 import json
 import os
@@ -17,10 +17,10 @@ from config.validate import validate
 from models.released import meta_adapter, parameter_counts
 from planner import hardware
 from planner import memory as model
-from runtime import fakemem, measure
-from runtime.memory import GiB, load_recipe, predict
-from runtime.memtrack import FSDPTracker, Replay, Tracker
-from scripts import measure_recipes
+from lab.memory import fake_run, measure
+from runtime.budget import GiB, load_recipe, predict
+from lab.memory.trackers import FSDPTracker, Replay, Tracker
+from lab import measure_recipes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*_grpo", "*.toml")))
@@ -137,16 +137,16 @@ def test_the_model_names_what_does_not_fit(adapters):
 def _linear(run, n=256):
     with torch.device("meta"):
         m = torch.nn.Sequential(torch.nn.Linear(n, n, bias=False), torch.nn.Linear(n, n, bias=False))
-    return fakemem.fake_module(m, run.mode)
+    return fake_run.fake_module(m, run.mode)
 
 
 def test_trackers_book_parameters_gradients_optimizer_and_activations_exactly():
     n, rows = 256, 64
     w = n * n * 4  # one float32 weight matrix
-    with fakemem.FakeRun() as run:
+    with fake_run.FakeRun() as run:
         m = _linear(run)
         opt = torch.optim.AdamW(m.parameters())
-        fakemem.optimizer_as_on_gpu(opt)
+        fake_run.optimizer_as_on_gpu(opt)
         x = torch.empty(rows, n)
         tracker = Tracker()
         tracker.hold(run.mode, host=[x])
@@ -166,9 +166,9 @@ def test_trackers_book_parameters_gradients_optimizer_and_activations_exactly():
 
 def test_fsdp_tracker_books_a_quarter_of_the_weights_on_four_ranks():
     n = 256
-    with fakemem.fake_world(4, 1):
+    with fake_run.fake_world(4, 1):
         mesh = DeviceMesh("cpu", list(range(4)))  # outside the fake run, as torchtitan builds it
-        with fakemem.FakeRun() as run:
+        with fake_run.FakeRun() as run:
             m = _linear(run, n)
             for unit in m:
                 fully_shard(unit, mesh=mesh)
@@ -183,9 +183,9 @@ def test_fsdp_tracker_books_a_quarter_of_the_weights_on_four_ranks():
 
 
 def test_fake_run_computes_like_cuda_and_keeps_small_values():
-    with fakemem.FakeRun() as run:
+    with fake_run.FakeRun() as run:
         x = torch.empty(4, 8)
-        with fakemem.gpu_autocast(torch.device("cpu"), "auto"):
+        with fake_run.gpu_autocast(torch.device("cpu"), "auto"):
             y = torch.nn.functional.linear(x, torch.empty(8, 8))
             z = torch.nn.functional.layer_norm(y, (8,))
         sigma = torch.tensor([0.5, 0.25]) * torch.ones(2)
@@ -195,7 +195,7 @@ def test_fake_run_computes_like_cuda_and_keeps_small_values():
 
 
 def test_replayed_calls_book_the_first_calls_working_set():
-    with fakemem.FakeRun() as run:
+    with fake_run.FakeRun() as run:
         m = _linear(run)
         tracker = Tracker()
         tracker.hold(run.mode)

@@ -196,7 +196,7 @@ def _nft_rollout(cfg_scale=1.0, lora=True):
     from config.schema import RunConfig
     from models import load_model
     from models.lora import apply_lora
-    from parallel.intake import TrainChunk
+    from parallel.trainer_intake import TrainChunk
     from parallel.stepplan import plan_step
     from rollout import encode_batch
     from trainer import Trainer
@@ -234,7 +234,7 @@ def _grads(trainer):
 def test_nft_packed_gradients_equal_the_per_timestep_loop(lora, cfg_scale):
     """Clean records through the wire format and TSP's packing over 1 and 2 trainers give the
     per-timestep loop's gradient and statistics; the records carry one latent per sample."""
-    from parallel.intake import TransitionBatch, TransitionIntake
+    from parallel.trainer_intake import TransitionBatch, TransitionIntake
 
     trainer, plan, chunks = _nft_rollout(cfg_scale, lora)
     assert chunks[0].clean and chunks[0].latents.shape[1] == 1
@@ -336,7 +336,7 @@ def test_new_recipes_carry_the_published_settings_and_fit():
     from models.released import meta_adapter
     from planner import hardware
     from planner.memory import peak
-    from runtime.memory import GiB, predict
+    from runtime.budget import GiB, predict
 
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
     prompts = os.path.join(os.path.dirname(root), "data", "shapes_train.txt")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from checkpointing.checkpoint import OLD, checkpoint_dir, read_state
-from runtime.launch import TINY, torchrun, trained_weights
+from lab.launch import TINY, torchrun, trained_weights
 from telemetry.metrics import read_metrics
 from weights import assert_same_weights
 

@@ -8,17 +8,16 @@ import pytest
 
 from planner import hardware as hw
 from planner import phases as ph
-from planner import placements as plans, published
+from lab.planning import placements as plans, published
 from planner.memory import colocated_memory, trainer_memory, training_state
-from planner.profile import DeviceProfile, with_profile
+from lab.planning.profile import DeviceProfile, with_profile
 from planner.hardware import gpu
-from planner.released import model_spec
+from planner.released_specs import model_spec
 from planner.specs import Resolution, attention_share, forward_flops, image_tokens, lora_params
-from planner.systems import (dance_grpo, delta_sync_s, predict_system, separate_async_step_s, sync_s, verl_omni,
-                             verl_omni_best, verl_omni_separate)
+from lab.planning.peer_systems import dance_grpo, delta_sync_s, predict_system, separate_async_step_s, sync_s, verl_omni, verl_omni_best, verl_omni_separate
 from planner.workload import Workload
-from planner import cli as plan_cli
-from scripts import simulate as simulate_cli
+from lab.planning import plan_cli
+from lab import simulate as simulate_cli
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

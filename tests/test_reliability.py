@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpointing import files as checkpoint_files
-from runtime.launch import ROOT
+from checkpointing import manifest as checkpoint_files
+from lab.launch import ROOT
 from rl.nonfinite import RunAbort, SkipTracker
 
 
@@ -171,9 +171,30 @@ def test_size_factors_without_weights_match_the_loaded_models():
         adapter = load_model(family, preset="tiny")
         from_configs = cls.geometry(dict(adapter.transformer.config), dict(adapter.pipe.vae.config))
         assert adapter.own_geometry() == from_configs == cls.geometry_presets["tiny"], family
+        if adapter.defaults.shift == "dynamic":  # the tokens its timestep shift reads, without weights
+            for h, w in ((16, 16), (64, 32), (4096, 16)):
+                assert cls.image_tokens(from_configs, h, w) == adapter.image_seq_len(adapter.latent_shape(h, w)), family
     shipped = os.path.join(ROOT, "assets", "shapes-flux")
     configs = [json.loads(Path(shipped, c, "config.json").read_text()) for c in ("transformer", "vae")]
     assert adapter_class("flux").geometry(*configs) == load_model("flux", shipped).own_geometry()
+
+
+def test_a_timestep_shift_that_overflows_or_saturates_is_refused():
+    """FLUX's dynamic shift mu grows with the image tokens: 65536 x 65536 overflows exp(mu) in
+    diffusers (OverflowError), 4096 x 4096 of the tiny preset overflows float32 (NaN sigmas), and
+    2048 x 1024 saturates every sigma but the last at 1 (steps of zero length); 1024 x 512 is sound."""
+    from models import adapter_class
+    from rl.sampler import check_schedule
+
+    config = dict(adapter_class("flux").scheduler().config)
+    tokens = lambda h, w: adapter_class("flux").image_tokens({"vae": 2}, h, w)  # noqa: E731 - the tiny preset's
+    check_schedule(config, 3, tokens(1024, 512))
+    with pytest.raises(ValueError, match="saturates the sigmas \[1, 1, 1, 0\] in float32, so steps have zero"):
+        check_schedule(config, 3, tokens(2048, 1024))
+    with pytest.raises(ValueError, match="overflows float32 at 1048576 image tokens .*sigmas \[nan, nan, nan, 0\]"):
+        check_schedule(config, 3, tokens(4096, 4096))
+    with pytest.raises(ValueError, match="its timestep shift overflows at 268435456 image tokens \(mu = 4.544e\+04"):
+        check_schedule(config, 3, tokens(65536, 65536))
 
 
 def test_tensorboard_shows_every_step_once_after_a_resume(tmp_path):

@@ -27,7 +27,7 @@ import torch
 from prompts.sets import load_prompts
 from rewards import RewardSet, parse_reward_spec, parse_reward_specs, reward_model_paths
 from rewards.remote import HttpReward, RewardServiceError, decode_request, encode_request
-from runtime.launch import ROOT, TINY, torchrun, trained_weights
+from lab.launch import ROOT, TINY, torchrun, trained_weights
 
 needs_aiohttp = pytest.mark.skipif(importlib.util.find_spec("aiohttp") is None,
                                    reason="the reward server needs aiohttp (requirements.txt)")

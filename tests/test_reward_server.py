@@ -21,7 +21,7 @@ import torch
 from rewards import RewardSet
 from rewards.remote import TOKEN_ENV, HttpReward, RewardServiceError, encode_request
 from rewards.server import exposure_warning
-from runtime.launch import ROOT
+from lab.launch import ROOT
 from test_remote_reward import MALFORMED, Server, needs_aiohttp
 
 TOKEN = "0123456789abcdef-token"

@@ -8,7 +8,7 @@ import torch
 
 import rewards
 from rewards import RewardSet, build_reward, parse_reward_spec, parse_reward_specs, reward_model_paths
-from rewards.base import MLPHead
+from rewards.reward import MLPHead
 from rewards.ocr import edit_distance, ocr_score, target_text
 
 

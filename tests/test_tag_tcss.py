@@ -5,12 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime.launch import TINY, torchrun, torchrun_module, trained_weights
+from lab.launch import TINY, torchrun, torchrun_module, trained_weights
 from traced import assert_nccl_ok, merged, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel.stepplan import plan_step
-from parallel.intake import TrainingSpec, make_intake
+from parallel.trainer_intake import TrainingSpec, make_intake
 from parallel.tag import Assistant, group_windows
 
 ARGS = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]

@@ -5,7 +5,7 @@ import torch
 def _trainer_and_chunk(**overrides):
     from rl import sampler
     from config.schema import RunConfig
-    from parallel.intake import TrainChunk
+    from parallel.trainer_intake import TrainChunk
     from models import load_model
     from rollout import encode_batch
     from trainer import Trainer

@@ -7,7 +7,7 @@ import torch
 
 from rl import algorithms
 from rl.timesteps import trained_timesteps
-from runtime.launch import TINY, torchrun, trained_weights
+from lab.launch import TINY, torchrun, trained_weights
 from traced import assert_nccl_ok, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
@@ -97,7 +97,7 @@ def _rollout(algorithm_name, cfg_scale, window, beta):
     from models import load_model
     from parallel.stepplan import plan_step
     from rollout import encode_batch
-    from parallel.intake import TrainChunk
+    from parallel.trainer_intake import TrainChunk
     from trainer import Trainer
 
     torch.manual_seed(0)
@@ -123,7 +123,7 @@ def _rollout(algorithm_name, cfg_scale, window, beta):
 
 def _tsp(trainer, num_trainers):
     """The TSP intake of `num_trainers` trainers for the trainer's config."""
-    from parallel.intake import TransitionIntake
+    from parallel.trainer_intake import TransitionIntake
 
     t = trainer.cfg.topology
     return TransitionIntake(trainer.spec, tuple(range(num_trainers)), lambda r: 0,
@@ -148,7 +148,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_gradients_equal_the_per_timestep_loop(case):
-    from parallel.intake import TransitionBatch
+    from parallel.trainer_intake import TransitionBatch
 
     trainer, plan, chunks = _rollout(*CASES[case])
     chunks[1].keep[1] = False  # a dropped sample is left out alike
