@@ -4,6 +4,7 @@ for what they must be (runs that exit 0 with a clean NCCL replay, memory at leas
 state must hold, FLOPs that scale with the batch, log-probabilities that bf16 moves more than
 float32's batch shape does)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from scripts.gpu_check import model as M
-from scripts.gpu_check import numerics
+from scripts.gpu_check import mfu, numerics
 
 GiB = 1024 ** 3
 
@@ -20,8 +21,8 @@ GiB = 1024 ** 3
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check") / "cpu.json"
     proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--device", "cpu", "--json", str(out)],
-                          capture_output=True, text=True, timeout=900, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
-                                                                           "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -90,9 +91,20 @@ def test_numerics_deltas_are_finite_and_bf16_moves_log_p_more_than_float32(repor
 
 
 def test_tsp_packing_of_the_numerics_mixes_samples_and_timesteps():
-    """The packed micro-batches cover every transition once, at most 3 a batch, some mixing steps."""
+    """The packed micro-batches cover every transition once, at most 5 a batch, some mixing samples and steps."""
     batches = numerics.packed(6)
     flat = [tr for b in batches for tr in b]
     assert sorted(flat) == [(i, t) for i in range(numerics.NUM_SAMPLES) for t in range(6)]
     assert max(len(b) for b in batches) <= numerics.TSP_MICRO_BATCH
     assert any(len({t for _, t in b}) > 1 for b in batches) and any(len({i for i, _ in b}) > 1 for b in batches)
+
+
+@pytest.mark.parametrize("side", [512, 1024])
+def test_the_planner_counts_the_flops_torch_counts_at_flux_width(side):
+    """The mfu section divides torch's FLOP count by the planner's efficiency: at FLUX.1-dev width
+    (on the meta device, nothing computed) the planner's formula for the same blocks
+    (planner/specs.block_flops) is torch's count within 1% (the embedding and head are outside it)."""
+    size = M.with_side(M.FLUX, side)
+    counted, _ = mfu.forward_flops(M.adapter(size, "meta", torch.bfloat16), size, 1, "meta", "float32")
+    assert mfu.planner_forward_flops(size) == pytest.approx(counted, rel=0.01)
+    assert mfu.planner_forward_flops(size) < counted

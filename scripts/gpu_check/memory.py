@@ -67,6 +67,16 @@ def steady(trainer, size: M.Size):
     return transition_batch(M.sent(a, size), trainer.sampling, sigmas, min(trainer.spec.timesteps(0, 0)), size.batch)
 
 
+def filled(batch):
+    """The stand-in batch with random latents and conditioning (runtime/standins.py leaves them
+    unset: fake tensors have no values, but a GPU would train on whatever its memory held)."""
+    g = torch.Generator().manual_seed(0)
+    for t in (batch.x_t, batch.x_next, *batch.cond.tensors.values()):
+        if t.is_floating_point():
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return batch
+
+
 def finish(trainer) -> None:
     """Trainer.finish_step with the step's loss sums as host zeros (runtime/measure.py's `_finish`:
     a fake run's losses hold no values)."""
@@ -99,11 +109,12 @@ def measure_device(size: M.Size, device: torch.device, dtype: str) -> dict[str, 
     for lora, phase in ((True, "LoRA forward + backward"), (False, "full fine-tune step")):
         _free(device)
         trainer = M.trainer(size, lora, device, dtype, size.batch)
-        batch = steady(trainer, size)
+        batch = filled(steady(trainer, size))
         got = on_device(device, lambda: trainer.train(batch))
         if not lora:  # the step's peak: its forward + backward, or its optimizer step
             step = on_device(device, lambda: finish(trainer))
             got = max(got, step, key=lambda m: m["peak_allocated_gib"])
+        got["skipped_updates"] = trainer.skips.total  # a non-finite step skips its update (and its memory)
         out[phase] = got
         del trainer, batch
     _free(device)
@@ -232,4 +243,4 @@ def run(size: M.Size, device: torch.device, dtype: str, expected_figures: dict |
             "batch": figures["batch"], "measured_on": device.type if measured else None, "phases": phases}
 
 
-__all__ = ["PHASES", "expected", "generator_step", "measure_device", "measure_fake", "model_figures", "run"]
+__all__ = ["PHASES", "expected", "filled", "generator_step", "measure_device", "measure_fake", "model_figures", "run"]

@@ -24,6 +24,7 @@ from planner.specs import attention_share, block_flops
 from rl import sampler
 from runtime.standins import transition_batch
 from scripts.gpu_check import model as M
+from scripts.gpu_check.memory import filled
 
 REPEATS = 3
 TRAIN_FACTOR = {"LoRA forward + backward": 3, "full fine-tune forward + backward": 4}
@@ -127,7 +128,7 @@ def run(size: M.Size, device: torch.device, dtype: str) -> dict:
             s = M.sampling(trainer.adapter, at)
             sigmas = sampler.sigmas_for(trainer.adapter, s)
             for b in size.mfu_batches:
-                batch = transition_batch(M.sent(trainer.adapter, at), s, sigmas, 0, b)
+                batch = filled(transition_batch(M.sent(trainer.adapter, at), s, sigmas, 0, b))
                 seconds = timed(lambda: trainer.train(batch), device)
                 rows.append(planner_row(phase, at, b, flops[(side, b)], seconds, key))
         del trainer

@@ -7,7 +7,7 @@ velocity of its own forward, as trainer.py does) in several ways:
 
 - "bf16 batch 4": the generator's batch shape (the ratio is 1 exactly, or the claim fails);
 - "bf16 batch 1": every transition alone;
-- "bf16 TSP packed": micro-batches of 3 that mix samples and timesteps, as parallel/tsp.py packs them;
+- "bf16 TSP packed": micro-batches of at most 5 that mix samples and timesteps, as parallel/tsp.py packs them;
 - "float32 batch 4" and "float32 batch 1": float32 weights, no autocast, on the device;
 - "float32 CPU batch 4": the float32 reference on the host.
 
@@ -27,7 +27,8 @@ from rl import sampler
 from scripts.gpu_check import model as M
 
 NUM_SAMPLES = 4
-TSP_MICRO_BATCH = 3
+TSP_MICRO_BATCH = 5
+"""TSP's --train-micro-batch here: neither the rollout's 4 nor 1, so packed rows see other batch shapes"""
 CPU_REFERENCE_STEPS = 2
 
 
@@ -84,9 +85,8 @@ def run(size: M.Size, device: torch.device, clip_range: float = 1e-4, low: str =
     """The section: rollout in `low` precision (bf16) at batch 4 on `device`, every way of scoring it again."""
     size = M.with_side(size, size.numerics_side)
     a32 = M.adapter(size, device, torch.float32)
-    a16 = M.adapter(size, device, torch.float32)
-    a16.transformer.load_state_dict(a32.transformer.state_dict())
-    a16.transformer.to(M.resolve_dtype(low, device))  # the generator's weights: the trainer's float32 cast
+    # The generator's weights: the trainer's float32 weights cast, as a publication sends them.
+    a16 = _copy(size, a32, device, M.resolve_dtype(low, device))
     steps = size.numerics_steps
     s = M.sampling(a16, size, steps)
     cond = M.conditioning(size, NUM_SAMPLES, "cpu", seed=1)
@@ -99,7 +99,7 @@ def run(size: M.Size, device: torch.device, clip_range: float = 1e-4, low: str =
             "float32 batch 1": (a32, by_step(1, steps), "float32")}
     scored = {name: score(a, s, traj, cond, batches, dtype) for name, (a, batches, dtype) in ways.items()}
     del a16
-    host = a32 if device.type == "cpu" else _on_host(size, a32)
+    host = a32 if device.type == "cpu" else _copy(size, a32, "cpu", torch.float32)
     # The host's float32 forwards of the full-width model take a CPU minutes: on a GPU machine the
     # reference scores the first CPU_REFERENCE_STEPS steps only.
     host_steps = steps if device.type == "cpu" else min(steps, CPU_REFERENCE_STEPS)
@@ -118,10 +118,13 @@ def _name(dtype: str) -> str:
     return {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 
 
-def _on_host(size: M.Size, a32):
-    host = M.adapter(size, "cpu", torch.float32)
-    host.transformer.load_state_dict({k: v.cpu() for k, v in a32.transformer.state_dict().items()})
-    return host
+def _copy(size: M.Size, a32, device, dtype: torch.dtype):
+    """The model of `a32` on `device` in `dtype` (made on meta, its tensors assigned: no second
+    random initialisation of billions of weights)."""
+    a = M.adapter(size, "meta", dtype)
+    a.transformer.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in a32.transformer.state_dict().items()},
+                                  assign=True)
+    return a
 
 
 __all__ = ["compare", "packed", "run", "score"]
