@@ -29,6 +29,11 @@ def _driver() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
+def _nccl() -> str:
+    v = torch.cuda.nccl.version()  # (major, minor, patch); an int on old torch
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 def run(device: torch.device) -> dict:
     out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
            "torch_threads": torch.get_num_threads(), "versions": {p: _version(p) for p in PACKAGES},
@@ -39,7 +44,7 @@ def run(device: torch.device) -> dict:
     major, minor = torch.cuda.get_device_capability(device)
     out.update(gpu=torch.cuda.get_device_name(device), capability=f"{major}.{minor}",
                multiprocessors=props.multi_processor_count, memory_gib=props.total_memory / 1024 ** 3,
-               driver=_driver(), nccl=".".join(map(str, torch.cuda.nccl.version())),
+               driver=_driver(), nccl=_nccl(),
                bf16_supported=torch.cuda.is_bf16_supported(),
                tf32_supported=major >= 8,  # TF32 tensor cores: Ampere (8.0) and later
                tf32_matmul_allowed=torch.backends.cuda.matmul.allow_tf32,

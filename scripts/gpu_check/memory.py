@@ -92,6 +92,7 @@ def on_device(device: torch.device, fn) -> dict:
     """fn's peak of allocated and reserved memory (the caching allocator's own counters, reset before
     it: c10/cuda/CUDACachingAllocator's peak statistics), in GiB, and what was allocated before."""
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # reserved = what the phase needs, not blocks cached by earlier work
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     fn()
