@@ -66,15 +66,21 @@ def results(report: str) -> tuple[dict[str, dict[str, int]], list[tuple[str, str
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         if bad is not None:
             row["failed"] += 1
-            text = (bad.text or bad.get("message") or "").strip().splitlines()
-            last = next((line.strip() for line in reversed(text) if line.strip().startswith("E ")), text[-1] if text
-                        else "")
-            failures.append((f"{path}::{case.get('name')}", last[:300]))
+            failures.append((f"{path}::{case.get('name')}", cause(bad.text or bad.get("message") or "")))
         elif case.find("skipped") is not None:
             row["skipped"] += 1
         else:
             row["passed"] += 1
     return counts, failures
+
+
+def cause(text: str) -> str:
+    """The line of a failure that names its cause: the last pytest `E` line naming an error (a
+    torchrun failure's last lines are its banner), else the last `E` line, else the last line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    marked = [line[1:].strip() for line in lines if line.startswith("E ")]
+    named = [line for line in marked if "Error" in line or "Exception" in line or "assert" in line]
+    return (named or [m for m in marked if m.strip("=-")] or lines or [""])[-1][:300]
 
 
 def page(command: str, vers: dict[str, str], counts, failures, seconds: float) -> str:
