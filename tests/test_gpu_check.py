@@ -23,14 +23,23 @@ def report(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--device", "cpu", "--json", str(out)],
                           capture_output=True, text=True, timeout=900,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    got = json.loads(out.read_text())
+    got["exit_code"], got["stderr"] = proc.returncode, proc.stderr[-6000:]
+    return got
+
+
+def section(report, name: str) -> dict:
+    """A section's figures; a section that failed records its error, shown here."""
+    got = report["sections"][name]
+    assert "error" not in got, got.get("traceback", got.get("error"))
+    return got
 
 
 def test_every_section_is_written(report):
     assert list(report["sections"]) == ["env", "memory", "mfu", "numerics", "runtime"]
+    assert report["exit_code"] == 0, {k: v.get("error") for k, v in report["sections"].items()}
     assert report["device"] == "cpu" and report["size"] == "tiny"
-    env = report["sections"]["env"]
+    env = section(report, "env")
     assert env["versions"]["torch"].startswith(torch.__version__.split("+")[0]) and env["device"] == "cpu"
 
 
@@ -38,7 +47,7 @@ def test_runtime_runs_exit_0_with_clean_traces_and_the_resume_matches(report):
     """Colocated LoRA, colocated FSDP2 full fine-tuning and a resume on one rank: each exits 0 and
     its recorded communication replays under NCCL's rules; on a CPU the resumed weights are the
     uninterrupted run's, bit for bit."""
-    runtime = report["sections"]["runtime"]
+    runtime = section(report, "runtime")
     assert [r["run"] for r in runtime["runs"]] == ["lora", "full fsdp", "resume"]
     for row in runtime["runs"]:
         assert row["exit_code"] == 0 and row["comm_ok"] and row["comm_ops"] > 0, row
@@ -50,7 +59,7 @@ def test_memory_holds_at_least_the_state_of_each_phase(report):
     """The FakeTensorMode measurement of each phase holds at least what its state needs (bf16
     weights; float32 weights, gradients and two AdamW moments for a full fine-tune), and the model
     counts the same weights."""
-    memory = report["sections"]["memory"]
+    memory = section(report, "memory")
     n = memory["parameters"]
     phases = memory["phases"]
     assert n == sum(p.numel() for p in M.adapter(M.TINY, "meta", torch.float32).transformer.parameters())
@@ -64,7 +73,7 @@ def test_memory_holds_at_least_the_state_of_each_phase(report):
 
 
 def test_mfu_counts_flops_linear_in_the_batch_and_times_every_phase(report):
-    rows = report["sections"]["mfu"]["rows"]
+    rows = section(report, "mfu")["rows"]
     assert len(rows) == 3 * 2 * 3  # phases x token counts x batch sizes
     by = {(r["phase"], r["side"], r["batch"]): r for r in rows}
     for (phase, side, b), r in by.items():
@@ -79,7 +88,7 @@ def test_mfu_counts_flops_linear_in_the_batch_and_times_every_phase(report):
 def test_numerics_deltas_are_finite_and_bf16_moves_log_p_more_than_float32(report):
     """The rollout's own shape reproduces its log-probabilities exactly; bf16 moves them further
     from the float32 reference than float32's batch shape does."""
-    num = report["sections"]["numerics"]
+    num = section(report, "numerics")
     assert num["clip_range"] == 1e-4
     for table in ("against_rollout", "against_float32_cpu"):
         for row in num[table].values():
