@@ -9,7 +9,8 @@ velocity of its own forward, as trainer.py does) in several ways:
 - "bf16 batch 1": every transition alone;
 - "bf16 TSP packed": micro-batches of at most 5 that mix samples and timesteps, as parallel/tsp.py packs them;
 - "float32 batch 4" and "float32 batch 1": float32 weights, no autocast, on the device;
-- "float32 CPU batch 4": the float32 reference on the host.
+- "float32 CPU batch 4": the float32 reference on the host (on a GPU machine its first
+  CPU_REFERENCE_STEPS steps: the full-width model's float32 forwards take a CPU minutes).
 
 For each: max |delta log p| against the generator's log-probabilities, max |ratio - 1| and the
 fraction of transitions whose ratio leaves [1 - eps, 1 + eps] at the clip range eps (1e-4, the
