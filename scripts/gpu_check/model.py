@@ -94,10 +94,10 @@ TINY = Size("tiny", double=1, single=2, heads=2, head_dim=16, rope=(4, 6, 6), te
 """The same code at a size a CPU runs in seconds (the test suite's `--device cpu`)."""
 
 FLUX_FEW = Size("flux-few", double=1, single=2, heads=24, head_dim=128, rope=(16, 56, 56), text_dim=4096,
-                pooled_dim=768, text_tokens=64, height=128, width=128, batch=1, mfu_sizes=(128,), mfu_batches=(1,),
-                numerics_side=128, numerics_steps=3)
-"""FLUX.1-dev width (every matrix product of the released shape) with 1 double + 2 single blocks, 64
-image + 64 text tokens and 3 steps: the numerics within a CPU's reach
+                pooled_dim=768, text_tokens=16, height=64, width=64, batch=1, mfu_sizes=(64,), mfu_batches=(1,),
+                numerics_side=64, numerics_steps=3)
+"""FLUX.1-dev width (every weight of the released shape) with 1 double + 2 single blocks, 16 image +
+16 text tokens and 3 steps: the numerics within reach of two busy CPU cores, whose bf16 is emulated
 (docs/gpu_check/cpu-numerics-bf16.json)."""
 
 SIZES = {s.name: s for s in (FLUX, TINY, FLUX_FEW)}
