@@ -7,15 +7,40 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import importlib
 import weakref
 from copy import deepcopy
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils.weak import WeakIdKeyDictionary
+
+SUPPORTED = "torch 2.11 to 2.15 (requirements.txt; docs/versions.md)"
+
+
+def private(owner: str, name: str | None = None):
+    """A torch-private module (`owner`), or an attribute path `name` in it, that the trackers build
+    on; else an ImportError naming it and this torch: private names move between torch releases, and
+    a measurement should say so rather than fail somewhere inside."""
+    try:
+        found = importlib.import_module(owner)
+        for part in name.split(".") if name else ():
+            found = getattr(found, part)
+        return found
+    except (ImportError, AttributeError) as e:
+        what = f"{owner}.{name}" if name else owner
+        raise ImportError(f"the memory measurement (runtime/memtrack.py) uses torch's private {what}, which "
+                          f"torch {torch.__version__} does not have ({e}); it runs on {SUPPORTED}") from None
+
+
+mem_tracker = private("torch.distributed._tools.mem_tracker")
+fsdp2_mem_tracker = private("torch.distributed._tools.fsdp2_mem_tracker")
+ShardingPropagator = private("torch.distributed.tensor._sharding_prop", "ShardingPropagator")
+for _owner, _name in (("torch.distributed._tools.mem_tracker", "_RefType"),
+                      ("torch.distributed._tools.fsdp2_mem_tracker", "_FSDPState"),
+                      ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_non_cached")):
+    private(_owner, _name)  # every private name used below, checked once at import
 
 
 @contextlib.contextmanager
@@ -389,5 +414,5 @@ def _materialize(template):
     return template[1]
 
 
-__all__ = ["CATEGORIES", "FSDPTracker", "Ref", "Replay", "Tracker", "categories", "patched",
+__all__ = ["CATEGORIES", "FSDPTracker", "Ref", "Replay", "Tracker", "categories", "patched", "private",
            "uncounted_propagation"]
