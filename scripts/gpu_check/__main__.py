@@ -11,7 +11,7 @@ Sections (each selectable with --sections):
   full fine-tuning and a resume, 2 steps each, the communication trace checked (runs.py);
 - memory: peak allocated and reserved memory of a generator's step, a LoRA trainer's forward +
   backward and a full fine-tune's step with fused AdamW at FLUX.1-dev width, beside the FakeTensorMode
-  measurement and the memory model (memory.py; docs/gpu_check/expected.json);
+  measurement and the memory model (peak_memory.py; docs/gpu_check/expected.json);
 - mfu: achieved FLOP/s of those phases at two token counts and three batch sizes beside the
   planner's efficiencies (mfu.py);
 - numerics: one SDE step's log-probability in bf16 at batch 1, batch 4 and TSP-packed, in float32
@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from models import resolve_device
-from scripts.gpu_check import env, memory, mfu, numerics, runs
+from scripts.gpu_check import env, mfu, numerics, runs
+from scripts.gpu_check import peak_memory
 from scripts.gpu_check import model as M
 
 SECTIONS = ("env", "runtime", "memory", "mfu", "numerics")
@@ -81,7 +82,7 @@ def section(name: str, args, device: torch.device, size: M.Size, background=None
         if os.path.isfile(args.expected):
             with open(args.expected) as f:
                 figures = json.load(f).get("sizes", {}).get(size.name)
-        return memory.run(size, device, args.dtype, figures)
+        return peak_memory.run(size, device, args.dtype, figures)
     if name == "mfu":
         with M.one_rank(device):
             return mfu.run(size, device, args.dtype)

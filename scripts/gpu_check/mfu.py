@@ -24,7 +24,7 @@ from planner.specs import attention_share, block_flops
 from rl import sampler
 from lab.memory.fake_parts import transition_batch
 from scripts.gpu_check import model as M
-from scripts.gpu_check.memory import filled
+from scripts.gpu_check.peak_memory import filled
 
 REPEATS = 3
 TRAIN_FACTOR = {"LoRA forward + backward": 3, "full fine-tune forward + backward": 4}
