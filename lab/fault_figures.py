@@ -7,18 +7,26 @@ exited, the line the run printed, the checkpoint left behind and the bytes of it
 Faults: kill -9 of the generator, of the trainer and of torchrun (1 + 1 ranks) and of a generator of
 2 + 2 ranks, SIGSTOP of the generator (alive, silent), SIGTERM and SIGINT on one rank, SIGTERM to
 torchrun (what SLURM does at a time limit), an exception raised by the generator, the trainer and a
-scorer (DIGENRL_DEBUG_RAISE), --overwrite of a live run, and a kill of the checkpoint writer in the
-middle of a checkpoint (DIGENRL_DEBUG_KILL_IN_SAVE).
+scorer (DIGENRL_DEBUG_RAISE), kill -9 of a scorer (1 + 1 + 1 ranks), --overwrite of a live run, a
+kill of the checkpoint writer in the middle of a checkpoint (DIGENRL_DEBUG_KILL_IN_SAVE), and a reward
+service (a stand-in on 127.0.0.1 that scores jpeg_compressibility) that trickles its answer, hangs or
+answers NaN, from its first request or after two steps (the seconds count from the first bad request).
 """
 import argparse
 import hashlib
+import http.server
 import os
 import shutil
 import signal
+import threading
 import time
+
+import torch
 
 from checkpointing import manifest as checkpoint_files
 from lab.launch import TINY, alive, torchrun, torchrun_background, worker_pids
+from rewards import build_reward
+from rewards.wire import decode_request, encode_scores
 
 BASE = [*TINY, "--lora-rank", "4", "--log-images-every", "0"]
 
@@ -144,6 +152,77 @@ def kill_in_write(out: str) -> dict:
             "said": _said(proc.stderr)}
 
 
+class _Service(http.server.BaseHTTPRequestHandler):
+    """A reward service that scores jpeg_compressibility until `mode` turns bad: "trickle" (its
+    headers, then a byte every 2 s), "hang" (never answers) or "nan" (NaN scores); `since`: when
+    the first bad request came."""
+
+    mode, since, reward = "ok", None, None
+
+    def do_POST(self):  # noqa: N802 - the name http.server calls
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        cls = type(self)
+        if cls.mode != "ok" and cls.since is None:
+            cls.since = time.monotonic()
+        try:
+            if cls.mode == "hang":
+                time.sleep(3600)
+            self.send_response(200)
+            if cls.mode == "trickle":
+                self.send_header("Content-Length", "1000000")
+                self.end_headers()
+                for _ in range(1000000):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(2.0)
+            images, prompts, metadata = decode_request(body)
+            scores = cls.reward(images, prompts, metadata)
+            answer = encode_scores("jpeg_compressibility", torch.full_like(scores, float("nan"))
+                                   if cls.mode == "nan" else scores)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+        except OSError:
+            pass  # the run gave up on it
+
+    def log_message(self, *args):
+        pass
+
+
+def service_fault(out: str, name: str, mode: str, after_rows: int, extra=()) -> dict:
+    """A run scoring through a stand-in service that turns to `mode` once the run has logged
+    `after_rows` steps: the seconds from the first bad request until every rank has exited."""
+    handler = type("Service", (_Service,), {"reward": build_reward("jpeg_compressibility")})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    at = BASE.index("--reward")
+    args = [*BASE[:at], *BASE[at + 2:], "--reward", f"http://127.0.0.1:{httpd.server_address[1]}/jpeg_compressibility"]
+    run, log = os.path.join(out, name.replace(" ", "_")), os.path.join(out, name.replace(" ", "_") + ".log")
+    shutil.rmtree(run, ignore_errors=True)
+    proc = torchrun_background(2, [*args, *extra, "--steps", "500", "--save-every", "1", "--keep-checkpoints", "0",
+                                   "--output-dir", run], log)
+    try:
+        while _rows(run) < after_rows:
+            if proc.poll() is not None:
+                raise SystemExit(f"{name}: the run ended early\n{open(log).read()[-2000:]}")
+            time.sleep(0.2)
+        before = _saved(run)
+        handler.mode = mode
+        proc.wait(timeout=900)
+        ended = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session this script started
+            proc.wait()
+        httpd.shutdown()
+    seconds = ended - handler.since if handler.since is not None else float("nan")
+    found = checkpoint_files.find_valid(os.path.join(run, "checkpoints"))
+    return {"fault": name, "ranks_s": seconds, "torchrun_s": seconds, "steps": _rows(run),
+            "checkpoint": found.step, "lost": _bytes_changed(before),
+            "lock": os.path.exists(os.path.join(run, "run.lock")), "said": _said(open(log).read())}
+
+
 def faults(out: str) -> dict:
     """name -> a function running that fault once."""
     raise_at = {"DIGENRL_DEBUG_RAISE": "{}:2"}
@@ -161,6 +240,14 @@ def faults(out: str) -> dict:
                                            env={k: v.format(1) for k, v in raise_at.items()}),
         "exception scorer": lambda: fault(out, "exception scorer", None, None, ["--scorers", "1"], 3,
                                           env={k: v.format(2) for k, v in raise_at.items()}),
+        "kill -9 scorer": lambda: fault(out, "kill -9 scorer", signal.SIGKILL, 2, ["--scorers", "1"], 3),
+        "service trickles from the start": lambda: service_fault(
+            out, "service trickles from the start", "trickle", 0, ["--reward-timeout-s", "15", "--dist-timeout-s", "60"]),
+        "service trickles after 2 steps": lambda: service_fault(
+            out, "service trickles after 2 steps", "trickle", 2, ["--reward-timeout-s", "15"]),
+        "service hangs from the start": lambda: service_fault(
+            out, "service hangs from the start", "hang", 0, ["--reward-timeout-s", "90", "--dist-timeout-s", "60"]),
+        "service answers NaN after 2 steps": lambda: service_fault(out, "service answers NaN after 2 steps", "nan", 2),
     }
 
 

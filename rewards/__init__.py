@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import importlib
 import math
-from concurrent.futures import Future
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from rewards.remote import DEFAULT_TIMEOUT_S, HttpReward, is_url, split_url_spec
+from rewards.remote import DEFAULT_TIMEOUT_S, HttpReward, PendingRequest, is_url, service_token, split_url_spec
 
 _REWARDS = {
     "shapes": "rewards.shapes:ShapesReward",
@@ -143,11 +142,12 @@ class PendingScores:
     """The scores of one batch on their way: `result()` waits for the rewards served over HTTP and
     returns every score plus "combined", as `RewardSet.score_combined` does."""
 
-    def __init__(self, reward_set: "RewardSet", parts: dict[str, Tensor | Future]):
+    def __init__(self, reward_set: "RewardSet", parts: dict[str, Tensor | PendingRequest]):
         self.reward_set, self.parts = reward_set, parts
 
     def result(self) -> dict[str, Tensor]:
-        scores = {n: (v.result() if isinstance(v, Future) else v).float().cpu().contiguous()
+        """Waits at most until each request's deadline (--reward-timeout-s from `submit`)."""
+        scores = {n: (v.result() if isinstance(v, PendingRequest) else v).float().cpu().contiguous()
                   for n, v in self.parts.items()}
         scores["combined"] = self.reward_set.combine(scores).float().cpu().contiguous()
         return scores
@@ -157,7 +157,8 @@ class RewardSet:
     """The rewards of a run and their weights. `score` returns every reward separately (for per-reward
     logging); `combine` makes the weighted sum that the advantages are computed from (docs/ALGORITHMS.md).
     A reward given as a URL is scored by that service (`timeout_s`: how long a batch's scores may take,
-    retries included); `remote` says whether any is."""
+    retries included; the token of DIGENRL_REWARD_TOKEN_FILE, if set, goes with every request);
+    `remote` says whether any is."""
 
     def __init__(self, specs: Sequence[str], device: str | torch.device = "cpu",
                  model_paths: dict[str, str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -168,7 +169,8 @@ class RewardSet:
         self.names = [n for n, _ in parsed]
         self.weights = [w for _, w in parsed]
         model_paths = model_paths or {}
-        self.rewards = {n: HttpReward(reward_url(s), n, timeout_s) if reward_url(s)
+        token = service_token() if any(map(reward_url, specs)) else None
+        self.rewards = {n: HttpReward(reward_url(s), n, timeout_s, token) if reward_url(s)
                         else build_reward(n, device=device, model_path=model_paths.get(n), dtype=dtype)
                         for (n, _), s in zip(parsed, specs)}
         self.remote = any(isinstance(r, HttpReward) for r in self.rewards.values())
@@ -202,4 +204,4 @@ class RewardSet:
 
 
 __all__ = ["MODEL_REWARDS", "VIDEO_REWARDS", "PendingScores", "RewardSet", "build_reward", "parse_reward_spec", "parse_reward_specs",
-           "reward_class", "reward_model_paths", "reward_names", "reward_url"]
+           "reward_class", "reward_model_paths", "reward_names", "reward_url", "service_token"]

@@ -210,12 +210,12 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     store = StepStore(t.dist_timeout_s)
     groups = ProcessGroups.create(topo, t.dist_timeout_s, guard.pending_timeout_s(t.dist_timeout_s),
                                   exchange=facts.tsp and not facts.disagg, own=mixed_replicas(cfg, facts))
+    served = any(map(reward_url, cfg.rl.reward))  # a reward service scores: the guard's timeouts outwait it
     run_guard = guard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
                               stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
                               groups=_member_groups(topo, rank, groups),
                               start_step=facts.resume.step if facts.resume else 0,
-                              floor_s=guard.timeout_floor_s(cfg.rl.reward_timeout_s,
-                                                            remote=any(map(reward_url, cfg.rl.reward)))).start()
+                              reward_timeout_s=cfg.rl.reward_timeout_s if served else None).start()
     ctx, shapes = make_context(cfg, facts, rank, groups)  # every check that needs the model: nothing written yet
     trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown,
                       groups.own.get(rank)) if topo.is_trainer(rank) else None

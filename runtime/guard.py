@@ -26,8 +26,9 @@ blocking get holds its connection, so the main thread's waits never delay a beat
   slowest step so far (at least 60 s, and 60 s beyond --reward-timeout-s when a reward service
   scores: a fragment may wait that long for its scores before its generator reports the service);
   before the first, after --dist-timeout-s or 5 x the step the start-up probe predicts, whichever
-  is longer (`expect_step`); around scheduled checkpoints and evaluations, and at the end, after
-  --dist-timeout-s or the step's timeout, whichever is longer.
+  is longer (`expect_step`), and never before the reward service's floor either; around scheduled
+  checkpoints and evaluations, and at the end, after --dist-timeout-s or the step's timeout,
+  whichever is longer.
   Each point-to-point wait counts from when it starts (parallel/p2p.py). The NCCL watchdog counts
   an op from when it was posted, and an op may stay posted through a long evaluation or checkpoint:
   the point-to-point communicators get `pending_timeout_s` as theirs, a backstop; a dead or silent
@@ -131,7 +132,9 @@ def is_comm_error(exc: BaseException) -> bool:
 
 class RunGuard:
     def __init__(self, topo, rank: int, store: StepStore, *, heartbeat_timeout_s: float, stop_grace_s: float,
-                 dist_timeout_s: float, groups: list, start_step: int, floor_s: float = MIN_TIMEOUT_S):
+                 dist_timeout_s: float, groups: list, start_step: int, reward_timeout_s: float | None = None):
+        """`reward_timeout_s`: --reward-timeout-s when a reward service scores (None: none does); no
+        wait times out within 60 s beyond it, before the first step or after (timeout_floor_s)."""
         self.topo, self.rank, self.world = topo, rank, topo.world_size
         self.me = topo.describe(rank)
         self.data_store, self.main, self.beats = store, store.clone(), store.clone()
@@ -141,7 +144,8 @@ class RunGuard:
         self.step, self.phase, self.start_step = start_step, "loading", start_step
         self.stop_at: int | None = None
         self.slowest = 0.0
-        self.floor_s = floor_s  # the shortest adaptive timeout (timeout_floor_s)
+        self.floor_s = timeout_floor_s(reward_timeout_s or 0.0, reward_timeout_s is not None)  # the shortest timeout
+        self.served = reward_timeout_s is not None
         self.expected = 0.0  # the step the start-up probe predicts, until one is measured
         self.timeout_s = self.flat_s
         self.peers = [p for p in range(self.world) if p != rank] if self.world <= 16 else \
@@ -232,8 +236,9 @@ class RunGuard:
         if self.slowest:
             t = max(self.floor_s, TIMEOUT_FACTOR * self.slowest)
             t = max(self.flat_s, t) if relaxed else t
-        else:  # a prediction without the first step's one-off costs never shortens --dist-timeout-s
-            t = max(self.flat_s, TIMEOUT_FACTOR * self.expected)
+        else:  # a prediction without the first step's one-off costs never shortens --dist-timeout-s, and a
+            # fragment waits for a reward service from the first step on
+            t = max(self.flat_s, TIMEOUT_FACTOR * self.expected, self.floor_s if self.served else 0.0)
         if t == self.timeout_s:
             return
         self.timeout_s = t
@@ -291,7 +296,8 @@ class RunGuard:
     def explain(self, exc: BaseException) -> tuple[int, str, bool]:
         """(exit code, the one line to print, whether a traceback helps) for an exception of the
         main thread; peers learn of it through guard/fault."""
-        self._done.set()  # this rank reports and exits itself: the thread must not race it to the exit
+        # This rank reports and exits itself: the heartbeat thread must not race it to the exit, but it
+        # beats on while the main thread waits out a diagnosis, or peers would find this rank silent.
         self._exiting.acquire(timeout=30)  # held by the heartbeat thread only while it ends the process itself
         if isinstance(exc, ValueError) and not isinstance(exc, p2p.PeerError):
             self.report(f"{self.me} stopped on a user error: {exc}", EXIT_USER)

@@ -199,6 +199,9 @@ def _cases(tmp_path):
         ("jsonl height 17", [*tiny, "--prompts", str(jsonl17)], {}, f"{jsonl17}:2: prompt shape 17x16: height 17"),
         ("reward model folder", [*tiny, "--reward", "clip_score", "--reward-model", "clip_score=/no/such/clip"], {},
          "--reward-model clip_score=/no/such/clip: no such folder"),
+        ("reward service token file", [*tiny, "--reward", "http://127.0.0.1:9/rule_aesthetic"],
+         {"DIGENRL_REWARD_TOKEN_FILE": "/no/such/token"},
+         "DIGENRL_REWARD_TOKEN_FILE='/no/such/token': cannot read the reward service token"),
         # what a resume continues from
         ("resume mislabelled", [*TINY, "--steps", "6", "--resume", str(tmp_path / "mislabelled"), "--output-dir", out],
          {}, "step-4 (its manifest.json records step 2, not 4"),

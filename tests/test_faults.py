@@ -1,7 +1,8 @@
 """Faults injected into runs under torchrun, and exact resume in every mode.
 
-- kill -9 of a generator, of a trainer or of torchrun itself: every other process exits within
-  60 s, naming the dead one by role (torchrun: in one line per worker, with no traceback);
+- kill -9 of a generator, of a trainer, of a scorer or of torchrun itself: every other process
+  exits within 60 s, naming the dead one by role (torchrun: in one line per worker, with no
+  traceback);
 - an exception raised by a generator, a trainer or a scorer: every rank's line names that rank
   and its exception, and no rank is blamed as silent;
 - --overwrite of a live run is refused to a launch with the same rdzv id, through a bind mount of
@@ -71,16 +72,20 @@ def _end(proc):
 
 @pytest.mark.parametrize("victim,named", [(0, "generator rank 0 (replica 0) stopped answering"),
                                           (1, "trainer rank 1 stopped answering"),
+                                          (2, "scorer rank 2 stopped answering"),
                                           ("torchrun", "is gone, and the rendezvous store with it")],
-                         ids=["generator", "trainer", "torchrun"])
+                         ids=["generator", "trainer", "scorer", "torchrun"])
 def test_kill_9_is_named_by_every_rank_and_all_exit_within_60_s(tmp_path, victim, named):
+    """The scorer (1 + 1 + 1 ranks): torchrun SIGTERMs the survivors at once, and the generator,
+    whose receive from it broke, diagnoses while the trainer watches with a stop's 5 s limit."""
     run, log = tmp_path / "run", tmp_path / "log"
-    proc = torchrun_background(2, [*BASE, "--steps", "500", "--save-every", "1000", "--output-dir", str(run)],
-                               str(log))
+    world, extra = (3, ["--scorers", "1"]) if victim == 2 else (2, [])
+    proc = torchrun_background(world, [*BASE, *extra, "--steps", "500", "--save-every", "1000", "--output-dir",
+                                       str(run)], str(log))
     try:
-        _wait_rows(run, 1, proc, log)
+        _wait_rows(run, 2 if victim == 2 else 1, proc, log)
         pids = worker_pids(proc.pid)
-        assert set(pids) == {0, 1}, pids
+        assert set(pids) == set(range(world)), pids
         start = time.monotonic()
         os.kill(proc.pid if victim == "torchrun" else pids[victim], signal.SIGKILL)
         survivors = [p for r, p in pids.items() if r != victim]
@@ -99,6 +104,9 @@ def test_kill_9_is_named_by_every_rank_and_all_exit_within_60_s(tmp_path, victim
             {line.split(": ", 2)[2].split(" at step")[0] for line in lines}, lines
         assert "Traceback" not in text, text[-3000:]  # (torch's C++ store client may log a receive it had in flight)
         assert not (run / LOCK).exists()  # rank 0 released the folder on its way out
+    elif victim == 2:  # every survivor names the scorer, none another rank
+        lines = [line[line.index("error: "):] for line in text.splitlines() if "error: " in line]
+        assert len(lines) >= 2 and all(line.startswith(f"error: {named}") for line in lines), text[-3000:]
     else:
         assert named in text and f"rank {1 - victim}" in text, text[-3000:]
     assert proc.returncode != 0
