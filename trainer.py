@@ -174,7 +174,7 @@ class Trainer:
         gradient accumulates apart."""
         self.num_allgathers = 0
         self.items = [] if keep_items else None
-        self.grads.begin(apart=scale_later and self.loss.needs_reference)
+        self.grads.begin(apart=scale_later and self.loss.unscaled_term)
 
     # ----- training -------------------------------------------------------------------------
     def _start_forward(self) -> None:

@@ -80,8 +80,18 @@ class SamplingArgs:
                                              "after K-2, MixGRPO's scripts), progressive-clamp (stays at K-2) or "
                                              "random (a seeded start every step)")
     quantize_timestep: bool = _f(False, "feed the model int(sigma*1000)/1000 as its timestep, in sampling and "
-                                        "training, while the step uses the exact sigma (DanceGRPO; its recipes "
-                                        "set it)")
+                                        "training, while the step uses the exact sigma (DanceGRPO, MixGRPO; their "
+                                        "recipes set it)")
+    schedule: str | None = _f(None, "timestep schedule: dynamic, static or dance (default: the family's, dance with "
+                                    "--sde-type dance); dance is DanceGRPO's and MixGRPO's shift (the family's "
+                                    "DanceGRPO shift: 3 for FLUX) of linspace(1, 0, K+1)")
+    post_compress: float = _f(0.0, "MixGRPO: the steps after the window's last SDE step re-gridded to "
+                                   "int((K - last) x RATIO) points (MixGRPO-Flash's dpm_post_compress_ratio: 0.4, "
+                                   "Flash* 0.2; needs --schedule dance); 0 = all K steps")
+    dpm_apply: str = _f("post", "MixGRPO: with a DPM --ode-solver, post (after the window only, MixGRPO-Flash) or all "
+                                "(every step, the SDE-DPM-Solver++ inside the window: dpm_apply_strategy all)")
+    drop_last_sample: bool = _f(False, "MixGRPO: the sample is the last step's data prediction x - sigma v "
+                                       "(drop_last_sample; equal where the schedule ends at 0)")
 
 
 @dataclass
@@ -122,6 +132,13 @@ class RLConfig:
                                   "trained ones are a multiple of M (Flow-GRPO's num_batches_per_epoch); 1 = none")
     best_of_n: int = _f(0, "train only the ceil(N/2) best and floor(N/2) worst samples of each group by advantage "
                            "(DanceGRPO's --bestofn); 0 = all")
+    trimmed_ratio: float = _f(0.0, "MixGRPO: a group's mean and std leave out its lowest int(G x RATIO) rewards "
+                                   "(trimmed_ratio); 0 = none")
+    kl_to_old: float = _f(0.0, "MixGRPO: adds COEF x 1/2 (log p - log p_old)^2 per trained transition (its kl_coeff; "
+                               "its scripts: 0)")
+    advantage_rerange: str = _f("none", "MixGRPO: the order a step's samples are trained in: none, random or balance "
+                                        "(positives and negatives alternating, zero advantages not trained; "
+                                        "advantage_rerange_strategy)")
     nft_beta: float = _f(1.0, "DiffusionNFT: strength beta of the implicit positive and negative policies "
                               "(NFT: 1.0 for GenEval, PickScore, HPSv2; 0.1 for OCR and the multi-reward run)")
     old_policy_decay: str = _f("linear_to_0_5", "DiffusionNFT: the old policy's soft update old <- d old + (1-d) "
@@ -130,6 +147,8 @@ class RLConfig:
                                                 "FLAT:UPRATE:UPHOLD (d=0 before FLAT, then "
                                                 "min((u-FLAT) UPRATE, UPHOLD))")
     old_policy_interval: int = _f(1, "DiffusionNFT: optimizer updates between soft updates of the old policy")
+    adv_mode: str = _f("all", "DiffusionNFT: the advantage the loss weighs by (adv_mode): all, positive_only, "
+                              "negative_only, one_only (1 where positive, else 0) or binary (its sign)")
     kl_mask_threshold: float = _f(1e-5, "Flow-DPPO: an update is dropped where the KL D_t between the current and the "
                                         "rollout transition reaches this and the ratio moves away from the rollout "
                                         "(VeRL-Omni: 1e-5)")

@@ -131,8 +131,10 @@ class PipelinedReplica:
         self.sampling: sampler.SamplingConfig = generator.sampling
         self._validated: set[tuple[int, int]] = set()
 
-    def schedule(self, num_microbatches: int) -> list[Action]:
-        s, k = self.layout.num_stages, self.sampling.num_steps
+    def schedule(self, num_microbatches: int, step: int) -> list[Action]:
+        """This stage's actions for a step: K denoising steps per micro-batch (MixGRPO-Flash's
+        compressed count where the step's window shortens the schedule)."""
+        s, k = self.layout.num_stages, self.sampling.steps_at(step)
         full = gap_schedule(s, num_microbatches, k)
         if (num_microbatches, k) not in self._validated:
             validate_schedule(full, s, num_microbatches, k)
@@ -148,7 +150,7 @@ class PipelinedReplica:
         goes into `stream` (rollout.FragmentStream: decoded, scored, emitted) as soon as its last
         micro-batch finishes. Each action runs under the generator's slow-down (--debug-slow-rank)."""
         chunks = [(f, c) for f in fragments for c in f.chunks]
-        actions = self.schedule(len(chunks))
+        actions = self.schedule(len(chunks), plan.step)
         st = _StepState(plan, chunks, version, stream)
 
         def post(i: int):
@@ -181,6 +183,7 @@ class PipelinedReplica:
         frag, chunk = st.chunks[a.mb]
         ids = list(chunk.sample_ids)
         cfg, sigmas = self.gen.sampling_for(frag.shape)  # the fragment's shape (one per fragment)
+        sigmas = cfg.sigmas_at(sigmas, plan.step)  # the step's: MixGRPO-Flash compresses them
         shape = adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)
         dev = adapter.device
         next_rank = lay.ranks[(lay.stage + 1) % lay.num_stages]
@@ -221,10 +224,10 @@ class PipelinedReplica:
             v = adapter.head(states[0])
             if cfg.cfg_scale != 1.0:
                 v = adapter.combine_cfg(v, adapter.head(states[1]), cfg.cfg_scale)
-        out = sampler.sample_step(st.x_of[a.mb], v, sigmas, a.t, ids, plan.step, cfg, st.x0_of.pop(a.mb, None))
+        out = sampler.sample_step(st.x_of[a.mb], v, sigmas, a.t, ids, plan.step, cfg, st.x0_of.pop(a.mb, ()))
         st.x_of[a.mb], st.x0_of[a.mb] = out.x_next, out.x0
         st.paths[a.mb].add(out)
-        if a.t + 1 < cfg.num_steps:
+        if a.t + 1 < len(sigmas) - 1:
             st.sends.append(p2p.isend_framed({"x": out.x_next.contiguous()}, {"mb": a.mb, "t": a.t + 1},
                                              dst=next_rank, group=self.send_group))
             return
@@ -248,7 +251,7 @@ class _StepState:
     conds: dict = field(default_factory=dict)   # mb -> (cond, neg)
     sides: dict = field(default_factory=dict)   # mb -> (side inputs of cond, of neg)
     x_of: dict = field(default_factory=dict)    # last stage: mb -> current latent
-    x0_of: dict = field(default_factory=dict)   # last stage: mb -> the last step's data prediction (dpm2)
+    x0_of: dict = field(default_factory=dict)   # last stage: mb -> the last steps' data predictions (dpm2, dpm3)
     paths: dict = field(default_factory=dict)   # last stage: mb -> its sampler.PathRecorder
     done: dict = field(default_factory=dict)    # last stage: mb -> finished Trajectory
     sends: list = field(default_factory=list)

@@ -193,12 +193,15 @@ class TrainingSpec:
         return cls(algorithms.algorithm(cfg.rl.algorithm), sampling.num_steps, cfg.rl.timestep_fraction, cfg.seed,
                    sampling.sde_window, sampling.window_schedule)
 
-    def window_at(self, step: int) -> tuple[int, int] | None:
-        return self.window_schedule.window(step) if self.window_schedule is not None else self.sde_window
+    def window_at(self, step: int, sample_id: int | None = None) -> tuple[int, int] | None:
+        """The SDE window of a step (and sample: Flow-GRPO-Fast's is drawn per group)."""
+        if self.window_schedule is None:
+            return self.sde_window
+        return self.window_schedule.window(step, sample_id)
 
     def timesteps(self, step: int, sample_id: int) -> tuple[int, ...]:
         return self.algorithm.timesteps(self.num_steps, self.timestep_fraction, seed=self.seed, step=step,
-                                        sample_id=sample_id, window=self.window_at(step))
+                                        sample_id=sample_id, window=self.window_at(step, sample_id))
 
     def forward_timesteps(self, step: int, sample_ids: tuple[int, ...]) -> list[int]:
         """The timesteps at which a chunk needs a forward pass without TSP (all its samples that

@@ -45,6 +45,9 @@ class AdvantageRule:
     """re-admit dropped samples until the trained ones are a multiple of this (Flow-GRPO)"""
     best_of_n: int = 0
     """train the top ceil(n/2) and bottom floor(n/2) samples of each group (DanceGRPO); 0: all"""
+    trim: float = 0.0
+    """MixGRPO's trimmed_ratio: a group's mean and std are taken over its rewards without the lowest
+    min(int(G x trim), G - 1) (train_grpo_flux.py:439-445); 0: all of them"""
 
     @property
     def needs_step_end(self) -> bool:
@@ -58,34 +61,44 @@ def std_of(rewards: Tensor, ddof: int) -> Tensor:
     return rewards.double().std(correction=ddof)
 
 
-def centred(rewards: Tensor, group_ids: Tensor) -> Tensor:
+def trimmed(rewards: Tensor, trim: float) -> Tensor:
+    """A group's rewards its mean and std are taken over: all, or with MixGRPO's trimmed_ratio the
+    sorted rewards without the lowest min(int(G x trim), G - 1) (train_grpo_flux.py:439-443)."""
+    if trim == 0:
+        return rewards
+    cut = min(int(len(rewards) * trim), len(rewards) - 1)
+    return torch.sort(rewards).values[cut:]
+
+
+def centred(rewards: Tensor, group_ids: Tensor, trim: float = 0.0) -> Tensor:
     """u = r - mean of the sample's group, float64 (an all-equal group gives exact zeros)."""
     rewards = rewards.double()
     out = torch.empty_like(rewards)
     for gid in group_ids.unique():
         m = group_ids == gid
-        out[m] = rewards[m] - rewards[m].mean()
+        out[m] = rewards[m] - trimmed(rewards[m], trim).mean()
     return out
 
 
-def group_stds(rewards: Tensor, group_ids: Tensor, ddof: int) -> Tensor:
+def group_stds(rewards: Tensor, group_ids: Tensor, ddof: int, trim: float = 0.0) -> Tensor:
     """Each sample's group std, float64."""
     out = torch.empty_like(rewards, dtype=torch.float64)
     for gid in group_ids.unique():
         m = group_ids == gid
-        out[m] = std_of(rewards[m], ddof)
+        out[m] = std_of(trimmed(rewards[m].double(), trim), ddof)
     return out
 
 
 def group_advantages(rewards: Tensor, group_ids: Tensor, *, adv_clip: float, std: float | None = None,
-                     ddof: int = 0, eps: float = STD_EPS) -> Tensor:
+                     ddof: int = 0, eps: float = STD_EPS, trim: float = 0.0) -> Tensor:
     """A = clamp((r - mean_group) / (std + eps), -adv_clip, adv_clip) in float64, returned as float32.
 
     std None: each group's own std (Flow-GRPO stat_tracking.py:27-37 with global_std False, ddof 0,
     eps 1e-4; DanceGRPO train_grpo_flux.py:540-545, ddof 1, eps 1e-8). Otherwise the given std:
-    the running std of previous steps, or the step's (Flow-GRPO's global_std, stat_tracking.py:27)."""
-    u = centred(rewards, group_ids)
-    s = group_stds(rewards, group_ids, ddof) if std is None else torch.full_like(u, std)
+    the running std of previous steps, or the step's (Flow-GRPO's global_std, stat_tracking.py:27).
+    `trim`: MixGRPO's trimmed group statistics (`trimmed`)."""
+    u = centred(rewards, group_ids, trim)
+    s = group_stds(rewards, group_ids, ddof, trim) if std is None else torch.full_like(u, std)
     return (u / (s + eps)).clamp(-adv_clip, adv_clip).float()
 
 
@@ -136,7 +149,7 @@ def step_std(rewards: list[float], sample_ids: list[int], ddof: int) -> float:
 
 def _unclamped(rewards: Tensor, group_ids: Tensor, rule: AdvantageRule) -> Tensor:
     """float64 (r - mean_group) / (std_group + eps) of one reward."""
-    return centred(rewards, group_ids) / (group_stds(rewards, group_ids, rule.ddof) + rule.eps)
+    return centred(rewards, group_ids, rule.trim) / (group_stds(rewards, group_ids, rule.ddof, rule.trim) + rule.eps)
 
 
 # ----- a fragment, when it is scored -------------------------------------------------------------
@@ -157,14 +170,14 @@ def fragment_advantages(rule: AdvantageRule, scores: dict[str, Tensor], group_id
     --std-mode running (None: the group's). With --std-mode global the advantages are the
     group-centred rewards u, scaled by the step's 1 / (std + eps) at the end of the step, unless the
     fragment is the whole step (`whole_step`): then they are final here."""
-    u = centred(scores["combined"], group_ids)
+    u = centred(scores["combined"], group_ids, rule.trim)
     if rule.combine == "rewards":
         if rule.std_mode == "global":
             a = u / (step_std(scores["combined"].tolist(), sample_ids, rule.ddof) + rule.eps) if whole_step else u
             adv = (a.clamp(-rule.clip, rule.clip) if whole_step else a).float()
         else:
             adv = group_advantages(scores["combined"], group_ids, adv_clip=rule.clip, std=std, ddof=rule.ddof,
-                                   eps=rule.eps)
+                                   eps=rule.eps, trim=rule.trim)
         combined, zero = u, u == 0
     else:
         per = torch.stack([_unclamped(scores[name], group_ids, rule) * w for name, w in rule.weights], dim=1)

@@ -53,6 +53,12 @@ class ClippedPolicyLoss:
     def needs_reference(self) -> bool:
         return self.beta > 0
 
+    @property
+    def unscaled_term(self) -> bool:
+        """The loss has a term the global std does not scale (the KL term): its gradient accumulates
+        apart while the scale is unknown (rl/gradients.py)."""
+        return self.beta > 0
+
     def __call__(self, log_prob: Tensor, logp_old: Tensor, adv: Tensor, *, weight: Tensor | None = None,
                  counted: Tensor | None = None, mean: Tensor | None = None, mean_ref: Tensor | None = None,
                  std: Tensor | None = None, std_dev_t: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:

@@ -17,15 +17,16 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import Tensor
 
+from rl import solvers
 from rl.seeding import initial_noise, step_noise
 from rl.conditioning import Conditioning
 
 # Adapters (models.DiTAdapter) are passed in and used through their interface only: the sampler
 # imports no model family.
 
-SDE_TYPES = ("sde", "cps", "dance")
+SDE_TYPES = ("sde", "cps", "dance", "dpm")
 SCHEDULES = ("dynamic", "static", "dance")
-ODE_SOLVERS = ("euler", "dpm2")
+ODE_SOLVERS = solvers.ODE_SOLVERS
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -119,7 +120,8 @@ class StepOutput:
     std_dev_t: Tensor  # (B,) float32: the std the peer's step function returns and Flow-GRPO's KL divides
     #                    by: std_t without sqrt(-dt) for sde (sd3_sde_with_logprob.py:47), the step's std for
     #                    cps (54809b5:71) and dance (train_grpo_flux.py:148)
-    x0: Tensor | None = None  # (B, ...) float32 x - sigma v, the data prediction a multistep solver keeps
+    x0: tuple[Tensor, ...] = ()  # (B, ...) float32 x - sigma v of this step and the ones before it that a
+    #                              multistep solver keeps, newest first (rl/solvers.py)
 
 
 PER_SAMPLE_FIELDS = ("log_prob", "std", "std_dev_t")
@@ -182,11 +184,17 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
         x0_hat = x - s * v
         eps_hat = x + (1 - s) * v
         mean = (1 - s_next) * x0_hat + torch.sqrt(s_next**2 - std**2) * eps_hat
-    else:  # dance: DanceGRPO train_grpo_flux.py:141-153
+    elif sde_type == "dance":  # DanceGRPO train_grpo_flux.py:141-153
         x0_hat = x - s * v
         score = -(x - (1 - s) * x0_hat) / s**2
         mean = x + dt * v - 0.5 * noise_level**2 * score * dt
         std = noise_level * torch.sqrt(-dt)
+    else:  # dpm: SDE-DPM-Solver++(1), MixGRPO sampling_utils.py:421-434; the noise level only turns it on
+        h = (torch.log(1 - s_next) - torch.log(s_next)) - (torch.log(1 - s) - torch.log(s))
+        decay = torch.exp(-h)
+        mean = (s_next / s * decay) * x + ((1 - s_next) * (1 - torch.exp(-2.0 * h))) * (x - s * v)
+        std_dev_t = s_next
+        std = s_next * torch.sqrt(1.0 - torch.exp(-2 * h))
 
     if x_next is None:
         x_next = mean + std * noise.to(device=x.device, dtype=torch.float32)
@@ -206,18 +214,27 @@ def sde_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | f
 
 
 def score_rows(cfg: "SamplingConfig", x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, timesteps: list[int],
-               x_next: Tensor, step: int | None = None) -> StepOutput:
+               x_next: Tensor, step: int | None = None, sample_ids: list[int] | None = None) -> StepOutput:
     """`sde_step` scoring rows at different timesteps (a TSP micro-batch) of training step `step`:
-    one call per distinct noise level (a windowed sampler is deterministic outside its window),
-    rows put back in order."""
-    levels = [cfg.noise_level_at(t, step) for t in timesteps]
+    one call per distinct noise level (a windowed sampler is deterministic outside its window, which
+    may depend on the row's sample: `sample_ids`), rows put back in order."""
+    ids = [None] * len(timesteps) if sample_ids is None else sample_ids
+    levels = [cfg.noise_level_at(t, step, i) for t, i in zip(timesteps, ids)]
+    return by_level(levels, x, lambda rows, level: sde_step(
+        x if rows is None else x[rows], v if rows is None else v[rows],
+        sigma if rows is None else sigma[rows], sigma_next if rows is None else sigma_next[rows],
+        sde_type=cfg.sde_type, noise_level=level, x_next=x_next if rows is None else x_next[rows]))
+
+
+def by_level(levels: list[float], like: Tensor, step_fn) -> StepOutput:
+    """`step_fn(rows, level)` once per distinct noise level of the rows (rows None: all of them at
+    one level), the outputs put back in row order."""
     if len(set(levels)) == 1:
-        return sde_step(x, v, sigma, sigma_next, sde_type=cfg.sde_type, noise_level=levels[0], x_next=x_next)
+        return step_fn(None, levels[0])
     parts, order = [], []
     for level in sorted(set(levels)):
-        rows = to_device(torch.tensor([j for j, l in enumerate(levels) if l == level]), x.device)
-        parts.append(sde_step(x[rows], v[rows], sigma[rows], sigma_next[rows], sde_type=cfg.sde_type,
-                              noise_level=level, x_next=x_next[rows]))
+        rows = to_device(torch.tensor([j for j, l in enumerate(levels) if l == level]), like.device)
+        parts.append(step_fn(rows, level))
         order.append(rows)
     inverse = torch.argsort(torch.cat(order))
     return StepOutput(*(torch.cat([getattr(p, k) for p in parts])[inverse]
@@ -247,10 +264,22 @@ class SamplingConfig:
     sde_window: tuple[int, int] | None = None
     """SDE steps only for t in [start, end), ODE elsewhere (--sde-window)."""
     window_schedule: object | None = None
-    """a window that moves with the training step, in place of a fixed sde_window: an object whose
-    `window(step)` gives (START, END) (an algorithm's, rl/algorithms/)"""
+    """a window that moves with the training step (or is drawn per group), in place of a fixed
+    sde_window: an object whose `window(step, sample_id)` gives (START, END) (an algorithm's,
+    rl/algorithms/); `per_sample` says whether it depends on the sample"""
     ode_solver: str = "euler"
-    """deterministic steps: euler, or dpm2 (DPM-Solver++(2M) after the last SDE step; docs/ALGORITHMS.md)"""
+    """deterministic steps: euler, NFT's ddim or dpm1, or DPM-Solver++ of order 2 or 3 (dpm2, dpm3)
+    after the last SDE step (rl/solvers.py; docs/ALGORITHMS.md)"""
+    dpm_everywhere: bool = False
+    """MixGRPO's dpm_apply_strategy all: the multistep solver at every deterministic step, before
+    the window too (default: after the window's last SDE step only, MixGRPO's post)"""
+    post_compress: float = 0.0
+    """MixGRPO-Flash's dpm_post_compress_ratio: the steps after the window's last SDE step replaced
+    by max(1, int((K - last) x ratio)) points of the shifted linear grid (rl/solvers.py
+    `compressed`); 0: all K steps. Needs the dance schedule (MixGRPO's shift of linspace(1, 0, K+1))"""
+    final_prediction: bool = False
+    """MixGRPO's drop_last_sample: the sample is the last step's data prediction x - sigma v, not its
+    x' (the same where the schedule ends at sigma' = 0)"""
     quantize_timestep: bool = False
     """Feed the model int(sigma * 1000) / 1000 (DanceGRPO train_grpo_flux.py:231, 238); the step
     itself uses the exact sigma."""
@@ -260,12 +289,14 @@ class SamplingConfig:
 
     @classmethod
     def for_adapter(cls, adapter: "DiTAdapter", **overrides) -> "SamplingConfig":
+        """The family's defaults under `overrides` (None: the default). The dance schedule (the dance
+        sampler's, or --schedule dance) takes the family's DanceGRPO shift."""
         d = adapter.defaults
         sde_type = overrides.get("sde_type") or "sde"
+        schedule = overrides.get("schedule") or ("dance" if sde_type == "dance" else d.shift)
         base = dict(height=d.height, width=d.width, num_steps=d.num_steps, sde_type=sde_type,
-                    noise_level=d.dance_eta if sde_type == "dance" else d.noise_level,
-                    schedule="dance" if sde_type == "dance" else d.shift,
-                    shift=d.dance_shift if sde_type == "dance" else adapter.static_shift,
+                    noise_level=d.dance_eta if sde_type == "dance" else d.noise_level, schedule=schedule,
+                    shift=d.dance_shift if schedule == "dance" else adapter.static_shift,
                     guidance=d.guidance, cfg_scale=d.cfg_scale, num_frames=d.num_frames)
         base.update({k: v for k, v in overrides.items() if v is not None})
         cfg = cls(**base)
@@ -275,6 +306,8 @@ class SamplingConfig:
     def validate(self) -> None:
         if self.sde_type not in SDE_TYPES:
             raise ValueError(f"unknown sde type {self.sde_type!r}; choose one of {SDE_TYPES}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
         if not (math.isfinite(self.noise_level) and self.noise_level >= 0):
             raise ValueError(f"noise level must be >= 0, got {self.noise_level}")
         if self.num_steps < 1:
@@ -287,6 +320,12 @@ class SamplingConfig:
             start, end = self.sde_window
             if not 0 <= start < end <= self.num_steps:
                 raise ValueError(f"sde window {self.sde_window} must satisfy 0 <= start < end <= {self.num_steps}")
+        if self.post_compress:
+            if not 0 < self.post_compress <= 1:
+                raise ValueError(f"--post-compress must be in (0, 1] (0: off), got {self.post_compress}")
+            if self.schedule != "dance" or self.shift is None or self.window_schedule is None:
+                raise ValueError(f"--post-compress re-grids MixGRPO's shifted linear schedule after its window: it "
+                                 f"needs --schedule dance and a MixGRPO window (got schedule {self.schedule!r})")
 
     def model_sigma(self, sigma: Tensor) -> Tensor:
         """The sigma the model sees: exact, or truncated to thousandths in float32 as DanceGRPO
@@ -295,28 +334,53 @@ class SamplingConfig:
             return sigma
         return torch.floor(sigma.float() * 1000) / 1000
 
-    def window_at(self, step: int | None) -> tuple[int, int] | None:
-        """The SDE window of training step `step`: the fixed one, or the sliding window's."""
+    def window_at(self, step: int | None, sample_id: int | None = None) -> tuple[int, int] | None:
+        """The SDE window of training step `step` (and sample `sample_id`, for a window drawn per
+        group): the fixed one, or the window schedule's."""
         if self.window_schedule is None:
             return self.sde_window
         if step is None:
             raise ValueError("an SDE window that moves with the step needs the training step")
-        return self.window_schedule.window(step)
+        return self.window_schedule.window(step, sample_id)
 
-    def noise_level_at(self, t: int, step: int | None = None) -> float:
-        window = self.window_at(step)
+    def noise_level_at(self, t: int, step: int | None = None, sample_id: int | None = None) -> float:
+        window = self.window_at(step, sample_id)
         if window is None or window[0] <= t < window[1]:
             return self.noise_level
         return 0.0
 
-    def second_order_at(self, t: int, step: int | None = None) -> bool:
-        """dpm2 takes the multistep second-order update at deterministic step t after the last SDE
-        step, neither the first nor the last step (those stay first order, as NVlabs/DiffusionNFT
-        solver.py dpm_step and MixGRPO's post-window DPM-Solver++ take them)."""
-        if self.ode_solver != "dpm2" or not 0 < t < self.num_steps - 1 or self.noise_level_at(t, step) != 0:
-            return False
-        window = self.window_at(step)
-        return self.noise_level == 0 or window is None or t >= window[1]
+    def steps_at(self, step: int | None) -> int:
+        """The denoising steps (model calls) of a sample at training step `step`: K, or with
+        --post-compress the window's last SDE step plus the compressed tail's points."""
+        if not self.post_compress:
+            return self.num_steps
+        last = self.window_at(step)[1] - 1
+        return last + solvers.post_points(self.num_steps, last, self.post_compress)
+
+    def sigmas_at(self, sigmas: Tensor, step: int | None) -> Tensor:
+        """The sigmas a sample of training step `step` is denoised along: the schedule's K + 1, or
+        MixGRPO-Flash's compressed ones."""
+        if not self.post_compress:
+            return sigmas
+        return solvers.compressed(sigmas, self.window_at(step)[1] - 1, self.post_compress, float(self.shift))
+
+    def solver_at(self, t: int, step: int | None = None, sample_id: int | None = None) -> int:
+        """How deterministic step t is taken: 0 the Euler step (the euler solver, the SDE's steps
+        and, with a window, the steps before its end unless --dpm-apply all); else by the ODE solver,
+        1 in a first-order form (ddim, dpm1, and every solver's first and last steps) or 2, 3 a
+        multistep DPM-Solver++ update of that order, min(order, t + 1), the second-to-last step of a
+        third-order solver below 15 steps second order (NVlabs/DiffusionNFT solver.py dpm_step;
+        MixGRPO sampling_utils.py:308-367)."""
+        if self.ode_solver == "euler" or self.noise_level_at(t, step, sample_id) != 0:
+            return 0
+        window = self.window_at(step, sample_id)
+        if not (self.dpm_everywhere or self.noise_level == 0 or window is None or t >= window[1]):
+            return 0
+        k, n = solvers.order(self.ode_solver), self.steps_at(step)
+        if t == 0 or t == n - 1:
+            return 1
+        k = min(k, t + 1)
+        return 2 if k == 3 and t == n - 2 and n < 15 else k
 
 
 @dataclass
@@ -375,35 +439,39 @@ def initial_latents(cfg: SamplingConfig, step: int, init_ids: list[int], latent_
     return to_device(torch.stack([initial_noise(cfg.seed, step, i, latent_shape) for i in init_ids]), device)
 
 
-def dpm2_update(x: Tensor, x0: Tensor, x0_prev: Tensor, sigma_prev: float, sigma: float,
-                sigma_next: float) -> Tensor:
-    """DPM-Solver++(2M), data prediction, midpoint form, on the flow grid (alpha = 1 - sigma,
-    lambda = log(alpha / sigma)): x' = (sigma'/sigma) x - alpha' (e^-h - 1) (x0 + D1 / 2),
-    h = lambda' - lambda, D1 = (x0 - x0_prev) h / (lambda - lambda_prev) (Lu et al. 2022; diffusers'
-    DPMSolverMultistepScheduler with solver_type midpoint). Coefficients in float64."""
-    def lam(s: float) -> float:  # -inf at sigma = 1: the step after it is first order (D1 = 0)
-        return -math.inf if s >= 1.0 else math.log((1.0 - s) / s)
-
-    h = lam(sigma_next) - lam(sigma)
-    r0 = (lam(sigma) - lam(sigma_prev)) / h
-    coef = (1.0 - sigma_next) * math.expm1(-h)
-    return (sigma_next / sigma) * x.float() - coef * (x0 + 0.5 / r0 * (x0 - x0_prev))
-
-
 def sample_step(x: Tensor, v: Tensor, sigmas: Tensor, t: int, sample_ids: list[int], step: int,
-                cfg: SamplingConfig, x0_prev: Tensor | None = None) -> StepOutput:
-    """Denoising step t of a batch: draw each sample's seeded step noise and take the SDE step (an
-    ODE step outside the step's window: Euler, or with dpm2 the multistep update from `x0_prev`,
-    the previous step's data prediction). The one step of rollout, whether one rank runs the whole
-    DiT or GAP stages share it; the returned x0 is the next step's `x0_prev`."""
-    level = cfg.noise_level_at(t, step)
+                cfg: SamplingConfig, history: tuple[Tensor, ...] = ()) -> StepOutput:
+    """Denoising step t of a batch along `sigmas` (the step's: `SamplingConfig.sigmas_at`): draw each
+    sample's seeded step noise and take the SDE step (an ODE step outside the sample's window:
+    Euler, NFT's first-order forms, or a DPM-Solver++ multistep update from `history`, the previous
+    steps' data predictions, newest first). The one step of rollout, whether one rank runs the whole
+    DiT or GAP stages share it; the returned `x0` is the next step's `history`."""
+    levels = [cfg.noise_level_at(t, step, i) for i in sample_ids]
     sigma, sigma_next = float(sigmas[t]), float(sigmas[t + 1])  # sigmas live on the host: no device wait
-    eps = (to_device(torch.stack([step_noise(cfg.seed, step, i, t, tuple(x.shape[1:])) for i in sample_ids]),
-                     x.device) if level > 0 else torch.zeros_like(x, dtype=torch.float32))
-    out = sde_step(x, v, sigma, sigma_next, sde_type=cfg.sde_type, noise_level=level, noise=eps)
-    out.x0 = x.float() - sigma * v.float()
-    if x0_prev is not None and cfg.second_order_at(t, step):
-        out.x_next = out.mean = dpm2_update(x, out.x0, x0_prev, float(sigmas[t - 1]), sigma, sigma_next)
+    shape = tuple(x.shape[1:])
+
+    def one(rows, level):
+        ids = sample_ids if rows is None else [sample_ids[j] for j in rows.tolist()]
+        xs, vs = (x, v) if rows is None else (x[rows], v[rows])
+        eps = (to_device(torch.stack([step_noise(cfg.seed, step, i, t, shape) for i in ids]), x.device)
+               if level > 0 else torch.zeros_like(xs, dtype=torch.float32))
+        return sde_step(xs, vs, sigma, sigma_next, sde_type=cfg.sde_type, noise_level=level, noise=eps)
+
+    out = by_level(levels, x, one)
+    x0 = x.float() - sigma * v.float()
+    last = len(sigmas) - 2
+    if max(levels) == 0:  # a deterministic step for every row: the run's ODE solver
+        k = cfg.solver_at(t, step, sample_ids[0])
+        if k > 1 and len(history) >= k - 1:
+            out.x_next = out.mean = solvers.multistep_update(
+                x, (x0, *history), [float(sigmas[t - j]) for j in range(k - 1, 0, -1)] + [sigma, sigma_next], k)
+        elif k == 1 and (cfg.ode_solver != "dpm1" or t in (0, last)):  # NFT's first and last steps: DDIM
+            out.x_next = out.mean = solvers.ddim_update(x0, x, sigma, sigma_next)
+        elif k == 1:
+            out.x_next = out.mean = solvers.dpm1_update(x0, x, sigma, sigma_next)
+    out.x0 = (x0, *history)[:max(1, solvers.order(cfg.ode_solver) - 1)]
+    if cfg.final_prediction and t == last:
+        out.x_next = x0
     return out
 
 
@@ -411,19 +479,20 @@ def sample_step(x: Tensor, v: Tensor, sigmas: Tensor, t: int, sample_ids: list[i
 def denoise(adapter: "DiTAdapter", cond: Conditioning, neg_cond: Conditioning | None, sample_ids: list[int],
             step: int, cfg: SamplingConfig, init_ids: list[int] | None = None,
             sigmas: Tensor | None = None) -> Trajectory:
-    """Sample K steps for a batch. `sample_ids` are the global sample indices i of step `step`
+    """Sample a batch along the step's sigmas (K steps, or MixGRPO-Flash's compressed ones; `sigmas`:
+    the schedule's K + 1, default the family's). `sample_ids` are the global sample indices i of step `step`
     that seed all noise; `init_ids` (default sample_ids) seed the initial noise, so a group can
     share its initial noise by passing the group index (docs/ALGORITHMS.md, "Groups")."""
     cfg.validate()
     latent_shape = adapter.latent_shape(cfg.height, cfg.width, cfg.num_frames)
-    sigmas = sigmas_for(adapter, cfg) if sigmas is None else sigmas
+    sigmas = cfg.sigmas_at(sigmas_for(adapter, cfg) if sigmas is None else sigmas, step)  # the step's
     device = adapter.device
     x = initial_latents(cfg, step, sample_ids if init_ids is None else init_ids, latent_shape, device)
-    path, x0 = PathRecorder(x, cfg.record), None
-    for t in range(cfg.num_steps):
+    path, history = PathRecorder(x, cfg.record), ()
+    for t in range(len(sigmas) - 1):
         sigma = torch.full((len(sample_ids),), float(sigmas[t]), device=device)  # no host-to-device copy
         v = guided_velocity(adapter, x, sigma, cond, neg_cond, cfg)
-        out = sample_step(x, v, sigmas, t, sample_ids, step, cfg, x0)
-        x, x0 = out.x_next, out.x0
+        out = sample_step(x, v, sigmas, t, sample_ids, step, cfg, history)
+        x, history = out.x_next, out.x0
         path.add(out)
     return path.trajectory(sigmas)

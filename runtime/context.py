@@ -127,7 +127,7 @@ def run_sampling(cfg: RunConfig, adapter: DiTAdapter) -> sampler.SamplingConfig:
     sampling = sampler.SamplingConfig.for_adapter(
         adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
         noise_level=s.noise_level, guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed, num_frames=s.num_frames,
-        sde_window=s.sde_window, ode_solver=s.ode_solver, quantize_timestep=s.quantize_timestep)
+        sde_window=s.sde_window, ode_solver=s.ode_solver, quantize_timestep=s.quantize_timestep, schedule=s.schedule)
     return algorithms.algorithm(cfg.rl.algorithm).sampling(cfg, sampling)
 
 

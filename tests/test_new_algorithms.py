@@ -40,8 +40,8 @@ def test_nft_loss_and_gradient_match_the_peer(name, inputs, outputs):
     v = t32["v_theta"].clone().requires_grad_(True)
     loss_fn = NFTLoss(inputs["nft_beta"], inputs["kl_beta"], inputs["adv_clip_max"])
     adv = torch.tensor(outputs["advantages"], dtype=torch.float32)
-    total, stats = loss_fn(t32["x0"], t32["xt"], t32["t"], v, t32["v_old"], adv, t32["v_ref"])
-    n = len(adv)
+    linear, rest, stats = loss_fn(t32["x0"], t32["xt"], t32["t"], v, t32["v_old"], adv, t32["v_ref"])
+    total, n = linear + rest, len(adv)
     assert total.dtype == torch.float64  # the peer's adaptive weights are float64, and so is its loss
     assert (total / n).item() == pytest.approx(outputs["loss"], rel=1e-6)
     (total / n).backward()
@@ -145,7 +145,7 @@ def _velocity(x, sigma):
 
 
 def _run(cfg, sigmas, x, step=0):
-    prev, trace = None, []
+    prev, trace = (), []
     for t in range(cfg.num_steps):
         out = sampler.sample_step(x, _velocity(x, sigmas[t]), sigmas, t, [0, 1], step, cfg, prev)
         x, prev = out.x_next, out.x0
@@ -185,7 +185,7 @@ def test_dpm2_runs_after_the_window_only():
     window = WindowSchedule(2, 1, 1, k)  # step 2: the SDE at steps 2 and 3
     flash = sampler.SamplingConfig(16, 16, k, noise_level=0.7, window_schedule=window, ode_solver="dpm2")
     plain = sampler.SamplingConfig(16, 16, k, noise_level=0.7, window_schedule=window)
-    assert [flash.second_order_at(t, 2) for t in range(k)] == [False] * 4 + [True] * 3 + [False]
+    assert [flash.solver_at(t, 2) for t in range(k)] == [0] * 4 + [2] * 3 + [1]
     x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1))
     a, b = _run(flash, sigmas, x, step=2), _run(plain, sigmas, x, step=2)
     assert all(torch.equal(a[t], b[t]) for t in range(4)) and not torch.equal(a[4], b[4])
@@ -253,8 +253,9 @@ def test_nft_packed_gradients_equal_the_per_timestep_loop(lora, cfg_scale):
         got = _grads(trainer)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, num_trainers
         assert trainer.num_transitions == ref_n
+        scale = abs(ref_sums["policy_loss"])  # policy_linear is a small difference of terms of this size
         for k in ref_sums:
-            assert trainer.sums[k] == pytest.approx(ref_sums[k], rel=1e-5, abs=1e-9), k
+            assert trainer.sums[k] == pytest.approx(ref_sums[k], rel=1e-5, abs=1e-9 + 1e-6 * scale), k
 
 
 def test_nft_update_moves_the_old_policy_and_generation_uses_it():

@@ -91,6 +91,9 @@ class Algorithm:
     stays group, the shipped demo's): global (Flow-GRPO's default, config/base.py:52) or group"""
     quantize_timestep = False
     """its authors feed the model int(sigma * 1000) / 1000, which its recipes set with --quantize-timestep"""
+    reward_combine = "rewards"
+    """how its authors combine several rewards, which its recipes set with --reward-combine: rewards (a
+    weighted sum, then one advantage) or advantages (one advantage per reward, then their weighted sum)"""
 
     # ----- options ------------------------------------------------------------------------------
     def check_flags(self, cfg) -> None:
@@ -152,11 +155,11 @@ class Algorithm:
         policy's step mean (its x_next is not read: the mean does not depend on it)."""
         s = model.sampling
         out = sampler.score_rows(s, tr.x_t, model.velocity(tr, tr.x_t), tr.sigma, tr.sigma_next, tr.timesteps,
-                                 tr.x_next, tr.step)
+                                 tr.x_next, tr.step, tr.sample_ids)
         mean_ref = None
         if loss.needs_reference:
             mean_ref = sampler.score_rows(s, tr.x_t, model.reference_velocity(tr, tr.x_t), tr.sigma, tr.sigma_next,
-                                          tr.timesteps, tr.x_t, tr.step).mean
+                                          tr.timesteps, tr.x_t, tr.step, tr.sample_ids).mean
         return out, mean_ref
 
     def policy_terms(self, loss, out: sampler.StepOutput, mean_ref: Tensor | None, tr, pad: bool) -> LossTerms:

@@ -76,6 +76,10 @@ class MaskedPolicyLoss:
     def needs_reference(self) -> bool:
         return self.beta > 0
 
+    @property
+    def unscaled_term(self) -> bool:
+        return self.beta > 0
+
     def __call__(self, log_prob: Tensor, logp_old: Tensor, adv: Tensor, *, mean: Tensor, std_dev_t: Tensor,
                  rollout_mean: Tensor, sqrt_dt: Tensor, weight: Tensor | None = None, counted: Tensor | None = None,
                  mean_ref: Tensor | None = None, std: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:

@@ -18,12 +18,15 @@ implemented (no published script uses them). Advantages and loss are Flow-GRPO's
 on the window's transitions (train_grpo_flux.py)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from rl import timesteps
+from rl import solvers, timesteps
 from rl.algorithms.algorithm import Algorithm, Cost, replace
+from rl.loss import ClippedPolicyLoss
 from rl.seeding import derive_seed
 
 WINDOW_SCHEDULES = ("progressive", "progressive-clamp", "random")
@@ -71,7 +74,10 @@ class WindowSchedule:
             return 0
         return (shifts % (self.last // self.stride + 1)) * self.stride
 
-    def window(self, step: int) -> tuple[int, int]:
+    per_sample = False
+    """one window for every sample of a step"""
+
+    def window(self, step: int, sample_id: int | None = None) -> tuple[int, int]:
         """(START, END): the steps START <= t < END run the SDE and are trained at training step `step`."""
         cur = self.start(step)
         return cur, max(cur, min(cur + self.size, self.last))
@@ -81,24 +87,110 @@ class WindowSchedule:
         return next((s for s in steps if self.window(s)[0] == self.window(s)[1]), None)
 
 
+REARRANGES = ("none", "random", "balance")
+"""--advantage-rerange: MixGRPO's advantage_rerange_strategy (null, random, balance)"""
+DPM_APPLY = ("post", "all")
+"""--dpm-apply: MixGRPO's dpm_apply_strategy"""
+
+
+def training_order(sample_ids: list[int], adv: list[float], strategy: str, *, seed: int, step: int) -> list[int]:
+    """The order MixGRPO trains a step's samples in (train_grpo_flux.py:529-539, reward_model/utils.py
+    `balance_pos_neg`): as sampled (none); a permutation (random); or positives and negatives
+    alternating, each shuffled, the smaller side first and the rest of the larger side after, the
+    zero advantages left out (balance). MixGRPO shuffles with Python's global RNG per GPU; here by
+    (seed, step), so every placement orders alike. With one update per step the order changes
+    nothing but balance's dropped zeros; it is the order the updates of a step take their parts in."""
+    if strategy == "none":
+        return list(sample_ids)
+    rng = np.random.default_rng(derive_seed(seed, step, "rerange"))
+    if strategy == "random":
+        return [sample_ids[j] for j in rng.permutation(len(sample_ids))]
+    pos = [i for i, a in zip(sample_ids, adv) if a > 0]
+    neg = [i for i, a in zip(sample_ids, adv) if a < 0]
+    pos, neg = [pos[j] for j in rng.permutation(len(pos))], [neg[j] for j in rng.permutation(len(neg))]
+    small, large = (pos, neg) if len(pos) < len(neg) else (neg, pos)
+    return [i for pair in zip(small, large) for i in pair] + large[len(small):]
+
+
+class MixGRPOLoss(ClippedPolicyLoss):
+    """Flow-GRPO's clipped surrogate plus MixGRPO's kl_coeff x 1/2 (log p - log p_old)^2 per
+    transition (train_grpo_flux.py:583-584), a term the advantages' scale does not touch."""
+
+    STATS = ClippedPolicyLoss.STATS + ("kl_old",)
+
+    def __init__(self, clip_range: float, beta: float, kl_form: str, kl_to_old: float):
+        super().__init__(clip_range, beta, kl_form)
+        self.kl_to_old = kl_to_old
+
+    @property
+    def unscaled_term(self) -> bool:
+        return self.beta > 0 or self.kl_to_old > 0
+
+    def __call__(self, log_prob, logp_old, adv, *, weight=None, counted=None, **kw):
+        policy, kl, stats = super().__call__(log_prob, logp_old, adv, weight=weight, counted=counted, **kw)
+        c = torch.ones_like(log_prob) if counted is None else counted.to(log_prob.dtype)
+        old = 0.5 * (log_prob - logp_old).pow(2) * c
+        if self.kl_to_old > 0:
+            term = self.kl_to_old * old.sum()
+            kl = term if kl is None else kl + term
+        extra = self.kl_to_old * old.detach().sum().double()
+        stats = torch.cat([stats[:1] + extra, stats[1:], old.detach().sum().double().reshape(1)])
+        return policy, kl, stats
+
+    def rescale(self, sums, scale):
+        out = super().rescale(sums, scale)
+        out[self.STATS.index("loss")] += self.kl_to_old * sums[self.STATS.index("kl_old")]
+        return out
+
+
 class MixGRPO(Algorithm):
     name = "mixgrpo"
     description = "MixGRPO: SDE and training only inside a window that slides along the steps (--window-*)"
     options = ("sampling.window_size", "sampling.window_stride", "sampling.window_interval",
-               "sampling.window_schedule")
+               "sampling.window_schedule", "sampling.post_compress", "sampling.dpm_apply",
+               "sampling.drop_last_sample", "rl.trimmed_ratio", "rl.kl_to_old", "rl.advantage_rerange")
+    std_ddof = 1  # torch.std, train_grpo_flux.py:445-448, 472-475
+    std_eps = 1e-8
+    quantize_timestep = True  # int(sigma * 1000) / 1000 in rollout and training (sampling_utils.py:64-71, :387)
+    reward_combine = "advantages"  # multi_reward_mix advantage_aggr (its scripts; train_grpo_flux.py:428-456)
 
     def check_flags(self, cfg):
-        s = cfg.sampling
+        s, rl = cfg.sampling, cfg.rl
         for flag, value, low in (("--window-size", s.window_size, 1), ("--window-stride", s.window_stride, 0),
                                  ("--window-interval", s.window_interval, 1)):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low}{' (0 = a fixed window)' if low == 0 else ''}, got {value}")
         if s.window_schedule not in WINDOW_SCHEDULES:
             raise ValueError(f"unknown --window-schedule {s.window_schedule!r}; choose one of {WINDOW_SCHEDULES}")
+        if not 0 <= s.post_compress <= 1:
+            raise ValueError(f"--post-compress must be in [0, 1] (0: off; MixGRPO-Flash 0.4, Flash* 0.2), "
+                             f"got {s.post_compress}")
+        if s.dpm_apply not in DPM_APPLY:
+            raise ValueError(f"unknown --dpm-apply {s.dpm_apply!r}; choose one of {DPM_APPLY}")
+        if not 0 <= rl.trimmed_ratio < 1:
+            raise ValueError(f"--trimmed-ratio must be in [0, 1), got {rl.trimmed_ratio}")
+        if not rl.kl_to_old >= 0:
+            raise ValueError(f"--kl-to-old must be >= 0, got {rl.kl_to_old}")
+        if rl.advantage_rerange not in REARRANGES:
+            raise ValueError(f"unknown --advantage-rerange {rl.advantage_rerange!r}; choose one of {REARRANGES}")
+
+    def check(self, cfg):
+        s, rl = cfg.sampling, cfg.rl
+        if s.post_compress and s.schedule != "dance":
+            raise ValueError(f"--post-compress {s.post_compress} re-grids MixGRPO's own schedule (shift 3 of "
+                             f"linspace(1, 0, K + 1)) after the window: add --schedule dance")
+        if s.dpm_apply == "all" and s.ode_solver not in ("dpm1", "dpm2", "dpm3"):
+            raise ValueError(f"--dpm-apply all takes DPM-Solver++ at every step: use --ode-solver dpm1, dpm2 or dpm3 "
+                             f"(got {s.ode_solver})")
+        if rl.trimmed_ratio and int(rl.group_size * rl.trimmed_ratio) >= rl.group_size - 1:
+            raise ValueError(f"--trimmed-ratio {rl.trimmed_ratio} leaves fewer than 2 of the {rl.group_size} rewards "
+                             f"of a group for its std")
 
     def check_steps(self, cfg, num_steps):
         """The window exists (K >= 3) and no training step of the run has an empty one (MixGRPO
-        reaches one at start K - 2 and trains nothing there). It never reaches the last step."""
+        reaches one at start K - 2 and trains nothing there). It never reaches the last step. With
+        --post-compress, no step's tail is compressed to a single point (MixGRPO's schedule then ends
+        at a sigma above 0 and the sample keeps that noise)."""
         window = self.schedule(cfg, num_steps)
         empty = window.first_empty(range(cfg.rl.steps))
         if empty is not None:
@@ -106,6 +198,13 @@ class MixGRPO(Algorithm):
                              f"of the {window.num_steps} sampling steps, and MixGRPO trains only steps before "
                              f"K - 2 = {window.last}): use fewer --steps, a larger --window-interval or more "
                              f"--sample-steps")
+        ratio = cfg.sampling.post_compress
+        short = next((k for k in range(cfg.rl.steps)
+                      if ratio and solvers.post_points(num_steps, window.window(k)[1] - 1, ratio) < 2), None)
+        if short is not None:
+            raise ValueError(f"--post-compress {ratio} leaves one point after the window of step {short} "
+                             f"({window.window(short)}), so the sample would end at a sigma above 0: use fewer "
+                             f"--steps, a larger --window-interval or a larger ratio")
 
     @staticmethod
     def schedule(cfg, num_steps: int) -> WindowSchedule:
@@ -114,11 +213,27 @@ class MixGRPO(Algorithm):
         return WindowSchedule(s.window_size, s.window_stride, s.window_interval, num_steps, s.window_schedule, cfg.seed)
 
     def sampling(self, cfg, sampling):
-        return replace(sampling, window_schedule=self.schedule(cfg, sampling.num_steps))
+        """The window; MixGRPO-Flash's compressed tail; --dpm-apply all: DPM-Solver++ at every step,
+        its SDE form inside the window (sampling_utils.py:99-111); drop_last_sample."""
+        s = cfg.sampling
+        everywhere = s.dpm_apply == "all"
+        return replace(sampling, window_schedule=self.schedule(cfg, sampling.num_steps), post_compress=s.post_compress,
+                       dpm_everywhere=everywhere, sde_type="dpm" if everywhere else sampling.sde_type,
+                       final_prediction=s.drop_last_sample)
 
     def timesteps(self, num_steps, fraction, *, seed, step, sample_id, window=None):
         """The step's window: the SDE ran there and nowhere else."""
         return timesteps.in_window(window)
+
+    def advantages(self, rl, weights=()):
+        """Flow-GRPO's rule with MixGRPO's std (Bessel + 1e-8), its trimmed group statistics, and
+        balance's dropped zero advantages."""
+        rule = super().advantages(rl, weights)
+        return dataclasses.replace(rule, trim=rl.trimmed_ratio,
+                                   drop_zero=rule.drop_zero or rl.advantage_rerange == "balance")
+
+    def loss(self, rl):
+        return MixGRPOLoss(rl.clip_range, rl.beta, rl.kl_form, rl.kl_to_old)
 
     def cost(self, num_steps, fraction=None, window=2):
         """The window's size (a sliding window trains as many steps as a fixed one until it shrinks

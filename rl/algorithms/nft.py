@@ -65,52 +65,112 @@ def _bcast(t: Tensor, like: Tensor) -> Tensor:
     return t.reshape(-1, *([1] * (like.dim() - 1)))
 
 
+ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
+"""--adv-mode: NFT's config.train.adv_mode (train_nft_sd3.py:915-925); all: the clipped advantage itself"""
+
+
+def mode_advantage(adv: Tensor, mode: str) -> Tensor:
+    """NFT's adv_mode on an advantage (train_nft_sd3.py:915-925): all of it, its positive or negative
+    part, 1 where positive (else 0), or its sign. The first three are positively homogeneous (a
+    positive scale of the advantages scales them); one_only and binary do not depend on the scale."""
+    if mode == "positive_only":
+        return adv.clamp(min=0)
+    if mode == "negative_only":
+        return adv.clamp(max=0)
+    if mode == "one_only":
+        return (adv > 0).to(adv.dtype)
+    if mode == "binary":
+        return torch.sign(adv)
+    return adv
+
+
 class NFTLoss:
-    """DiffusionNFT's forward-process loss as the trainer's loss object: `__call__` returns the sum of
-    the transitions' losses and a float64 vector of per-transition sums of `STATS`, kept on the device."""
+    """DiffusionNFT's forward-process loss as the trainer's loss object. The loss is affine in the
+    advantage A (below the clamp): with l+- the adaptive-weighted errors of the implicit policies,
 
-    STATS = ("loss", "policy_loss", "kl", "positive_loss", "negative_loss", "optimality", "old_deviation")
+        c (r l+ + (1 - r) l-) / b  =  c (l+ + l-) / (2 b)  +  A (l+ - l-) / (2 b),    r = 1/2 + A / (2 c),
+
+    so `__call__` returns the term linear in A (weighted per row, what the global std scales at the
+    step's end: rl/gradients.py), the rest (the constant part and lambda x KL, counted rows only) and a
+    float64 vector of per-transition sums of `STATS`, kept on the device. With adv_mode one_only or
+    binary the advantage's scale does not matter, so all of the loss is in the rest."""
+
+    STATS = ("loss", "policy_loss", "kl", "positive_loss", "negative_loss", "optimality", "old_deviation",
+             "policy_linear", "optimality_linear")
     SUMMARY = ("policy_loss", "old_deviation")
-    """old_deviation: mean((v - v_old)^2), how far the trained policy has moved from the sampling one"""
+    """old_deviation: mean((v - v_old)^2), how far the trained policy has moved from the sampling one;
+    policy_linear, optimality_linear: the parts of policy_loss and optimality the global std scales"""
 
-    def __init__(self, nft_beta: float, kl_weight: float, adv_clip: float):
+    def __init__(self, nft_beta: float, kl_weight: float, adv_clip: float, adv_mode: str = "all"):
         if not nft_beta > 0:
             raise ValueError(f"--nft-beta must be > 0, got {nft_beta}")
-        self.nft_beta, self.kl_weight, self.adv_clip = nft_beta, kl_weight, adv_clip
+        if adv_mode not in ADV_MODES:
+            raise ValueError(f"unknown --adv-mode {adv_mode!r}; choose one of {ADV_MODES}")
+        self.nft_beta, self.kl_weight, self.adv_clip, self.adv_mode = nft_beta, kl_weight, adv_clip, adv_mode
 
     @property
     def needs_reference(self) -> bool:
         return self.kl_weight > 0
 
+    @property
+    def unscaled_term(self) -> bool:
+        return True  # c (l+ + l-) / (2 b)
+
     def __call__(self, x0: Tensor, x_t: Tensor, t: Tensor, v: Tensor, v_old: Tensor, adv: Tensor,
-                 v_ref: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """x0, x_t, v, v_old (and v_ref with a KL weight): (n, *latent); t, adv: (n,)."""
-        b = self.nft_beta
+                 v_ref: Tensor | None = None, weight: Tensor | None = None,
+                 counted: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """x0, x_t, v, v_old (and v_ref with a KL weight): (n, *latent); t, adv: (n,); `weight` (n,)
+        of each row's linear term, `counted` (n,) bool: the row carries the rest and its statistics
+        (default: every row weighs 1 and counts; a correction of the step's end weighs otherwise and
+        does not count). Returns (linear term, the rest, statistics)."""
+        b, c = self.nft_beta, self.adv_clip
         v, v_old = v.float(), v_old.detach().float()
         tt = _bcast(t.float(), x_t)
         positive = b * v + (1 - b) * v_old
         negative = (1 + b) * v_old - b * v
         l_pos, _ = _weighted(x_t - tt * positive, x0)
         l_neg, _ = _weighted(x_t - tt * negative, x0)
-        r = optimality(adv, self.adv_clip)
-        policy = self.adv_clip * (r * l_pos + (1 - r) * l_neg) / b
+        ones = torch.ones_like(l_pos)
+        w = ones if weight is None else weight.to(l_pos.dtype)
+        n = ones if counted is None else counted.to(l_pos.dtype)
+        a = mode_advantage(adv.double(), self.adv_mode)
+        if self.adv_mode in ("one_only", "binary"):  # no scale to apply: the whole loss, as NFT writes it
+            r = optimality(a, c)
+            rest, linear, r_linear = c * (r * l_pos + (1 - r) * l_neg) / b, 0 * (l_pos - l_neg), r - 0.5
+        else:
+            rest, linear, r_linear = c * (l_pos + l_neg) / (2 * b), a * (l_pos - l_neg) / (2 * b), a / (2 * c)
         kl = _mean((v - v_ref.float()).double().pow(2)) if self.kl_weight > 0 else None
-        loss = policy + self.kl_weight * kl if kl is not None else policy
-        return loss.sum(), self._stats(loss, policy, kl, l_pos, l_neg, r, v, v_old)
+        unscaled = rest + self.kl_weight * kl if kl is not None else rest
+        stats = self._stats(rest * n + linear * w, linear * w, kl, l_pos, l_neg, r_linear, v, v_old, n)
+        return (linear * w).sum(), (unscaled * n).sum(), stats
 
     @torch.no_grad()
-    def _stats(self, loss, policy, kl, l_pos, l_neg, r, v, v_old) -> Tensor:
-        zero = torch.zeros((), dtype=torch.float64, device=loss.device)
-        values = (loss.detach().sum(), policy.detach().sum(), kl.detach().sum() if kl is not None else zero,
-                  l_pos.detach().sum(), l_neg.detach().sum(), r.sum(), _mean((v.detach() - v_old).pow(2)).sum())
+    def _stats(self, policy, linear, kl, l_pos, l_neg, r_linear, v, v_old, n) -> Tensor:
+        zero = torch.zeros((), dtype=torch.float64, device=policy.device)
+        k = (kl.detach() * n).sum() if kl is not None else zero
+        p = policy.detach().sum()
+        values = (p + self.kl_weight * k, p, k, (l_pos.detach() * n).sum(), (l_neg.detach() * n).sum(),
+                  ((0.5 + r_linear) * n).sum(), (_mean((v.detach() - v_old).pow(2)) * n).sum(),
+                  linear.detach().sum(), (r_linear * n).sum() * (self.adv_mode not in ("one_only", "binary")))
         return torch.stack([x.double() for x in values])
+
+    def rescale(self, sums: Tensor, scale: float) -> Tensor:
+        """The statistics once the linear term is scaled by `scale` (the global std's 1 / (std + eps))."""
+        out = sums.clone()
+        i = {name: j for j, name in enumerate(self.STATS)}
+        for total, part in (("policy_loss", "policy_linear"), ("optimality", "optimality_linear")):
+            out[i[total]] += (scale - 1) * sums[i[part]]
+            out[i[part]] *= scale
+        out[i["loss"]] = out[i["policy_loss"]] + self.kl_weight * out[i["kl"]]
+        return out
 
 
 class NFT(Algorithm):
     name = "nft"
     description = ("DiffusionNFT: ODE rollout with the old policy, a flow-matching loss on the clean samples "
                    "(--nft-beta, --old-policy-*)")
-    options = ("rl.nft_beta", "rl.old_policy_decay", "rl.old_policy_interval")
+    options = ("rl.nft_beta", "rl.old_policy_decay", "rl.old_policy_interval", "rl.adv_mode")
+    std_mode = "global"  # global_std=True in every NFT config: the std of all of the epoch's rewards
 
     def check_flags(self, cfg):
         rl = cfg.rl
@@ -119,11 +179,8 @@ class NFT(Algorithm):
         if rl.old_policy_interval < 1:
             raise ValueError(f"--old-policy-interval must be >= 1, got {rl.old_policy_interval}")
         old_policy.schedule(rl.old_policy_decay)
-
-    def check(self, cfg):
-        if cfg.rl.std_mode == "global":
-            raise ValueError(f"--std-mode global scales the gradient of a loss that is linear in the advantages' "
-                             f"scale; --algorithm {self.name}'s loss is not: use --std-mode group or running")
+        if rl.adv_mode not in ADV_MODES:
+            raise ValueError(f"unknown --adv-mode {rl.adv_mode!r}; choose one of {ADV_MODES}")
 
     # ----- the rollout: the ODE with the old policy, clean samples only
     def sampling(self, cfg, sampling):
@@ -142,14 +199,14 @@ class NFT(Algorithm):
         return timesteps.seeded_subset(num_steps, fraction, seed=seed, step=step, sample_id=sample_id)
 
     def loss(self, rl):
-        return NFTLoss(rl.nft_beta, rl.beta, rl.adv_clip)
+        return NFTLoss(rl.nft_beta, rl.beta, rl.adv_clip, rl.adv_mode)
 
     def forward(self, loss, model, tr, state, pad=False):
         """Each transition's clean sample x0 noised at its sigma with the noise keyed by (seed, step,
         sample, t), x_t = (1 - sigma) x0 + sigma eps; the old policy's and the reference's velocities
         without gradient (before the trained forward: the old policy's exchange writes the parameters
-        in place), then the trained policy's. Every row weighs 1 (the global std, whose corrections
-        weigh otherwise, is refused)."""
+        in place), then the trained policy's. A row's linear term weighs its weight (the global std's
+        corrections at the step's end weigh otherwise and carry nothing else); padding trains nothing."""
         x0 = tr.x_t.float()
         noised = dataclasses.replace(tr, x_t=noised_samples(x0, tr.sigma, tr.sample_ids, tr.timesteps,
                                                             model.cfg.seed, tr.step))
@@ -157,8 +214,10 @@ class NFT(Algorithm):
             v_old = model.velocity(noised, noised.x_t)
         v_ref = model.reference_velocity(noised, noised.x_t) if loss.needs_reference else None
         v = model.velocity(noised, noised.x_t)
-        policy, stats = loss(x0, noised.x_t, tr.sigma, v, v_old, tr.adv, v_ref)
-        return LossTerms(policy * (not pad), None, stats)
+        none = torch.zeros_like(tr.sigma, dtype=torch.float32)
+        linear, rest, stats = loss(x0, noised.x_t, tr.sigma, v, v_old, tr.adv, v_ref,
+                                   weight=none if pad else tr.weight, counted=none.bool() if pad else tr.counted)
+        return LossTerms(linear, rest, stats)
 
     # ----- the old policy: what the trainers keep, update and publish
     def trainer_state(self, cfg, params):
