@@ -70,6 +70,12 @@ class SamplingArgs:
     sde_window: tuple | None = _f(None, "START:END: SDE steps only for t in [START, END), ODE elsewhere "
                                         "(Flow-GRPO-Fast)", parse=lambda s: _parse_pair(s, ":", int, "--sde-window"),
                                   metavar="START:END")
+    sde_window_size: int = _f(0, "Flow-GRPO-Fast: a window of N SDE steps whose start is drawn per group within "
+                                 "--sde-window-range (its sde_window_size); 0 = none")
+    sde_window_range: tuple | None = _f(None, "LO:HI: Flow-GRPO-Fast's window starts at randint(LO, HI - N), per group "
+                                              "(its sde_window_range)",
+                                        parse=lambda s: _parse_pair(s, ":", int, "--sde-window-range"),
+                                        metavar="LO:HI")
     same_group_noise: bool = _f(False, "all samples of a group share their initial noise")
     ode_solver: str = _f("euler", "deterministic (ODE) steps: euler, or dpm2 (DPM-Solver++(2M), second order after "
                                   "the last SDE step; DiffusionNFT's rollout, MixGRPO-Flash's post-window solver)")

@@ -400,6 +400,7 @@ NEW_RECIPES = {  # algorithm, K, CFG scale (None: the family's guidance embeddin
     "diffusion_nft/qwen_image.toml": ("nft", 10, 1.0, "euler", 64, 3e-4, 1e-4),
     "mixgrpo/flux_dev.toml": ("mixgrpo", 25, None, "euler", 0, 1e-5, 0.0),
     "mixgrpo/flux_dev_flash.toml": ("mixgrpo", 25, None, "dpm2", 0, 1e-5, 0.0),
+    "mixgrpo/flux_dev_flash_star.toml": ("mixgrpo", 25, None, "dpm2", 0, 1e-5, 0.0),
     "flow_dppo/qwen_image.toml": ("flow_dppo", 10, 4.0, "euler", 64, 3e-4, 0.0),
 }
 
@@ -423,9 +424,12 @@ def test_new_recipes_carry_the_published_settings_and_fit():
         assert (rl.algorithm, s.sample_steps, s.cfg_scale, s.ode_solver, cfg.optim.lora_rank, cfg.optim.lr,
                 rl.beta) == (algorithm, k, cfg_scale, solver, rank, lr, kl), rel
         assert recipe["source"] and "CFG" in recipe["notes"], rel  # each says which published runs were CFG-free
-        if algorithm == "mixgrpo":
-            assert (s.window_size, s.window_stride, s.same_group_noise) == (4, 1, True)
+        if algorithm == "mixgrpo":  # the scripts' window, schedule, compression, timestep and advantages
+            star = "star" in rel
+            assert (s.window_size, s.window_stride, s.same_group_noise) == (4, 0 if star else 1, True)
             assert s.window_interval == (20 if "flash" in rel else 25)
+            assert s.post_compress == (0.2 if star else 0.4 if "flash" in rel else 0.0)
+            assert (s.schedule, s.quantize_timestep, rl.reward_combine) == ("dance", True, "advantages")
         if algorithm == "flow_dppo":  # VeRL-Omni's run: threshold 1e-5, add_kl_coefficient, a window of 2
             assert (rl.kl_mask_threshold, rl.add_kl_coefficient) == (1e-5, True)
             assert (s.sde_window, s.noise_level) == ((0, 2), 1.2)
