@@ -142,11 +142,13 @@ def test_mixgrpo_rollout_step_by_step(name, monkeypatch):
     assert fed == case["model_timestep_input"]
     want = torch.tensor(case["latents"])
     assert path.shape == want.shape
-    torch.testing.assert_close(path, want, rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(path[:, -1], torch.tensor(case["sample"]), rtol=2e-6, atol=2e-6)
+    if cfg.ode_solver == "euler":  # the SDE and Euler steps in MixGRPO's float32 order: bit for bit
+        assert torch.equal(path, want) and torch.equal(path[:, -1], torch.tensor(case["sample"]))
+    else:  # its DPM coefficients come from float32 sigmas, ours from float64 (NFT's): within 1e-6
+        torch.testing.assert_close(path, want, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(path[:, -1], torch.tensor(case["sample"]), rtol=2e-6, atol=2e-6)
     w = case["window"]
-    torch.testing.assert_close(logp[:, w].double(), torch.tensor(case["log_probs"], dtype=torch.float64)[:, w],
-                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(logp[:, w], torch.tensor(case["log_probs"])[:, w])  # the window's SDE steps, bit for bit
 
 
 def test_mixgrpo_dpm_apply_all(monkeypatch):
