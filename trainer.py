@@ -19,6 +19,8 @@ train against and publish for the generators to sample with).
 """
 from __future__ import annotations
 
+import contextlib
+
 import copy
 from dataclasses import dataclass, field
 
@@ -67,6 +69,12 @@ class Transitions:
     weight: Tensor | None = None  # (n,) each policy term's weight: 1 (None), or a correction's (rl.advantages)
     counted: Tensor | None = None  # (n,) bool: carries its KL term and statistics (None: all; False: a correction)
     steps: dict[str, Tensor] = field(default_factory=dict)  # the rollout's per-step fields at each t: (n, ...)
+
+
+def ema_decay(decay: float, updates: int) -> float:
+    """The EMA's decay after update number `updates` (counted from 1): min(decay, (1 + u) / (10 + u)),
+    DiffusionNFT's and Flow-GRPO's ema.py `get_current_decay` at their post-increment step."""
+    return min(decay, (1 + updates) / (10 + updates))
 
 
 class Trainer:
@@ -269,6 +277,25 @@ class Trainer:
             if lora:
                 self.adapter.transformer.enable_adapters()
 
+    @contextlib.contextmanager
+    def ema_swapped(self):
+        """The EMA of the trained weights in the parameters inside the block (--eval-ema), the trained
+        weights again after it: an exchange in place, as the old policy's (sharded alike under FSDP2)."""
+        if self.ema is None:
+            raise ValueError("--eval-ema evaluates the EMA of the trained weights: set --ema-decay > 0")
+        self._exchange_ema()
+        try:
+            yield
+        finally:
+            self._exchange_ema()
+
+    @torch.no_grad()
+    def _exchange_ema(self) -> None:
+        for e, p in zip(self.ema, self.params):
+            live = p.detach().clone()
+            p.detach().copy_(e)
+            e.copy_(live)
+
     def sampling_policy(self):
         """The policy the generators sample with, in the parameters for a block (colocated ranks and
         TAG helpers generate with the trainer's model): the algorithm's (DiffusionNFT: the old
@@ -349,7 +376,7 @@ class Trainer:
         if not skip:
             self.algorithm.after_update(self.state, self.num_updates)  # after the optimizer's (NFT: the soft update)
         if self.ema is not None and not skip:
-            decay = min(self.cfg.optim.ema_decay, (1 + self.num_updates) / (10 + self.num_updates))
+            decay = ema_decay(self.cfg.optim.ema_decay, self.num_updates)
             with torch.no_grad():
                 for e, p in zip(self.ema, self.params):
                     e.lerp_(p.detach(), 1 - decay)

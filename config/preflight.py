@@ -98,6 +98,11 @@ def check_numbers(cfg) -> None:
         raise ValueError(f"--timestep-fraction must be in (0, 1], got {rl.timestep_fraction}")
     if s.sample_steps is not None and s.sample_steps < 1:
         raise ValueError(f"--sample-steps must be >= 1, got {s.sample_steps}")
+    if cfg.output.eval_sample_steps is not None and cfg.output.eval_sample_steps < 1:
+        raise ValueError(f"--eval-sample-steps must be >= 1, got {cfg.output.eval_sample_steps}")
+    if cfg.output.eval_ema and not o.ema_decay > 0:
+        raise ValueError(f"--eval-ema evaluates the EMA of the trained weights: set --ema-decay > 0 (got "
+                         f"{o.ema_decay})")
     _need(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2 ** 63, "--seed", cfg.seed, "an integer in [0, 2**63)")
     _need(_finite(o.lr) and o.lr > 0, "--lr", o.lr, "a finite number > 0")
     _need(_finite(o.weight_decay) and o.weight_decay >= 0, "--weight-decay", o.weight_decay, "a finite number >= 0")

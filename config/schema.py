@@ -249,6 +249,10 @@ class OutputConfig:
     eval_prompts: str | None = _f(None, "held-out prompt file for evaluation (default: data/shapes_eval.txt)")
     eval_num_prompts: int = _f(64, "held-out prompts evaluated each time")
     eval_samples_per_prompt: int = _f(1, "images per held-out prompt, each with its own fixed seed (GenEval: 4)")
+    eval_sample_steps: int | None = _f(None, "denoising steps of evaluation (default: the training K; DiffusionNFT and "
+                                             "Flow-GRPO evaluate with 40)")
+    eval_ema: bool = _f(False, "evaluate the EMA of the trained weights (--ema-decay > 0), as DiffusionNFT does, in "
+                               "place of the live weights")
     eval_scorer: list = _f([], "a scorer evaluation reports besides the run's rewards, as eval/NAME, never trained "
                                "on; repeatable (default: shapes_detector when the run trains on shapes, GenEval's "
                                "strict rule by a learned detector; 'none': no scorer)",

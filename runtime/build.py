@@ -6,6 +6,8 @@ Every rank builds version 0 identically (same weights, same seeded LoRA init), c
 error it can before it waits on another rank, and measures its speed once (the start-up probe)."""
 from __future__ import annotations
 
+import contextlib
+
 import os
 import time
 from dataclasses import dataclass, field
@@ -136,8 +138,10 @@ class Rank:
         """Held-out evaluation of the version after `done` updates, on the trainer ranks."""
         self.guard.set_phase("evaluation")
         c = self.ctx
-        evaluate_on_trainers(c.cfg, c.adapter, c.sampling, c.topo, c.rank, done, self.log.logger, c.tracer,
-                             self.groups.trainers, records=list(c.facts.eval_records))
+        ema = self.trainer is not None and c.cfg.output.eval_ema  # --eval-ema: the EMA in the parameters
+        with self.trainer.ema_swapped() if ema else contextlib.nullcontext():
+            evaluate_on_trainers(c.cfg, c.adapter, c.sampling, c.topo, c.rank, done, self.log.logger, c.tracer,
+                                 self.groups.trainers, records=list(c.facts.eval_records))
         self._offload()
 
     def finish(self) -> None:

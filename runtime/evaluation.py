@@ -22,7 +22,8 @@ EVAL_STEP = -1  # the noise key of evaluation samples: never a training step
 
 def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, batch_size: int = 8,
              first_sample_id: int = 0, negative_prompt: str = "", sample_ids: list[int] | None = None,
-             keep_images: int | None = None, thumbnail=None, progress: bool = False, scorers=None):
+             keep_images: int | None = None, thumbnail=None, progress: bool = False, scorers=None,
+             num_steps: int | None = None):
     """Returns (scores by reward name plus "combined", and by the name of each of `scorers` (a
     RewardSet of other names, outside "combined"), each a list of floats in record order; the images
     of the first `keep_images` records, all by default, each passed through `thumbnail` when
@@ -30,10 +31,13 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
     scored batch by batch with the records of its shape (prompts/resolutions.py), with a progress bar when
     `progress`; a sample does not depend on its batch, so the batch size changes no score. The
     images are a tensor [n, 3, H, W] (videos [n, 3, F, H, W]) when they share one shape, else a list
-    in record order (metrics.image_grid pads them to the largest)."""
-    # Euler whatever the rollout's solver or window, so every algorithm is evaluated alike (NFT too)
+    in record order (metrics.image_grid pads them to the largest). `num_steps`: K of evaluation (None:
+    the rollout's)."""
+    # Euler on the full schedule whatever the rollout's solver, window or compressed tail, so every
+    # algorithm is evaluated alike (NFT too)
     ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None, window_schedule=None, ode_solver="euler",
-                              record=())
+                              post_compress=0.0, dpm_everywhere=False, record=(),
+                              num_steps=num_steps or sampling.num_steps)
     keep = len(records) if keep_images is None else min(keep_images, len(records))
     by_shape = resolutions.rows_by_shape(records, sampling)
     images, scores = [None] * keep, {}
@@ -110,7 +114,8 @@ def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, log
         scores, images = evaluate(adapter, sampling, [records[j] for j in rows], rewards,
                                   batch_size=cfg.rl.micro_batch, sample_ids=rows,
                                   negative_prompt=cfg.sampling.negative_prompt, thumbnail=thumbnails,
-                                  progress=rank == evaluators[0], scorers=scorers)
+                                  progress=rank == evaluators[0], scorers=scorers,
+                                  num_steps=cfg.output.eval_sample_steps)
     real = [n for n, (_, keep) in enumerate(share) if keep]
     # Only what the grid shows travels, as uint8 thumbnails.
     result = [(rows[n], {k: v[n] for k, v in scores.items()},

@@ -98,7 +98,7 @@ def probe_shapes(adapter, sampling, micro_batch: int, shapes, slowdown: Slowdown
         encode_s = _timed(encode, slowdown, device) if encodes else 0.0
         for shape in shapes:
             cfg = dataclasses.replace(sampling, height=shape[0], width=shape[1], num_frames=shape[2], num_steps=1,
-                                      sde_window=None)
+                                      sde_window=None, post_compress=0.0)  # one step of the full schedule
             sigmas = sampler.sigmas_for(adapter, cfg)
             neg = cond if cfg.cfg_scale != 1.0 else None
             latents = []

@@ -1,8 +1,9 @@
-"""DiffusionNFT, MixGRPO and Flow-DPPO through torchrun: every placement trains the colocated run's
-weights (disaggregated, TSP, TAG, GAP stages, FSDP2, LoRA and full fine-tuning), a resumed NFT run
-repeats the uninterrupted one bitwise (the old policy is in the checkpoint), TCSS stays within
-staleness 1, MixGRPO's window moves with the step in every placement, and Flow-DPPO's mask drops
-updates once the policy has moved from the rollout's (TCSS)."""
+"""DiffusionNFT, MixGRPO, Flow-GRPO-Fast and Flow-DPPO through torchrun: every placement trains the
+colocated run's weights (disaggregated, TSP, TAG, GAP stages, FSDP2, LoRA and full fine-tuning), a
+resumed NFT run repeats the uninterrupted one bitwise (the old policy is in the checkpoint), TCSS
+stays within staleness 1, NFT's global std streams exactly, MixGRPO-Flash's window and compressed
+schedule move with the step in every placement, Flow-GRPO-Fast's window drawn per group is every
+role's, and Flow-DPPO's mask drops updates once the policy has moved from the rollout's (TCSS)."""
 import shutil
 
 import pytest
@@ -17,11 +18,18 @@ BASE = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a i
 BASE += ["--fragment-groups", "1"]  # 4 fragments of one group of 2 samples
 # The old policy moves halfway to the trained weights after every update (d = 0.5 from the first):
 # a placement that sampled with the trained weights, or lost the old policy, trains other data.
+# NFT's epoch-global std, streamed: 4 fragments, the linear term scaled at the step's end (rl/gradients.py).
 NFT = [*BASE, "--algorithm", "nft", "--old-policy-decay", "0:0.5:0.5", "--ode-solver", "dpm2",
-       "--timestep-fraction", "0.67", "--nft-beta", "0.5", "--beta", "1e-3"]
-# K = 5: windows of 2 moving every step: [0, 1], [1, 2], then [2] (MixGRPO trains before K - 2 = 3)
-MIX = [*BASE, "--algorithm", "mixgrpo", "--sample-steps", "5", "--window-size", "2", "--window-interval", "1",
-       "--same-group-noise", "--ode-solver", "dpm2"]
+       "--timestep-fraction", "0.67", "--nft-beta", "0.5", "--beta", "1e-3", "--std-mode", "global"]
+# MixGRPO-Flash with K = 8: windows of 2 moving every step, [0, 1], [1, 2], [2, 3], the steps after each
+# re-gridded to int((8 - last) x 0.6) points of MixGRPO's shift-3 schedule: 5, 5 and 6 model calls.
+MIX = [*BASE, "--algorithm", "mixgrpo", "--sample-steps", "8", "--window-size", "2", "--window-interval", "1",
+       "--same-group-noise", "--ode-solver", "dpm2", "--schedule", "dance", "--post-compress", "0.6",
+       "--quantize-timestep"]
+# Flow-GRPO-Fast: a window of 2 of K = 6 drawn per group in 0:5; 2 groups per generation batch, so a
+# batch's rows take different windows.
+FAST = [*BASE, "--algorithm", "flow_grpo_fast", "--sample-steps", "6", "--sde-window-size", "2",
+        "--sde-window-range", "0:5", "--std-mode", "global", "--fragment-groups", "2", "--micro-batch", "4"]
 # Flow-DPPO: Flow-GRPO's rollout, whose fragments carry every step's transition mean; a threshold
 # below any divergence of a moved policy, so every update that moves away from the rollout is dropped.
 DPPO = [*BASE, "--algorithm", "flow_dppo", "--kl-mask-threshold", "1e-12"]
@@ -110,13 +118,42 @@ def mix_colocated(tmp_path_factory):
     (3, ["--generators", "2", "--gap-stages", "2", "--trainers", "1"]),
 ], ids=["tsp-tag", "gap-stages"])
 def test_mixgrpo_placements_train_the_colocated_weights(tmp_path, mix_colocated, nproc, placement):
-    """The window moves every step (2, 2, then 1 trained step per sample) in every placement; the
-    weights are the colocated run's and every update is on-policy (ratio 1)."""
+    """The window and the compressed schedule move every step in every placement (GAP stages run 5,
+    5, then 6 steps per micro-batch); the weights are the colocated run's and every update is
+    on-policy (ratio 1: the trainers score the window on the rollout's sigmas)."""
     out = tmp_path / "run"
     torchrun(nproc, [*MIX, "--lora-rank", "4", "--steps", "3", "--output-dir", str(out), *placement])
     assert_same_weights(trained_weights(str(mix_colocated), 3), trained_weights(str(out), 3), "mixgrpo")
     for rows in (_rows(mix_colocated), _rows(out)):
-        assert [r["train/num_transitions"] for r in rows] == [16.0, 16.0, 8.0]
+        assert [r["train/num_transitions"] for r in rows] == [16.0, 16.0, 16.0]
+        for r in rows:
+            assert r["train/approx_kl"] < 1e-12 and r["train/clipfrac"] == 0.0, r
+
+
+@pytest.fixture(scope="module")
+def fast_colocated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fast-colocated")
+    torchrun(2, [*FAST, "--lora-rank", "4", "--steps", "2", "--mode", "colocated", "--output-dir", str(out)])
+    return out
+
+
+@pytest.mark.parametrize("nproc,placement", [
+    (3, ["--generators", "1", "--trainers", "2", "--tsp", "--train-micro-batch", "3"]),
+    (3, ["--generators", "2", "--gap-stages", "2", "--trainers", "1"]),
+], ids=["tsp", "gap-stages"])
+def test_flow_grpo_fast_drawn_windows_in_every_placement(tmp_path, fast_colocated, nproc, placement):
+    """Each group's window, drawn from (seed, step, group), is the generators' (GAP stages too) and the
+    trainers' (chunks and TSP's packed rows): the colocated weights, 2 trained steps per sample, and
+    every ratio 1 (a trainer that scored another window would score an ODE step)."""
+    out = tmp_path / "run"
+    torchrun(nproc, [*FAST, "--lora-rank", "4", "--steps", "2", "--output-dir", str(out), *placement])
+    # 5e-4 of the update: forwards of a chunk's rows whose window holds t against TSP's packs of 3
+    # reorder float32 sums (tests/test_tsp.py); measured 3.0e-4 on one lora_B of 128 entries (10 above
+    # 1e-9), 4e-5 or less on every other tensor. Other windows would move the update by its own size.
+    assert_same_weights(trained_weights(str(fast_colocated), 2), trained_weights(str(out), 2), "flow_grpo_fast",
+                        rel=5e-4)
+    for rows in (_rows(fast_colocated), _rows(out)):
+        assert [r["train/num_transitions"] for r in rows] == [16.0, 16.0]
         for r in rows:
             assert r["train/approx_kl"] < 1e-12 and r["train/clipfrac"] == 0.0, r
 

@@ -132,3 +132,40 @@ def test_nft_rollout_solvers(solver):
     if solver != "flow":  # a different solver, not Euler again
         euler = torch.tensor(fx["outputs"]["paths"]["flow"])[:, -1]
         assert solver in ("ddim", "dpm1") or (want[:, -1] - euler).abs().max() > 1e-4
+
+
+# ----- evaluation: the EMA at its own step count --------------------------------------------------------
+def test_nft_evaluation_ema_and_step_count(monkeypatch):
+    """NFT evaluates its EMA (ema.py: decay min((1 + u) / (10 + u), 0.9), stepped after update u) with
+    40 steps (config eval_num_steps): --eval-ema swaps the EMA into the parameters for the block and
+    the trained weights back bit for bit; --eval-sample-steps sets evaluation's K."""
+    from config.schema import RunConfig
+    from models import load_model
+    from models.lora import apply_lora
+    from prompts.sets import PromptRecord
+    from rewards import RewardSet
+    from runtime.evaluation import evaluate
+    from trainer import Trainer, ema_decay
+
+    want = fixture("diffusion_nft_old_policy.json")
+    steps, decays = want["inputs"]["steps"], want["outputs"]["eval_ema_decay"]
+    assert [ema_decay(0.9, u) for u in steps[1:]] == pytest.approx(decays[1:], abs=1e-15)
+    adapter = load_model("flux", preset="tiny", seed=0)
+    apply_lora(adapter.transformer, 4, None, "attn", 0)
+    cfg = RunConfig()
+    cfg.optim.lora_rank, cfg.optim.ema_decay = 4, 0.9
+    sampling = sampler.SamplingConfig.for_adapter(adapter, height=16, width=16, num_steps=3)
+    trainer = Trainer(cfg, adapter, sampling)
+    with torch.no_grad():
+        for e in trainer.ema:
+            e.add_(1.0)
+    live, ema = [p.detach().clone() for p in trainer.params], [e.clone() for e in trainer.ema]
+    with trainer.ema_swapped():
+        assert all(torch.equal(p, e) for p, e in zip(trainer.params, ema))
+    assert all(torch.equal(p, q) for p, q in zip(trainer.params, live))
+    assert all(torch.equal(e, q) for e, q in zip(trainer.ema, ema))
+    calls = []
+    monkeypatch.setattr(adapter, "velocity", lambda x, *a, **k: calls.append(1) or torch.zeros_like(x))
+    records = [PromptRecord("a red circle", {})]
+    evaluate(adapter, sampling, records, RewardSet(["jpeg_compressibility"]), num_steps=7)
+    assert len(calls) == 7
