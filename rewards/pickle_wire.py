@@ -39,6 +39,10 @@ ANSWER_KEYS = ("scores", "outputs")  # flow_grpo: GenEval's "scores" (the partia
 MAX_SIDE = 4096  # a request image's side the server decodes at most (a JPEG declares its size before it is decoded)
 
 
+class Refused(pickle.UnpicklingError):
+    """A pickle asked for something beyond plain data."""
+
+
 class _NdarrayToken:
     """Stands for numpy.ndarray in a pickle: accepted only as _reconstruct's first argument, never called."""
 
@@ -46,7 +50,7 @@ class _NdarrayToken:
 def _reconstruct(subtype, shape, dtype_code):
     """numpy's _reconstruct for the empty array numpy's own pickles start from (its state follows)."""
     if subtype is not _NdarrayToken or tuple(shape) != (0,):
-        raise pickle.UnpicklingError("numpy _reconstruct of anything but an empty ndarray")
+        raise Refused("numpy _reconstruct of anything but an empty ndarray")
     return _NUMPY_RECONSTRUCT(np.ndarray, (0,), dtype_code)
 
 
@@ -54,7 +58,7 @@ def _frombuffer(buffer, dtype, shape, order):
     """numpy's _frombuffer (pickle protocol 5): an array of a numeric dtype over the given bytes."""
     dtype = np.dtype(dtype)
     if dtype.hasobject:
-        raise pickle.UnpicklingError("a numpy array of Python objects")
+        raise Refused("a numpy array of Python objects")
     return np.frombuffer(buffer, dtype=dtype).reshape(shape, order=order)
 
 
@@ -66,7 +70,7 @@ ALLOWED = {
        if name != "_frombuffer"},
     **{(module, "_frombuffer"): _frombuffer for module in ("numpy.core.numeric", "numpy._core.numeric")},
     ("numpy", "ndarray"): _NdarrayToken, ("numpy", "dtype"): np.dtype,
-    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "bytearray"): bytearray,
+    **{(module, fn.__name__): fn for module in ("builtins", "__builtin__") for fn in (set, frozenset, bytearray)},
     ("_codecs", "encode"): lambda text, encoding="utf-8": text.encode(encoding),  # protocol 2's bytes
 }
 """(module, name) -> what a pickle may name: numpy's array and scalar rebuilding, plain containers"""
@@ -75,7 +79,7 @@ ALLOWED = {
 class SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) not in ALLOWED:
-            raise pickle.UnpicklingError(f"the pickle names {module}.{name}, which may run code; a reward answer "
+            raise Refused(f"the pickle names {module}.{name}, which may run code; a reward answer "
                                          f"may hold only containers, numbers, strings, bytes and numpy arrays")
         return ALLOWED[(module, name)]
 
@@ -84,9 +88,9 @@ def safe_loads(data: bytes):
     """Unpickle plain data only; a ValueError says what else the pickle held or why it is not one."""
     try:
         return SafeUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
+    except Refused as e:
         raise ValueError(f"a pickle refused: {e}") from None
-    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OverflowError, MemoryError,
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OverflowError, MemoryError,
             RecursionError) as e:
         raise ValueError(f"not a pickle ({type(e).__name__}: {str(e)[:100]})") from None
 
@@ -134,7 +138,21 @@ def decode_answer(data: bytes, count: int) -> Tensor:
         raise ValueError(f"{key!r} that are not numbers") from None
     if values.shape != (count,):
         raise ValueError(f"{values.size} {key} for {count} images")
-    return torch.from_numpy(values).float()
+    scores = torch.from_numpy(values).float()  # NaN, inf and numbers beyond float32 are a broken server
+    bad = [i for i in range(count) if not torch.isfinite(scores[i])]
+    if bad:
+        raise ValueError(f"non-finite scores ({', '.join(f'{scores[i].item()} at sample {i}' for i in bad[:4])}"
+                         f"{', ...' if len(bad) > 4 else ''})")
+    return scores
+
+
+def error_text(data: bytes) -> bytes:
+    """What a failed answer says: the text of a pickled {"error": TEXT} (VeRL-Omni's), else its bytes."""
+    try:
+        answer = safe_loads(data)
+    except ValueError:
+        return data
+    return str(answer["error"]).encode() if isinstance(answer, dict) and "error" in answer else data
 
 
 # ----- the server's side (rewards/server.py serves registered rewards this way) --------------------
@@ -184,4 +202,4 @@ def encode_answer(scores: Tensor) -> bytes:
 
 
 __all__ = ["ALLOWED", "PROTOCOLS", "SafeUnpickler", "decode_answer", "decode_images", "decode_request",
-           "encode_answer", "encode_request", "jpeg_bytes", "jpeg_round_trip", "safe_loads"]
+           "encode_answer", "error_text", "encode_request", "jpeg_bytes", "jpeg_round_trip", "safe_loads"]

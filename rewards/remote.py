@@ -73,6 +73,10 @@ class RewardServiceError(RunAbort):
     """A reward service did not answer with scores: the run stops, naming the URL and the answer."""
 
 
+class QuotedError(ValueError):
+    """An answer that is not the protocol, whose text already quotes what matters of it."""
+
+
 def is_url(spec: str) -> bool:
     return _URL.match(spec.strip()) is not None
 
@@ -148,6 +152,9 @@ class Digenrl:
     def cap(self, count: int) -> int:
         return 4096 + 64 * count
 
+    def error_text(self, data: bytes) -> bytes:
+        return data
+
 
 class PeerPickle:
     """Flow-GRPO's or VeRL-Omni's pickle protocol (rewards/pickle_wire.py): one request of JPEG frames."""
@@ -166,6 +173,9 @@ class PeerPickle:
     def cap(self, count: int) -> int:
         return 4096 + 256 * count  # GenEval's answer: five lists of B floats, 9 bytes each pickled
 
+    def error_text(self, data: bytes) -> bytes:
+        return pickle_wire.error_text(data)
+
 
 class OpenAIJudge:
     """An OpenAI-compatible chat completions judge (rewards/judge.py): one request per image."""
@@ -182,15 +192,20 @@ class OpenAIJudge:
     def decode(self, data: bytes, count: int) -> Tensor:
         text = judges.answer_text(data)
         score = judges.parse_score(self.judge, text)
+        if score is not None and not torch.isfinite(torch.tensor(score).float()):
+            score = None  # beyond float32: no score a judge means
         if score is None:
             score = self.judge.unparsed_score
         if score is None:
-            raise ValueError(f"a judgement its rule ({self.judge.score_regex or self.judge.score_json!r}) reads no "
-                             f"finite score in (unparsed_score is unset)")
+            raise QuotedError(f"a judgement its rule ({self.judge.score_regex or self.judge.score_json!r}) reads "
+                              f"no finite score in (unparsed_score is unset): {_quote(text.encode())}")
         return torch.tensor([score], dtype=torch.float64).float()
 
     def cap(self, count: int) -> int:
         return 1 << 20
+
+    def error_text(self, data: bytes) -> bytes:
+        return data
 
 
 def make_protocol(spec: str, judge: judges.JudgeConfig | None = None):
@@ -316,8 +331,9 @@ class HttpReward:
                     try:
                         return self.protocol.decode(data, count)
                     except ValueError as e:
-                        raise RewardServiceError(f"reward service {self.url} answered {e}: {_quote(data)}") from None
-                last = f"HTTP {status} {_quote(data)}"
+                        quote = "" if isinstance(e, QuotedError) else f": {_quote(data)}"
+                        raise RewardServiceError(f"reward service {self.url} answered {e}{quote}") from None
+                last = f"HTTP {status} {_quote(self.protocol.error_text(data))}"
                 if status < 500 and status not in RETRIED:  # the service understood and refused: trying again cannot help
                     raise RewardServiceError(f"reward service {self.url} answered {last}")
             await asyncio.sleep(max(0.0, min(wait, deadline - time.monotonic())))
