@@ -36,6 +36,10 @@ REGISTRY = "rl/algorithms/__init__.py"
 NAMED_OTHERWISE = {
     ("rl/loss.py", "flow_grpo"): "--kl-form flow_grpo: the KL term named after Flow-GRPO's formula, a value recipes "
                                  "and config.json files hold",
+    **{(f, "flow_grpo"): "the reward protocol of Flow-GRPO's reward servers (flow_grpo+http://HOST:PORT/NAME, "
+                         "--protocol flow_grpo), a value reward specs hold"
+       for f in ("rewards/pickle_wire.py", "rewards/remote.py", "rewards/server.py", "scripts/reward_server.py",
+                 "config/schema.py")},
 }
 """(file, word): an algorithm's name used for something else"""
 
