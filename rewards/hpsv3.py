@@ -21,10 +21,9 @@ import math
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
-from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, Qwen2VLModel
 
 from rewards.reward import (CONFIG_FILES, PROCESSOR_FILES, TOKENIZER_FILES, Reward, check_local_dir, loading,
-                            to_pil)
+                            require_package, to_pil)
 
 WEIGHT_FILES = ("HPSv3.safetensors",)
 REWARD_TOKEN = "<|Reward|>"
@@ -55,7 +54,6 @@ INSTRUCTION = (
     "Coherence**: Evaluate whether the overall meaning and intent of the prompt are captured in the image. The "
     "generated content should not introduce elements that conflict with or distort the original description.\n"
     "Textual prompt - {text_prompt}\n\n\n")
-TOKEN_TYPES = "mm_token_type_ids" in inspect.signature(Qwen2VLModel.forward).parameters
 ASK = f"\nPlease provide the overall ratings of this image: {REWARD_TOKEN}\n\nEND\n"
 
 
@@ -88,7 +86,7 @@ def reward_head(hidden: int) -> torch.nn.Sequential:
 class HPSv3Network(torch.nn.Module):
     """Qwen2-VL without its language head, and HPSv3's head on the last hidden states."""
 
-    def __init__(self, model: Qwen2VLModel, rm_head: torch.nn.Sequential):
+    def __init__(self, model: torch.nn.Module, rm_head: torch.nn.Sequential):
         super().__init__()
         self.model, self.rm_head = model, rm_head
 
@@ -98,10 +96,11 @@ class HPSv3Network(torch.nn.Module):
         return self.rm_head(hidden[reward_mask].float())
 
 
-def check_keys(path: str, state: dict[str, Tensor], config) -> None:
-    """The checkpoint holds exactly the network's tensors, of its shapes (measured on the meta device)."""
+def check_keys(path: str, state: dict[str, Tensor], config, qwen2vl) -> None:
+    """The checkpoint holds exactly the network's tensors, of its shapes (measured on the meta device;
+    `qwen2vl`: transformers' Qwen2VLModel)."""
     with torch.device("meta"):
-        expected = HPSv3Network(Qwen2VLModel(config), reward_head(config.text_config.hidden_size)).state_dict()
+        expected = HPSv3Network(qwen2vl(config), reward_head(config.text_config.hidden_size)).state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     shapes = [k for k in set(expected) & set(state) if tuple(expected[k].shape) != tuple(state[k].shape)]
     if missing or unexpected or shapes:
@@ -133,17 +132,19 @@ class HPSv3(Reward):
 
     def __init__(self, device: str | torch.device = "cpu", model_path: str | None = None,
                  dtype: torch.dtype = torch.float32):
+        transformers = require_package(self.name, "transformers")
         path = check_local_dir(self.name, model_path, {"config": CONFIG_FILES, "image processor": PROCESSOR_FILES,
                                                         "tokenizer": TOKENIZER_FILES, "HPSv3 weights": WEIGHT_FILES})
         self.device = torch.device(device)
-        self.tokenizer = loading(self.name, path, "tokenizer", AutoTokenizer.from_pretrained, path,
+        self.tokenizer = loading(self.name, path, "tokenizer", transformers.AutoTokenizer.from_pretrained, path,
                                  local_files_only=True, padding_side="right")
         if REWARD_TOKEN not in self.tokenizer.get_vocab():
             self.tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
         self.reward_id = self.tokenizer.convert_tokens_to_ids(REWARD_TOKEN)
-        self.images = loading(self.name, path, "image processor", AutoImageProcessor.from_pretrained, path,
-                              local_files_only=True)
-        config = loading(self.name, path, "config", AutoConfig.from_pretrained, path, local_files_only=True)
+        self.images = loading(self.name, path, "image processor", transformers.AutoImageProcessor.from_pretrained,
+                              path, local_files_only=True)
+        config = loading(self.name, path, "config", transformers.AutoConfig.from_pretrained, path,
+                         local_files_only=True)
         state = network_keys(loading(self.name, path, "HPSv3 weights", load_file, f"{path}/{WEIGHT_FILES[0]}"))
         embed = state.get("model.language_model.embed_tokens.weight")
         if embed is None or embed.shape[0] < len(self.tokenizer):
@@ -151,13 +152,15 @@ class HPSv3(Reward):
                              f"(its embedding has {None if embed is None else embed.shape[0]} rows, the tokenizer "
                              f"{len(self.tokenizer)} tokens with {REWARD_TOKEN})")
         config.text_config.vocab_size = embed.shape[0]  # resized for <|Reward|> when HPSv3 was trained
-        check_keys(f"{path}/{WEIGHT_FILES[0]}", state, config)
-        model = loading(self.name, path, "HPSv3 weights", Qwen2VLModel.from_pretrained, None, config=config,
-                        state_dict={k[len("model."):]: v for k, v in state.items() if k.startswith("model.")},
-                        dtype=dtype)
+        check_keys(f"{path}/{WEIGHT_FILES[0]}", state, config, transformers.Qwen2VLModel)
+        qwen = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        model = loading(self.name, path, "HPSv3 weights", transformers.Qwen2VLModel.from_pretrained, None,
+                        config=config, state_dict=qwen, dtype=dtype)
         head = reward_head(config.text_config.hidden_size)  # float32, as HPSv3 keeps it
         head.load_state_dict({k[len("rm_head."):]: v.float() for k, v in state.items() if k.startswith("rm_head.")})
         self.network = HPSv3Network(model, head).to(self.device).eval().requires_grad_(False)
+        # transformers >= 5.2x marks which tokens are an image's, for Qwen2-VL's 3D positions
+        self.token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
 
     def score_images(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
         pils = [image.resize(tiles(image.height, image.width)[::-1], resample=3) for image in to_pil(images)]  # bicubic
@@ -171,7 +174,7 @@ class HPSv3(Reward):
         dtype = next(self.network.model.parameters()).dtype
         inputs = {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"],
                   "pixel_values": vision["pixel_values"].to(dtype), "image_grid_thw": vision["image_grid_thw"]}
-        if TOKEN_TYPES:  # transformers >= 5.2x: which tokens are an image's, for Qwen2-VL's 3D positions
+        if self.token_types:
             inputs["mm_token_type_ids"] = (text["input_ids"] == self.network.model.config.image_token_id).long()
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         return self.network(mask.to(self.device), **inputs)[:, 0]  # the mean of HPSv3's (mean, uncertainty)

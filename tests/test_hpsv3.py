@@ -4,18 +4,22 @@ checkpoint loaded into transformers' Qwen2VLForConditionalGeneration with its ke
 conversation made by Qwen2-VL's chat template, the head read at the <|Reward|> token."""
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLModel
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from rewards import RewardSet, reward_model_paths
-from rewards.hpsv3 import ASK, INSTRUCTION, REWARD_TOKEN, TOKEN_TYPES, reward_head, tiles
+from rewards.hpsv3 import ASK, INSTRUCTION, REWARD_TOKEN, reward_head, tiles
 from rewards.reward import to_pil
 from tiny_hpsv3 import build_hpsv3, tokenizer
+
+
+TOKEN_TYPES = "mm_token_type_ids" in inspect.signature(Qwen2VLModel.forward).parameters
 
 
 def reference(path: str, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:

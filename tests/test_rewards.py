@@ -88,7 +88,7 @@ def test_parse_reward_spec():
 def test_registry_lists_every_reward():
     assert set(rewards.reward_names()) == {
         "shapes", "shapes_detector", "jpeg_compressibility", "jpeg_incompressibility", "rule_aesthetic",
-        "pickscore", "clip_score", "hpsv2", "laion_aesthetic", "image_reward", "ocr", "temporal_consistency"}
+        "pickscore", "clip_score", "hpsv2", "hpsv3", "laion_aesthetic", "image_reward", "ocr", "temporal_consistency"}
     with pytest.raises(ValueError, match="no weights"):
         build_reward("rule_aesthetic", model_path="/tmp")
 
