@@ -21,11 +21,24 @@ ARGS += ["--lora-rank", "4", "--fragment-groups", "1"]  # 4 fragments of one gro
 
 
 def test_group_windows_are_the_slots_where_fragments_are_first_needed():
-    """An FSDP group waits (and may generate) only before a slot where some trainer first needs a
-    fragment; trainers of different forward counts still share every window."""
-    assert group_windows([[0, 0, 2, 2], [1, 1, 3, 3]]) == [(0, (0, 1)), (2, (2, 3))]
-    assert group_windows([[0, 2, 2], [0, 1, 1, 3]]) == [(0, (0,)), (1, (1, 2)), (3, (3,))]
-    assert group_windows([[], [0]]) == [(0, (0,))]
+    """An FSDP group waits (and may generate) only before a slot where some trainer first takes a
+    piece of a fragment; trainers of different forward counts still share every window."""
+    assert group_windows([[(0, 0), (2, 2)], [(0, 1), (2, 3)]]) == [(0, (0, 1)), (2, (2, 3))]
+    assert group_windows([[(0, 0), (1, 2)], [(0, 0), (1, 1), (3, 3)]]) == [(0, (0,)), (1, (1, 2)), (3, (3,))]
+    assert group_windows([[], [(0, 0)]]) == [(0, (0,))]
+
+
+@pytest.mark.parametrize("tsp", [False, True])
+def test_receive_slots_with_one_update_are_the_first_forwards(tsp):
+    """With one update per rollout a trainer takes each piece just before its first forward, the
+    windows of the forward lists the group used to wait at."""
+    plan = plan_step(0, seed=0, num_prompts=8, prompts_per_step=4, group_size=2, micro_batch=2, num_replicas=2,
+                     num_trainers=2, fragment_groups=1)
+    intake = make_intake(tsp, TrainingSpec(algorithms.algorithm("flow_grpo"), 4, 0.99, 0, None), (0, 1),
+                         lambda r: r, micro_batch=4, me=0)
+    for r, slots in enumerate(intake.receive_slots(plan)):
+        fragments = intake.forward_fragments(plan)[r]
+        assert slots == [(fragments.index(f), f) for f in dict.fromkeys(fragments)]
 
 
 def test_training_seconds_are_observed_in_the_simulators_unit():
