@@ -1,6 +1,6 @@
 """The trainer role: replays trajectories as (sample, timestep) transitions with the clipped
 Flow-GRPO / DanceGRPO loss, accumulates gradients over the fragments of a logical batch, steps
-the optimizer once per batch, and hands out the new version's weights for publication.
+the optimizer once per batch (or per part of it), and hands out the new version's weights for publication.
 
 The loss of an update is the mean over all the transitions it trains (docs/ALGORITHMS.md). Each
 forward adds the *sum* of its transitions' losses; `update` sums gradients over trainer ranks and

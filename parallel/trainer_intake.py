@@ -277,15 +277,17 @@ class _Intake:
         """A trainer's work in plan order (default: this rank's), each piece with its forwards per update."""
         return self.needs_of(plan, self.me if trainer is None else trainer)
 
-    def passes(self, plan: StepPlan, trainer: int | None = None) -> list[tuple[int, list[int]]]:
+    def passes(self, plan: StepPlan, trainer: int | None = None, padded: bool = False) -> list[tuple[int, list[int]]]:
         """The order of a trainer's work over the step's updates: per update p, (how many of its
         needs it has taken once p's pieces are all in, the needs p trains). A piece is received
         in plan order, so a sender's sends are taken in the order it posted them, and by the
-        update that first trains it; update p takes every piece up to the last that p trains."""
+        update that first trains it; update p takes every piece up to the last that p trains.
+        `padded` (FSDP, whose trainers pad every update): the first piece comes in with the first
+        update, the template of its padding forwards."""
         needs, out, taken = self.needs(plan, trainer), [], 0
         for p in range(self.spec.num_updates):
             mine = [i for i, n in enumerate(needs) if n.forwards[p]]
-            taken = max(taken, mine[-1] + 1 if mine else 0)
+            taken = max(taken, mine[-1] + 1 if mine else 0, 1 if padded and needs else 0)
             out.append((taken, mine))
         return out
 
@@ -311,7 +313,7 @@ class _Intake:
         out = []
         for r in range(self.num_trainers):
             needs, slots, slot, taken = self.needs(plan, r), [], 0, 0
-            for p, (upto, mine) in enumerate(self.passes(plan, r)):
+            for p, (upto, mine) in enumerate(self.passes(plan, r, padded=True)):
                 start = slot
                 for i in range(upto):
                     if i >= taken:

@@ -60,10 +60,6 @@ class Workload:
     optimizer_steps: int = 1
     """optimizer updates per step (the runtime's --updates-per-rollout; the peers' mini-batches): each
     an optimizer step and its gradient sync, one publication per step whatever their number"""
-    update_split: str = "samples"
-    """which samples each update trains (rl/updates.py, --update-split): samples and members parts span
-    every fragment, so all but the first update's training waits for the step's last fragment; groups
-    parts come in the order fragments are generated and stream"""
     shapes: tuple[tuple[int, int, int, float], ...] = ()
     """a shape mix: (height, width, frames, weight) buckets, one shape per prompt group, the step's
     prompts drawn in proportion to the weights (`group_keys`); empty: every prompt at height x width
@@ -85,6 +81,10 @@ class Workload:
     """GPUs of a reward service (the runtime's --reward http://HOST:PORT/NAME): the reward models
     run there, not on the plan's ranks, while the generators denoise their next fragment; the plan
     pays for these GPUs too (lab.planning.placements.with_reward_service)"""
+    update_split: str = "samples"
+    """which samples each update trains (rl/updates.py, --update-split): samples and members parts span
+    every fragment, so all but the first update's training waits for the step's last fragment; groups
+    parts come in the order fragments are generated and stream"""
 
     def __post_init__(self):
         model_spec(self.model)

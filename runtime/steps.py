@@ -114,7 +114,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
         assistant.begin_step(plan, reward_std, trainer, intake)
     work = _Work(intake.needs(plan))
     end, update_s = None, 0.0
-    for part, (upto, mine) in enumerate(intake.passes(plan)):
+    for part, (upto, mine) in enumerate(intake.passes(plan, padded=any(pad_to))):
         _train_part(ctx, trainer, plan, work, upto, mine, part, assistant)
         if pad_to[part]:
             with tracer.span("pad", "train", step):

@@ -228,3 +228,25 @@ def test_later_updates_training_waits_for_the_last_fragment():
     assert held == pytest.approx(4 + 0.25 + 4 * 0.25 + 0.1)
     assert held_fraction(2, "groups") == 0.0 and held_fraction(2, "groups", waits_for_step=True) == 0.5
     assert held_fraction(1, "samples") == 0.0 and held_fraction(4, "members") == 0.75
+
+
+def test_the_planner_prices_the_updates_and_the_held_training():
+    """FLUX 512 px, 8 x 8 samples, 2 generators and 6 trainers (generation-bound): a second update
+    over whole groups in step order costs one more optimizer step; over a cut of the step's samples
+    the later update's training follows the last fragment."""
+    from lab.planning import placements as plans
+    from planner import hardware as hw
+    from planner.workload import Workload
+
+    pool = plans.Pool(hw.gpu("h100"), 8)
+    step = {}
+    for n, split in ((1, "samples"), (2, "groups"), (2, "samples")):
+        wl = Workload("flux", 512, 512, sampling_steps=10, trained_timesteps=9, prompts_per_step=8, group_size=8,
+                      optimizer_steps=n, update_split=split)
+        plan = plans.disagg_plan(wl, pool, pool, 2, 6, 1, 1, "gap", True)
+        step[(n, split)] = plan.step_s
+        costs = plan.knobs["costs"]
+        assert costs["held_fraction"] == held_fraction(n, split)
+    one_update = step[(2, "groups")] - step[(1, "samples")]
+    assert 0 < one_update < 0.01
+    assert step[(2, "samples")] > step[(1, "samples")] + 5  # half of the training after generation
