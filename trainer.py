@@ -1,11 +1,13 @@
 """The trainer role: replays trajectories as (sample, timestep) transitions with the clipped
 Flow-GRPO / DanceGRPO loss, accumulates gradients over the fragments of a logical batch, steps
-the optimizer once per batch, and hands out the new version's weights for publication.
+the optimizer once per batch (or per part of it), and hands out the new version's weights for publication.
 
-The loss of a batch is the mean over all its trained transitions (docs/ALGORITHMS.md). Each forward
-adds the *sum* of its transitions' losses; `finish_step` sums gradients over trainer ranks and
-divides by the batch's transition count, so every placement computes the same gradient up to
-reduction order (docs/DESIGN.md, placement invariance).
+The loss of an update is the mean over all the transitions it trains (docs/ALGORITHMS.md). Each
+forward adds the *sum* of its transitions' losses; `update` sums gradients over trainer ranks and
+divides by the update's transition count, so every placement computes the same gradient up to
+reduction order (docs/DESIGN.md, placement invariance). A step makes one update over all its
+transitions, or with --updates-per-rollout N one per part of its samples (rl/updates.py), each
+trained after the update before; `end_step` then reports the step.
 
 Without TSP a chunk of samples goes whole to one trainer, which runs one forward per trained
 timestep. With --tsp every trainer receives a `TransitionBatch`: its share of each fragment's
@@ -19,8 +21,6 @@ train against and publish for the generators to sample with).
 """
 from __future__ import annotations
 
-import contextlib
-
 import copy
 from dataclasses import dataclass, field
 
@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from rl import algorithms
-from rl import sampler
+from rl import ema, sampler
 from rl.advantages import StepEnd
 from rl.gradients import SplitGradients
 from config.schema import RunConfig
@@ -38,6 +38,7 @@ from models import DiTAdapter, autocast, resolve_dtype
 from models.lora import trainable_names
 from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
+from rl.updates import UpdateSums, step_stats
 from parallel import compress
 from parallel import forward_rows
 from parallel.fsdp import count_allgathers, full_tensor, local_part, shard_modules
@@ -69,12 +70,6 @@ class Transitions:
     weight: Tensor | None = None  # (n,) each policy term's weight: 1 (None), or a correction's (rl.advantages)
     counted: Tensor | None = None  # (n,) bool: carries its KL term and statistics (None: all; False: a correction)
     steps: dict[str, Tensor] = field(default_factory=dict)  # the rollout's per-step fields at each t: (n, ...)
-
-
-def ema_decay(decay: float, updates: int) -> float:
-    """The EMA's decay after update number `updates` (counted from 1): min(decay, (1 + u) / (10 + u)),
-    DiffusionNFT's and Flow-GRPO's ema.py `get_current_decay` at their post-increment step."""
-    return min(decay, (1 + updates) / (10 + updates))
 
 
 class Trainer:
@@ -125,14 +120,16 @@ class Trainer:
         # What the algorithm keeps beside the weights (DiffusionNFT: the old policy the generators sample with).
         self.state = self.algorithm.trainer_state(cfg, self.params)
         self.num_updates = 0
+        self.num_checks = 0
         self.skips = SkipTracker(cfg.optim.max_skipped_steps)  # steps with non-finite values (rl/nonfinite.py)
-        self.current_step: int | None = None  # the step being trained (its update makes version step+1)
+        self.current_step: int | None = None  # the step being trained (its updates make version step+1)
         self.codec: compress.Reconstruction | None = None  # a lossy publication codec (start_codec)
-        # Called with the forward's slot (this step's forward count) before every training forward,
-        # real or padding: with TAG under FSDP the group's generation windows fall between forwards.
+        # Called with the forward's slot (this step's count of planned forwards, real or padding: not
+        # the step end's) before each: with TAG under FSDP the group's generation windows fall between forwards.
         self.before_forward = None
         self.items: list | None = None  # this step's chunks or packed batches, kept for its end (begin_step)
         self.grads = SplitGradients(self.params)  # the KL term's apart while the policy term's scale is unknown
+        self.scale_later = False
         self.reset_stats()
 
     # ----- set-up ---------------------------------------------------------------------------
@@ -158,13 +155,20 @@ class Trainer:
             block.forward = lambda *a, _f=fwd, **kw: checkpoint(_f, *a, use_reentrant=False, **kw)
 
     def reset_stats(self) -> None:
-        self.loss_sums = torch.zeros(len(self.loss.STATS), dtype=torch.float64, device=self.device)
-        self.counts = {k: 0.0 for k in COUNTS}
+        """A step's counts: its forwards, gathers, staleness, non-finite advantages and updates."""
         self.max_staleness = 0
-        self.num_transitions = 0
         self.num_forwards = 0
+        self.slot = 0  # planned forwards (real and padding; not the step end's), TAG's and FSDP padding's count
         self.num_allgathers = 0
         self.nonfinite_advantages = torch.zeros((), dtype=torch.int64, device=self.device)  # items with any
+        self.updates: list[UpdateSums] = []
+        self.reset_update()
+
+    def reset_update(self) -> None:
+        """An update's sums: its loss statistics, transitions and staleness."""
+        self.loss_sums = torch.zeros(len(self.loss.STATS), dtype=torch.float64, device=self.device)
+        self.counts = {k: 0.0 for k in COUNTS}
+        self.num_transitions = 0
 
     @property
     def sums(self) -> dict[str, float]:
@@ -182,35 +186,45 @@ class Trainer:
         gradient accumulates apart."""
         self.num_allgathers = 0
         self.items = [] if keep_items else None
+        self.scale_later = scale_later
         self.grads.begin(apart=scale_later and self.loss.unscaled_term)
 
     # ----- training -------------------------------------------------------------------------
-    def _start_forward(self) -> None:
-        """Count a training forward, real or padding, after letting `before_forward` run."""
-        if self.before_forward is not None:
-            self.before_forward(self.num_forwards)
+    def _start_forward(self, late: bool = False) -> None:
+        """Count a training forward, after letting `before_forward` run for a planned one (`late`:
+        one the step's end decided, after every planned forward of its update)."""
+        if not late:
+            if self.before_forward is not None:
+                self.before_forward(self.slot)
+            self.slot += 1
         self.num_forwards += 1
 
-    def train(self, item: TrainChunk | TransitionBatch, end: StepEnd | None = None) -> None:
+    def admit(self, item: TrainChunk | TransitionBatch) -> None:
+        """A piece of this step's work, once, before it trains: non-finite rewards make the step's
+        updates skip (counted on the device, read once per update); kept for the step's end."""
+        self.nonfinite_advantages += (~torch.isfinite(item.advantages)).any().to(self.device)
+        if self.items is not None:
+            self.items.append(item)
+
+    def train(self, item: TrainChunk | TransitionBatch, end: StepEnd | None = None, part: int | None = None) -> None:
         """Forward + backward of every transition of `item` this trainer trains: a chunk one
         timestep per forward, a TSP share one packed micro-batch (mixing samples and timesteps) per
-        forward. With `end`, only the transitions of the samples the step's end trains again."""
-        if end is None:
-            # Non-finite rewards make the step skip; counted on the device, read once per step.
-            self.nonfinite_advantages += (~torch.isfinite(item.advantages)).any().to(self.device)
-            if self.items is not None:
-                self.items.append(item)
+        forward. With `end`, only the transitions of the samples the step's end trains again. `part`:
+        only those of the step's update `part` (the caller admitted the item); None: the whole item,
+        admitted here."""
+        if end is None and part is None:
+            self.admit(item)
         cond = item.cond.to(self.device)
         neg = item.neg_cond.to(self.device) if item.neg_cond is not None else None
         packed = isinstance(item, TransitionBatch)
-        for key, rows in forward_rows.forwards(item, self.spec, end):
+        for key, rows in forward_rows.forwards(item, self.spec, end, part):
             if not rows:  # padding keeps FSDP ranks' forward counts equal (the end's: in train_again)
                 if end is None and (not packed or self.sharding == "fsdp"):
                     self._start_forward()
                     self._forward(self._transitions(item, key, [(key if packed else 0, 0.0, False)], cond, neg),
                                   pad=True)
                 continue
-            self._start_forward()
+            self._start_forward(late=end is not None)
             self._forward(self._transitions(item, key, rows, cond, neg))
             self._count(sum(c for _, _, c in rows), item.version)
 
@@ -277,24 +291,11 @@ class Trainer:
             if lora:
                 self.adapter.transformer.enable_adapters()
 
-    @contextlib.contextmanager
     def ema_swapped(self):
-        """The EMA of the trained weights in the parameters inside the block (--eval-ema), the trained
-        weights again after it: an exchange in place, as the old policy's (sharded alike under FSDP2)."""
+        """A block with the EMA of the trained weights in the parameters (--eval-ema; rl/ema.py)."""
         if self.ema is None:
             raise ValueError("--eval-ema evaluates the EMA of the trained weights: set --ema-decay > 0")
-        self._exchange_ema()
-        try:
-            yield
-        finally:
-            self._exchange_ema()
-
-    @torch.no_grad()
-    def _exchange_ema(self) -> None:
-        for e, p in zip(self.ema, self.params):
-            live = p.detach().clone()
-            p.detach().copy_(e)
-            e.copy_(live)
+        return ema.swapped(self.ema, self.params)
 
     def sampling_policy(self):
         """The policy the generators sample with, in the parameters for a block (colocated ranks and
@@ -302,27 +303,31 @@ class Trainer:
         policy), else the trained weights as they are."""
         return self.algorithm.sampling_policy(self.state)
 
-    def pad_forwards(self, count: int, template: TrainChunk | TransitionBatch | None) -> None:
-        """FSDP only: run padding forwards until this rank has done `count` forwards this step."""
-        while self.num_forwards < count:
-            if template is None:
-                raise RuntimeError("a trainer with no chunk cannot pad FSDP forwards")
-            self._start_forward()
-            cond = template.cond.to(self.device)
-            neg = template.neg_cond.to(self.device) if template.neg_cond is not None else None
-            self._forward(self._transitions(template, 0, [(0, 0.0, False)], cond, neg), pad=True)
+    def _pad(self, template: TrainChunk | TransitionBatch | None, late: bool = False) -> None:
+        if template is None:
+            raise RuntimeError("a trainer with no chunk cannot pad FSDP forwards")
+        self._start_forward(late)
+        cond = template.cond.to(self.device)
+        neg = template.neg_cond.to(self.device) if template.neg_cond is not None else None
+        self._forward(self._transitions(template, 0, [(0, 0.0, False)], cond, neg), pad=True)
 
-    def train_again(self, end: StepEnd, template) -> int:
+    def pad_forwards(self, count: int, template: TrainChunk | TransitionBatch | None) -> None:
+        """FSDP only: run padding forwards until this rank has done `count` planned forwards this step."""
+        while self.slot < count:
+            self._pad(template)
+
+    def train_again(self, end: StepEnd, template, part: int | None = None) -> int:
         """The step's end: the transitions of the samples it trains again, from the items kept this
-        step. FSDP ranks agree on the group's most such forwards first (their forwards are
-        collectives) and pad to it. Returns this rank's count."""
-        count = sum(1 for item in self.items for _, rows in forward_rows.forwards(item, self.spec, end) if rows)
-        target = self.num_forwards + count
+        step (`part`: those of the step's update `part`). FSDP ranks agree on the group's most such
+        forwards first (their forwards are collectives) and pad to it. Returns this rank's count."""
+        count = sum(1 for item in self.items for _, rows in forward_rows.forwards(item, self.spec, end, part) if rows)
+        most = count
         if self.sharding == "fsdp":
-            target = self.num_forwards + int(self._all_reduce_max(float(count)))  # sync point: all trainers
+            most = int(self._all_reduce_max(float(count)))  # sync point: all trainers
         for item in self.items:
-            self.train(item, end)
-        self.pad_forwards(target, template)
+            self.train(item, end, part)
+        for _ in range(most - count):
+            self._pad(template, late=True)
         return count
 
     def _count(self, n: int, version: int) -> None:
@@ -335,22 +340,33 @@ class Trainer:
         self.max_staleness = max(self.max_staleness, stale)
 
     def finish_step(self, scale: float = 1.0) -> dict[str, float]:
-        """Scale the policy term's gradient by `scale` (the global std's 1 / (std + eps), 1 otherwise)
-        and add the KL term's; sum gradients and statistics over trainer ranks, normalize by the
-        batch's transition count, clip, step, update the EMA. Every trainer rank waits here for the others."""
+        """The step's one update (`update`), then its end (`end_step`): every trainer waits here."""
+        self.update(scale)
+        return self.end_step()
+
+    def update(self, scale: float = 1.0) -> UpdateSums:
+        """One optimizer update over what this trainer trained since the last. Scale the policy
+        term's gradient by `scale` (the global std's 1 / (std + eps), 1 otherwise) and add the KL
+        term's; sum gradients and statistics over trainer ranks, normalize by the update's
+        transition count, clip, step, update the EMA. Every trainer rank waits here for the others."""
         self.grads.combine(scale)
         names = self.loss.STATS + COUNTS
         host = torch.tensor([float(self.num_transitions)] + [self.counts[k] for k in COUNTS], dtype=torch.float64)
         sums = self.loss.rescale(self.loss_sums, scale) if scale != 1.0 else self.loss_sums
-        on_device = torch.cat([sums, self.nonfinite_advantages.reshape(1).double()]).cpu()  # the step's one read
+        on_device = torch.cat([sums, self.nonfinite_advantages.reshape(1).double()]).cpu()  # the update's one read
         counts = torch.cat([host[:1], on_device[:-1], host[1:], on_device[-1:]])
         if self.group is not None and dist.get_world_size(self.group) > 1:
             counts = counts.to(comm_device(self.group))
             dist.all_reduce(counts, group=self.group)  # sync point: all trainers
             counts = counts.cpu()
         total = counts[0].item()
-        if total == 0:
-            raise RuntimeError("a training step with no trained transitions (all groups dropped?)")
+        out = UpdateSums(counts[1:-1].tolist(), total, 0.0, False)
+        self.updates.append(out)
+        self.reset_update()
+        self.grads.begin(apart=self.scale_later and self.loss.unscaled_term)  # the next update's accumulation
+        if total == 0:  # a part whose samples were all dropped (--drop-zero-std): nothing to step on
+            self.optimizer.zero_grad(set_to_none=True)
+            return out
         world = dist.get_world_size(self.group) if self.group is not None else 1
         if self.sharding == "fsdp":
             # FSDP2's reduce-scatter already averaged over the group: undo the mean, then normalize.
@@ -362,29 +378,33 @@ class Trainer:
             if p.grad is not None:
                 p.grad.mul_(scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
-        grad_norm = float(full_tensor(grad_norm)) if hasattr(grad_norm, "full_tensor") else float(grad_norm)
+        out.grad_norm = float(full_tensor(grad_norm)) if hasattr(grad_norm, "full_tensor") else float(grad_norm)
         # Before the update and the EMA: the same reduced values on every trainer, the same decision.
         bad = (["advantages (non-finite rewards)"] if counts[-1].item() else []) + SkipTracker.nonfinite(
-            {"loss": counts[1 + names.index("loss")].item(), "gradients": grad_norm})
-        skip = self.skips.record(self.current_step if self.current_step is not None else self.num_updates, bad)
-        if skip:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
+            {"loss": counts[1 + names.index("loss")].item(), "gradients": out.grad_norm})
+        self.num_checks += 1  # without a current step (in-process use), every update is a step of its own
+        out.applied = not self.skips.record(self.current_step if self.current_step is not None else -self.num_checks,
+                                            bad)
+        if out.applied:
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
             self.num_updates += 1
-        if not skip:
-            self.algorithm.after_update(self.state, self.num_updates)  # after the optimizer's (NFT: the soft update)
-        if self.ema is not None and not skip:
-            decay = ema_decay(self.cfg.optim.ema_decay, self.num_updates)
-            with torch.no_grad():
-                for e, p in zip(self.ema, self.params):
-                    e.lerp_(p.detach(), 1 - decay)
-        stats = {f"train/{k}": counts[1 + i].item() / total for i, k in enumerate(names)}
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None and out.applied:
+            ema.step(self.ema, self.params, self.cfg.optim.ema_decay, self.num_updates)
+        return out
+
+    def end_step(self) -> dict[str, float]:
+        """The step's end, after its updates: the algorithm's (NFT's soft update of the old policy,
+        once per rollout after its updates, as NFT does it after its epoch's), and the step's
+        statistics over all its updates."""
+        if sum(u.num_transitions for u in self.updates) == 0:
+            raise RuntimeError("a training step with no trained transitions (all groups dropped?)")
+        if any(u.applied for u in self.updates):
+            self.algorithm.after_update(self.state, self.num_updates)
+        stats = step_stats(self.loss.STATS + COUNTS, self.updates)
         stats["train/staleness_frac_0"] = 1.0 - stats["train/staleness_frac_1"]  # staleness is 0 or 1 by design
         stats["train/staleness_max"] = self._all_reduce_max(float(self.max_staleness))
-        stats.update({"train/grad_norm": grad_norm, "train/num_transitions": total,
-                      "train/num_forwards": float(self.num_forwards),
+        stats.update({"train/num_forwards": float(self.num_forwards),
                       "train/num_allgathers": float(self.num_allgathers),
                       "train/skipped_steps": float(self.skips.total)})
         self.reset_stats()

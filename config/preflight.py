@@ -32,6 +32,7 @@ from prompts.sets import check_regular
 from rl import algorithms, sampler
 from rl.advantages import COMBINES, STD_MODES
 from rl.loss import KL_FORMS
+from rl.updates import SPLITS, UpdateSplit
 from rewards import parse_reward_spec, prompt_checker, reward_model_paths
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -126,6 +127,7 @@ def check_numbers(cfg) -> None:
     _need(0 <= rl.best_of_n <= rl.group_size, "--best-of-n", rl.best_of_n,
           f"between 0 (all) and --group-size {rl.group_size}")
     _need(rl.readmit_multiple >= 1, "--readmit-multiple", rl.readmit_multiple, ">= 1 (1 = none)")
+    UpdateSplit.of(cfg)  # --updates-per-rollout against the split's samples, groups or members
     if rl.readmit_multiple > 1 and not rl.drop_zero_std:
         raise ValueError(f"--readmit-multiple {rl.readmit_multiple} re-admits samples --drop-zero-std dropped; "
                          f"give --drop-zero-std too")
@@ -156,6 +158,7 @@ def check_choices(cfg) -> None:
     _choice("--std-mode", rl.std_mode, STD_MODES)
     _choice("--reward-combine", rl.reward_combine, COMBINES)
     _choice("--kl-form", rl.kl_form, KL_FORMS)
+    _choice("--update-split", rl.update_split, SPLITS)
     if rl.reward_combine != "rewards" and rl.std_mode != "group":
         raise ValueError(f"--std-mode {rl.std_mode} normalises the combined reward; --reward-combine "
                          f"{rl.reward_combine} normalises each reward by its group's std: use --std-mode group")

@@ -122,7 +122,7 @@ class RLConfig:
                         action="append", metavar="NAME=DIR")
     reward_dtype: str = _f("auto", "model rewards' weights: auto (the compute dtype, --dtype: half the memory on "
                                    "GPUs) or float32 (the peers' own scores, e.g. Flow-GRPO's PickScore)")
-    steps: int = _f(50, "training steps (one optimizer update each)")
+    steps: int = _f(50, "training steps (one rollout each, --updates-per-rollout optimizer updates)")
     prompts_per_step: int = _f(8, "B: prompts (groups) per step")
     group_size: int = _f(8, "G: samples per prompt")
     micro_batch: int = _f(8, "samples per forward pass, in generation and in training")
@@ -153,6 +153,14 @@ class RLConfig:
     advantage_rerange: str = _f("none", "MixGRPO: the order a step's samples are trained in: none, random or balance "
                                         "(positives and negatives alternating, zero advantages not trained; "
                                         "advantage_rerange_strategy)")
+    updates_per_rollout: int = _f(1, "N: optimizer updates per step, each after training one part of the step's "
+                                     "samples (their every trained transition), the loss of a part the mean over "
+                                     "its transitions; after the first the ratio is off-policy and the clip range "
+                                     "binds, as in the peers (Flow-GRPO: 2 per epoch, MixGRPO: 4)")
+    update_split: str = _f("samples", "which samples each of the N updates trains: samples (a permutation drawn "
+                                      "from (seed, step), cut in N: Flow-GRPO, DiffusionNFT), members (by position "
+                                      "in the group: MixGRPO) or groups (whole groups in step order: a disaggregated "
+                                      "trainer updates on one part while the next is generated)")
     nft_beta: float = _f(1.0, "DiffusionNFT: strength beta of the implicit positive and negative policies "
                               "(NFT: 1.0 for GenEval, PickScore, HPSv2; 0.1 for OCR and the multi-reward run)")
     old_policy_decay: str = _f("linear_to_0_5", "DiffusionNFT: the old policy's soft update old <- d old + (1-d) "

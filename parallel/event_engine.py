@@ -42,6 +42,10 @@ class Costs:
     trainer_tail_s: float = 0.0
     """seconds the trainers spend after a publication before the next step's work (the runtime's
     checkpoint save and logging); the generators do not wait for it"""
+    held_fraction: float = 0.0
+    """the fraction of every fragment's training that waits for the step's last fragment: with N
+    optimizer updates per rollout over parts that span the step (rl/updates.py), (N - 1) / N, the
+    later updates' share, trained after the first update (`update_s` counts all N updates)"""
 
     def __post_init__(self):
         self.replica_fragment_s = [float(x) for x in self.replica_fragment_s]
@@ -53,6 +57,8 @@ class Costs:
         for name in ("train_fragment_s", "transfer_s", "update_s", "publish_s", "trainer_tail_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.held_fraction < 1:
+            raise ValueError(f"held_fraction must be in [0, 1), got {self.held_fraction}")
         if self.chunks_per_fragment is not None and self.chunks_per_fragment < 1:
             raise ValueError(f"chunks_per_fragment must be >= 1 or None (TSP), got {self.chunks_per_fragment}")
         for name in ("gen_scale", "train_scale", "transfer_scale"):
@@ -224,6 +230,7 @@ class _Engine:
         self.trn_free, self.asked = [0.0] * self.M, [False] * self.M
         self.queues: list[list[_Share]] = [[] for _ in range(self.M)]
         self.pending = [0] * num_steps  # shares pushed to a queue and not started, per step
+        self.held = [[0.0] * num_trainers for _ in range(num_steps)]  # per step, per trainer: the later updates' training
         self.train_step = 0
         self.step_end: list[float | None] = [None] * num_steps
         # gate[k]: when the version that step k's fragments need is installed (None: not yet known)
@@ -244,19 +251,18 @@ class _Engine:
     def push_shares(self, step: int, fragment: int, ready: float) -> None:
         c, m, n = self.costs, self.M, self.units[fragment]
         if c.chunks_per_fragment is None:  # TSP: every trainer an equal share
-            for j in range(m):
-                self.queues[j].append(_Share(ready, step, fragment, self.train_w[fragment] * c.train_fragment_s))
-            self.pending[step] += m
-            return
-        k = c.chunks_per_fragment
-        per_trainer = [0] * m
-        for chunk in range(self.first_unit[fragment] * k, (self.first_unit[fragment] + n) * k):
-            per_trainer[chunk % m] += 1
-        for j, num_chunks in enumerate(per_trainer):
-            if num_chunks:
-                self.queues[j].append(_Share(ready, step, fragment,
-                                             num_chunks * c.train_fragment_s * m / k * self.train_w[fragment] / n))
-                self.pending[step] += 1
+            shares = [(j, self.train_w[fragment] * c.train_fragment_s) for j in range(m)]
+        else:
+            k = c.chunks_per_fragment
+            per_trainer = [0] * m
+            for chunk in range(self.first_unit[fragment] * k, (self.first_unit[fragment] + n) * k):
+                per_trainer[chunk % m] += 1
+            shares = [(j, num_chunks * c.train_fragment_s * m / k * self.train_w[fragment] / n)
+                      for j, num_chunks in enumerate(per_trainer) if num_chunks]
+        for j, dur in shares:
+            self.queues[j].append(_Share(ready, step, fragment, dur * (1 - c.held_fraction)))
+            self.held[step][j] += dur * c.held_fraction
+            self.pending[step] += 1
 
     def start_generation(self, step: int, t: float, worker: tuple[str, int]) -> None:
         kind, i = worker
@@ -313,11 +319,14 @@ class _Engine:
         k, c = self.train_step, self.costs
         if (k < self.K and self.unstarted[k] == 0 and self.pending[k] == 0
                 and all(f <= t for f in self.trn_free)):
-            update_end = t + c.update_s
+            later = max(self.held[k])  # several updates: the later ones' training, after the first's sync point
+            update_end = t + later + c.update_s
             end = update_end + c.publish_s  # sync point: every trainer, then every generator
             trainers = range(self.R * self.S, self.R * self.S + self.M)
-            for rank in trainers:
-                self._span(rank, "optimizer", "optimizer", k, t, update_end)
+            for j, rank in enumerate(trainers):
+                if self.held[k][j] > 0:
+                    self._span(rank, "train", "train", k, t, t + self.held[k][j], later_updates=True)
+                self._span(rank, "optimizer", "optimizer", k, t + later, update_end)
                 self._span(rank, "publish", "publish", k, update_end, end)
             if not self.tcss:
                 for rank in range(self.R * self.S):

@@ -3,7 +3,7 @@ timestep of its samples, a TSP share one per packed micro-batch. A forward train
 at the end of a step (rl/advantages.py `step_end`) the rows of the samples trained again, each row
 with the weight of its policy term and whether it counts (carries its KL term and statistics).
 Pure functions of the plan's data: an FSDP rank counts its forwards before it runs them, and every
-FSDP trainer pads to the same count (`fsdp_pad_target`)."""
+FSDP trainer pads each optimizer update to the same count (`fsdp_pad_targets`)."""
 from __future__ import annotations
 
 import torch
@@ -23,16 +23,20 @@ def rows(sample_ids: list[int], keep: Tensor, end: StepEnd | None) -> list[Row]:
     return [(j, *end.rows[i]) for j, i in enumerate(sample_ids) if i in end.rows]
 
 
-def forwards(item: TrainChunk | TransitionBatch, spec: TrainingSpec, end: StepEnd | None) -> list[tuple[int, list[Row]]]:
+def forwards(item: TrainChunk | TransitionBatch, spec: TrainingSpec, end: StepEnd | None,
+             part: int | None = None) -> list[tuple[int, list[Row]]]:
     """(timestep of a chunk, or first row of a micro-batch; its rows) of every forward `item` needs,
-    in order; rows are empty where nothing of the forward is trained now."""
+    in order; rows are empty where nothing of the forward is trained now. `part`: only the forwards
+    of the step's optimizer update `part` (rl.updates; a micro-batch never mixes updates, a chunk's
+    samples of one update train together), None: all."""
     ids = item.sample_ids.tolist()
     if isinstance(item, TransitionBatch):
         return [(lo, [(lo + j, w, c) for j, w, c in rows(ids[lo:hi], item.keep[lo:hi], end)])
-                for lo, hi in item.bounds()]
-    chosen = rows(ids, item.keep, end)
+                for lo, hi in item.bounds() if part is None or spec.part_of(item.step, ids[lo]) == part]
+    mine = tuple(i for i in ids if part is None or spec.part_of(item.step, i) == part)
+    chosen = [r for r in rows(ids, item.keep, end) if part is None or spec.part_of(item.step, ids[r[0]]) == part]
     return [(t, [r for r in chosen if t in spec.timesteps(item.step, ids[r[0]])])
-            for t in spec.forward_timesteps(item.step, tuple(ids))]
+            for t in spec.forward_timesteps(item.step, mine)] if mine else []
 
 
 def weights(chosen: list[Row], device) -> tuple[Tensor, Tensor]:
@@ -41,12 +45,15 @@ def weights(chosen: list[Row], device) -> tuple[Tensor, Tensor]:
             torch.tensor([c for _, _, c in chosen], dtype=torch.bool, device=device))
 
 
-def fsdp_pad_target(plan, facts, intake) -> int:
-    """FSDP ranks run collectives inside every forward, so they must run equally many: the forward
-    count every trainer pads to (0 without FSDP). Colocated FSDP generation needs equal chunk counts."""
+def fsdp_pad_targets(plan, facts, intake) -> list[int]:
+    """FSDP ranks run collectives inside every forward, so they must run equally many between two
+    optimizer updates: per update of the step, the forward count every trainer pads to by its end
+    (counted from the step's start; zeros without FSDP). Colocated FSDP generation needs equal chunk
+    counts."""
     if facts.train_sharding != "fsdp":
-        return 0
-    counts = [len(f) for f in intake.forward_fragments(plan)]
+        return [0] * intake.spec.num_updates
+    by_update = intake.forwards_by_update(plan)
+    counts = [sum(map(len, per)) for per in by_update]
     if not facts.disagg:
         gen = [sum(len(f.chunks) for f in plan.fragments if f.replica == r) for r in range(facts.topology.num_replicas)]
         if len(set(gen)) > 1:
@@ -56,4 +63,8 @@ def fsdp_pad_target(plan, facts, intake) -> int:
         what = "transition (TSP)" if facts.tsp else "chunk"
         raise ValueError(f"--train-sharding fsdp: trainer(s) {[i for i, c in enumerate(counts) if c == 0]} get no "
                          f"{what}; use more samples per step or a smaller --micro-batch")
-    return max(counts)
+    targets, total = [], 0
+    for p in range(intake.spec.num_updates):
+        total += max(len(per[p]) for per in by_update)
+        targets.append(total)
+    return targets

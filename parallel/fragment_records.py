@@ -1,8 +1,9 @@
 """What the end of a step reads on the store: each scored fragment's facts (its samples' rewards,
 group-centred rewards and which it trains), put by the rank that scored it, read by every trainer
-once the step's last fragment is scored (rl/advantages.py `step_end`). The store carries them, not
-a collective, so a generator never waits for a trainer and TAG, TCSS and scorer ranks need nothing
-more: whoever completes a fragment puts its facts."""
+once the step's last fragment is scored (rl/advantages.py `step_end`), before the step's first
+optimizer update. The store carries them, not a collective, so a generator never waits for a
+trainer and TAG, TCSS and scorer ranks need nothing more: whoever completes a fragment puts its
+facts."""
 from __future__ import annotations
 
 from parallel import store_keys as keys
@@ -24,15 +25,24 @@ def clear(store, step: int, num_fragments: int) -> None:
         store.delete(keys.fragment_record(step, f))
 
 
-def end_step(trainer, plan, store, template, *, seed: int, tracer) -> StepEnd:
-    """A trainer at the end of step `plan.step` (runtime/steps.py `trainer_step`): read every fragment's
-    facts, train again what they say (streaming only: a whole-step fragment applied it all when it
-    was scored) and return the policy term's scale and the step's metrics. `seed` is the run's (the
-    keys of what a re-admission draws); `tracer` times the phase."""
+def read_end(trainer, plan, store, *, seed: int, tracer) -> StepEnd:
+    """A trainer at the end of its share of step `plan.step` (runtime/steps.py `trainer_step`), before
+    the step's first optimizer update: every fragment's facts, read once the last is scored, and
+    what they decide (the policy term's scale, the samples trained again, the step's metrics).
+    `seed` is the run's (the keys of what a re-admission draws); `tracer` times the phase."""
     step, whole = plan.step, len(plan.fragments) == 1
     with tracer.span("step_end", "train", step):
         end = step_end(trainer.rule, gather(store, step, len(plan.fragments)), whole_step=whole, seed=seed,
                        step=step)
-        if not whole:
-            end.metrics["train/late_forwards"] = float(trainer.train_again(end, template))
+    if not whole:
+        end.metrics["train/late_forwards"] = 0.0
     return end
+
+
+def train_end(trainer, plan, end: StepEnd, template, part: int, *, tracer) -> None:
+    """Before the step's update `part`: train again what the step's end says of that update's samples
+    (streaming only: a whole-step fragment applied it all when it was scored)."""
+    if len(plan.fragments) == 1:
+        return
+    with tracer.span("step_end", "train", plan.step, part=part):
+        end.metrics["train/late_forwards"] += float(trainer.train_again(end, template, part))

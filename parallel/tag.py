@@ -30,6 +30,7 @@ from parallel import p2p
 from parallel.bts import CostTracker, decide
 from parallel.event_engine import StepState
 from parallel import store_keys as keys
+from rl.updates import held_fraction
 
 POLL_S = 0.003
 
@@ -167,8 +168,11 @@ class Assistant:
         # The tracker learns seconds per trained transition: this step's fragments train their own
         # counts (a sliding window, MixGRPO, trains fewer steps near the end of the schedule).
         counts = [self.intake.fragment_transitions(self.plan, f) for f in range(len(self.plan.fragments))]
+        # Several updates per rollout over parts that span the step: the later ones' training waits.
+        updates = self.intake.spec.updates
+        held = held_fraction(updates.num_updates, updates.split, self.trainer.rule.needs_step_end)
         costs = dataclasses.replace(costs, train_fragment_s=costs.train_fragment_s * counts[0],
-                                    train_scale=[n / counts[0] for n in counts])
+                                    train_scale=[n / counts[0] for n in counts], held_fraction=held)
         decision = decide(self._state(costs), costs, self.num_trainers, claims_per_window=claims_per_window)
         if self.predicted_s is None:
             self.predicted_s = decision.predicted_s
@@ -222,19 +226,21 @@ class Assistant:
         return {"tag_fragments": self.generated, "tag_predicted_s": self.predicted_s}
 
 
-def group_windows(forward_fragments: list[list[int]]) -> list[tuple[int, tuple[int, ...]]]:
-    """Where an FSDP trainer group may wait: (slot, fragments) for every slot at which some trainer
-    first needs fragments no earlier slot needed. Slot i is the i-th forward of every trainer: the
-    group runs them together, since their all-gathers pair up. `forward_fragments[r]` lists the
-    fragment of each forward of trainer r (the intake's `forward_fragments`)."""
-    seen: set[int] = set()
-    out = []
-    for slot in range(max(map(len, forward_fragments), default=0)):
-        new = sorted({fs[slot] for fs in forward_fragments if slot < len(fs)} - seen)
-        if new:
-            seen.update(new)
-            out.append((slot, tuple(new)))
-    return out
+def group_windows(receives: list[list[tuple[int, int]]]) -> list[tuple[int, tuple[int, ...]]]:
+    """Where an FSDP trainer group may wait: (slot, fragments) for every slot before which some
+    trainer first takes a piece of fragments no earlier slot's took. Slot i is the i-th planned
+    forward of every trainer: the group runs them together, since their all-gathers pair up.
+    `receives[r]` lists (slot, fragment) where trainer r takes each piece (the intake's
+    `receive_slots`: just before the piece's first forward, or with several updates per rollout
+    before a forward of an earlier update, when the piece comes first in plan order)."""
+    first: dict[int, int] = {}
+    for per in receives:
+        for slot, f in per:
+            first[f] = min(first.get(f, slot), slot)
+    by_slot: dict[int, list[int]] = {}
+    for f, slot in first.items():
+        by_slot.setdefault(slot, []).append(f)
+    return [(slot, tuple(sorted(fs))) for slot, fs in sorted(by_slot.items())]
 
 
 class GroupAssistant(Assistant):
@@ -265,7 +271,7 @@ class GroupAssistant(Assistant):
             for key in self.written:
                 self.store.delete(key)
             self.written = []
-        self.windows = group_windows(intake.forward_fragments(plan))
+        self.windows = group_windows(intake.receive_slots(plan))
         self.next_window = 0
         trainer.before_forward = self.before_forward
 
@@ -278,12 +284,12 @@ class GroupAssistant(Assistant):
             self.window_s += time.perf_counter() - t0
 
     def source_of(self, f: int) -> int:
-        """Called before this trainer receives its first piece of fragment f, which its next
-        forward trains: the windows up to that forward have made sure f landed."""
-        self.before_forward(self.trainer.num_forwards)
+        """Called before this trainer receives its first piece of fragment f, before its next
+        planned forward: the windows up to that forward have made sure f landed."""
+        self.before_forward(self.trainer.slot)
         if not self.board.landed(f):
             raise p2p.ProtocolError(f"TAG: fragment {f} of step {self.plan.step} has not landed at forward "
-                                    f"{self.trainer.num_forwards}")
+                                    f"{self.trainer.slot}")
         return self.board.owner(f)["rank"]
 
     def _window(self, slot: int, fragments: tuple[int, ...]) -> None:

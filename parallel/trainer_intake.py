@@ -24,6 +24,7 @@ from rl import algorithms
 from parallel import p2p, tsp
 from parallel.stepplan import StepPlan
 from rl.conditioning import Conditioning
+from rl.updates import UpdateSplit
 
 STEPS = "step."
 """payload key prefix of the per-step fields a record carries (an algorithm's `SamplingConfig.record`)"""
@@ -177,8 +178,9 @@ def _steps(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 @dataclass(frozen=True)
 class TrainingSpec:
-    """What decides which transitions a step trains: the algorithm (its `timesteps`, an
-    rl.algorithms.Algorithm) and the step's SDE window (fixed, or one that moves with the step)."""
+    """What decides which transitions a step trains and when: the algorithm (its `timesteps`, an
+    rl.algorithms.Algorithm), the step's SDE window (fixed, or one that moves with the step) and
+    which of the step's optimizer updates trains each sample (rl.updates)."""
 
     algorithm: object
     num_steps: int
@@ -186,12 +188,21 @@ class TrainingSpec:
     seed: int
     sde_window: tuple[int, int] | None
     window_schedule: object | None = None  # sampler.SamplingConfig.window_schedule
+    updates: UpdateSplit = UpdateSplit()
 
     @classmethod
     def of(cls, cfg, sampling) -> "TrainingSpec":
         """From a config.RunConfig and the run's sampler.SamplingConfig."""
         return cls(algorithms.algorithm(cfg.rl.algorithm), sampling.num_steps, cfg.rl.timestep_fraction, cfg.seed,
-                   sampling.sde_window, sampling.window_schedule)
+                   sampling.sde_window, sampling.window_schedule, UpdateSplit.of(cfg))
+
+    @property
+    def num_updates(self) -> int:
+        return self.updates.num_updates
+
+    def part_of(self, step: int, sample_id: int) -> int:
+        """The optimizer update (0 .. N-1) of the step that trains sample `sample_id`."""
+        return self.updates.part_of(step, sample_id) if self.updates.num_updates > 1 else 0
 
     def window_at(self, step: int, sample_id: int | None = None) -> tuple[int, int] | None:
         """The SDE window of a step (and sample: Flow-GRPO-Fast's is drawn per group)."""
@@ -215,10 +226,12 @@ class TrainingSpec:
 
 @dataclass(frozen=True)
 class Need:
-    """A piece of a trainer's work: `key` in the inbox, part of `fragment`."""
+    """A piece of a trainer's work: `key` in the inbox, part of `fragment`; `forwards[p]` the
+    forwards it takes in the step's update p (rl.updates: the updates that train its samples)."""
 
     fragment: int
     key: object
+    forwards: tuple[int, ...] = (1,)
 
 
 class _Intake:
@@ -263,6 +276,57 @@ class _Intake:
         item = self.record.from_payload(tensors, meta)
         self.inbox[self.key_of(item)] = item
 
+    def needs(self, plan: StepPlan, trainer: int | None = None) -> list[Need]:
+        """A trainer's work in plan order (default: this rank's), each piece with its forwards per update."""
+        return self.needs_of(plan, self.me if trainer is None else trainer)
+
+    def passes(self, plan: StepPlan, trainer: int | None = None, padded: bool = False) -> list[tuple[int, list[int]]]:
+        """The order of a trainer's work over the step's updates: per update p, (how many of its
+        needs it has taken once p's pieces are all in, the needs p trains). A piece is received
+        in plan order, so a sender's sends are taken in the order it posted them, and by the
+        update that first trains it; update p takes every piece up to the last that p trains.
+        `padded` (FSDP, whose trainers pad every update): the first piece comes in with the first
+        update, the template of its padding forwards."""
+        needs, out, taken = self.needs(plan, trainer), [], 0
+        for p in range(self.spec.num_updates):
+            mine = [i for i, n in enumerate(needs) if n.forwards[p]]
+            taken = max(taken, mine[-1] + 1 if mine else 0, 1 if padded and needs else 0)
+            out.append((taken, mine))
+        return out
+
+    def forwards_by_update(self, plan: StepPlan) -> list[list[list[int]]]:
+        """Per trainer, per update of the step, the fragment of each of its forward passes in the
+        order it runs them (every timestep counts, even one with no kept transition)."""
+        out = []
+        for r in range(self.num_trainers):
+            needs = self.needs(plan, r)
+            out.append([[n.fragment for n in needs for _ in range(n.forwards[p])]
+                        for p in range(self.spec.num_updates)])
+        return out
+
+    def forward_fragments(self, plan: StepPlan) -> list[list[int]]:
+        """Per trainer, the fragment of each of its forward passes this step, update by update."""
+        return [[f for update in per for f in update] for per in self.forwards_by_update(plan)]
+
+    def receive_slots(self, plan: StepPlan) -> list[list[tuple[int, int]]]:
+        """Per trainer of an FSDP group, (slot, fragment) where it first takes a piece of each
+        fragment: slot i is the group's i-th planned forward (every trainer pads each update to
+        the group's most forwards, parallel.forward_rows), the piece taken just before it."""
+        per_update = [max(len(u[p]) for u in self.forwards_by_update(plan)) for p in range(self.spec.num_updates)]
+        out = []
+        for r in range(self.num_trainers):
+            needs, slots, slot, taken = self.needs(plan, r), [], 0, 0
+            for p, (upto, mine) in enumerate(self.passes(plan, r, padded=True)):
+                start = slot
+                for i in range(upto):
+                    if i >= taken:
+                        slots.append((slot, needs[i].fragment))
+                    if i in mine:
+                        slot += needs[i].forwards[p]
+                taken, slot = upto, start + per_update[p]
+            out.append(slots)
+        return out
+
 
 class ChunkIntake(_Intake):
     """No TSP: whole chunks, one forward per trained timestep of a chunk."""
@@ -276,9 +340,17 @@ class ChunkIntake(_Intake):
         """(trainer rank, tensors, meta) payloads of a scored fragment: each chunk to its planned trainer."""
         return [(self.trainer_ranks[plan.chunks[c.chunk].trainer], *c.to_payload()) for c in chunks]
 
-    def needs(self, plan: StepPlan) -> list[Need]:
-        """This trainer's work in plan order."""
-        return [Need(c.fragment, c.index) for c in plan.chunks if c.trainer == self.me]
+    def needs_of(self, plan: StepPlan, trainer: int) -> list[Need]:
+        """Trainer `trainer`'s chunks in plan order: per update, one forward per timestep its
+        samples of that update train."""
+        out = []
+        for c in plan.chunks:
+            if c.trainer == trainer:
+                parts = [self.spec.part_of(plan.step, i) for i in c.sample_ids]
+                out.append(Need(c.fragment, c.index, tuple(
+                    len(self.spec.forward_timesteps(plan.step, tuple(i for i, q in zip(c.sample_ids, parts) if q == p)))
+                    for p in range(self.spec.num_updates))))
+        return out
 
     def check(self, plan: StepPlan, need: Need, item: TrainChunk) -> None:
         if (item.step, item.chunk) != (plan.step, need.key):
@@ -287,14 +359,6 @@ class ChunkIntake(_Intake):
 
     def span_args(self, item: TrainChunk) -> dict:
         return {"chunk": item.chunk}
-
-    def forward_fragments(self, plan: StepPlan) -> list[list[int]]:
-        """Per trainer, the fragment of each of its forward passes this step, in the order it runs
-        them (every timestep counts, even one with no kept transition)."""
-        out: list[list[int]] = [[] for _ in range(self.num_trainers)]
-        for c in plan.chunks:
-            out[c.trainer] += [c.fragment] * len(self.spec.forward_timesteps(plan.step, c.sample_ids))
-        return out
 
     def chunks_per_fragment(self, plan: StepPlan) -> int | None:
         return len(plan.fragments[0].chunks)
@@ -338,10 +402,15 @@ class TransitionIntake(_Intake):
         """Every trainer that trains part of the fragment gets exactly its transitions."""
         return [(self.trainer_ranks[r], *b.to_payload()) for r, b in self.batches(plan, chunks)]
 
-    def needs(self, plan: StepPlan) -> list[Need]:
-        """This trainer's share of every fragment it has a share of, in plan order."""
-        packing = self.packing(plan)
-        return [Need(f.index, ("tsp", f.index)) for f in plan.fragments if self.me in packing.trainers_of(f.index)]
+    def needs_of(self, plan: StepPlan, trainer: int) -> list[Need]:
+        """Trainer `trainer`'s share of every fragment it has a share of, in plan order: per update,
+        one forward per packed micro-batch of that update."""
+        packing, out = self.packing(plan), []
+        for f in plan.fragments:
+            if trainer in packing.trainers_of(f.index):
+                parts = [m.part for m in packing.of(f.index, trainer)]
+                out.append(Need(f.index, ("tsp", f.index), tuple(parts.count(p) for p in range(self.spec.num_updates))))
+        return out
 
     def check(self, plan: StepPlan, need: Need, item: TransitionBatch) -> None:
         if (item.step, item.fragment) != (plan.step, need.fragment):
@@ -353,13 +422,6 @@ class TransitionIntake(_Intake):
 
     def span_args(self, item: TransitionBatch) -> dict:
         return {"micro_batches": len(item.sizes), "transitions": len(item.keep)}
-
-    def forward_fragments(self, plan: StepPlan) -> list[list[int]]:
-        """Per trainer, the fragment of each of its packed forwards, fragment by fragment."""
-        out: list[list[int]] = [[] for _ in range(self.num_trainers)]
-        for m in self.packing(plan).micro_batches:
-            out[m.trainer].append(m.fragment)
-        return out
 
     def chunks_per_fragment(self, plan: StepPlan) -> int | None:
         return None  # every trainer trains every fragment
@@ -393,7 +455,8 @@ class TransitionIntake(_Intake):
 @functools.lru_cache(maxsize=8)
 def _packing(fragment_ids, step, spec: TrainingSpec, micro_batch, num_trainers):
     timesteps = {i: spec.timesteps(step, i) for ids in fragment_ids for i in ids}
-    return tsp.pack_step(fragment_ids, timesteps, micro_batch=micro_batch, num_trainers=num_trainers)
+    parts = {i: spec.part_of(step, i) for ids in fragment_ids for i in ids}
+    return tsp.pack_step(fragment_ids, timesteps, micro_batch=micro_batch, num_trainers=num_trainers, parts=parts)
 
 
 def _span(tracer, name: str, category: str, step: int, fragment: int):

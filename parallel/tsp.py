@@ -30,10 +30,11 @@ Transition = tuple[int, int]  # (sample_id, t): sample `sample_id` of the step a
 class MicroBatch:
     """The transitions of one training forward pass."""
 
-    index: int  # position in the step (fragment by fragment, trainer by trainer)
+    index: int  # position in the step (fragment by fragment, update by update, trainer by trainer)
     fragment: int
     trainer: int  # index into the trainer ranks
     transitions: tuple[Transition, ...]
+    part: int = 0  # the step's optimizer update that trains it (rl.updates)
 
 
 @dataclass(frozen=True)
@@ -76,17 +77,25 @@ def _split(n: int, parts: int, first_larger: int = 0) -> list[int]:
     return [q + (1 if (j - first_larger) % parts < r else 0) for j in range(parts)]
 
 
-def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_trainers: int) -> Packing:
+def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_trainers: int,
+         parts: Mapping[int, int] | None = None) -> Packing:
     """Pack each fragment's transitions (in the given order) into micro-batches of at most
-    `micro_batch` transitions, balanced over `num_trainers` trainers (see the module docstring)."""
+    `micro_batch` transitions, balanced over `num_trainers` trainers (see the module docstring).
+    `parts`: sample id -> the step's optimizer update that trains it (rl.updates; None: one
+    update): a micro-batch never mixes updates, each update's transitions of a fragment are packed
+    as the module docstring packs a fragment's, update after update."""
     if micro_batch < 1:
         raise ValueError(f"--train-micro-batch must be >= 1, got {micro_batch}")
     if num_trainers < 1:
         raise ValueError(f"TSP needs at least one trainer, got {num_trainers}")
-    out, rotate = [], 0
+    units = []
     for f, transitions in enumerate(fragments):
         if len(set(transitions)) != len(transitions):
             raise ValueError(f"fragment {f} lists a (sample, timestep) transition twice")
+        of = [0 if parts is None else parts[i] for i, _ in transitions]
+        units += [(f, p, [tr for tr, q in zip(transitions, of) if q == p]) for p in sorted(set(of))]
+    out, rotate = [], 0
+    for f, part, transitions in units:
         total = len(transitions)
         shares = _split(total, num_trainers, first_larger=rotate)
         rotate = (rotate + total % num_trainers) % num_trainers
@@ -100,14 +109,15 @@ def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_tra
             sizes = _split(share, min(per_trainer, share))
             offset = 0
             for size in sizes:
-                out.append(MicroBatch(len(out), f, trainer, tuple(own[offset:offset + size])))
+                out.append(MicroBatch(len(out), f, trainer, tuple(own[offset:offset + size]), part))
                 offset += size
     return Packing(tuple(out), num_trainers)
 
 
 def pack_step(fragment_sample_ids: Sequence[Sequence[int]], timesteps: Mapping[int, Sequence[int]], *,
-              micro_batch: int, num_trainers: int) -> Packing:
+              micro_batch: int, num_trainers: int, parts: Mapping[int, int] | None = None) -> Packing:
     """The packing of a step: `fragment_sample_ids[f]` are fragment f's samples, `timesteps[i]`
-    sample i's trained timesteps (Flow-GRPO in order, a DanceGRPO subset, a window)."""
+    sample i's trained timesteps (Flow-GRPO in order, a DanceGRPO subset, a window), `parts[i]`
+    the optimizer update that trains sample i (None: one update)."""
     return pack([fragment_transitions(ids, timesteps) for ids in fragment_sample_ids],
-                micro_batch=micro_batch, num_trainers=num_trainers)
+                micro_batch=micro_batch, num_trainers=num_trainers, parts=parts)

@@ -10,6 +10,7 @@ from planner.hardware import Kernels
 from planner.released_specs import model_spec
 from planner.specs import AuxModel, ModelSpec, Resolution, attention_share, forward_flops, image_tokens
 from rl import algorithms
+from rl.updates import SPLITS, held_fraction
 
 REWARDS: dict[str, AuxModel] = {r.name: r for r in (
     # CLIP-H/14 scorers: ~1B parameters, 257 image + 77 text tokens.
@@ -57,7 +58,8 @@ class Workload:
     train_micro_batch: int = 16
     """transitions per training forward (TSP; peer systems use their own)"""
     optimizer_steps: int = 1
-    """optimizer updates per step (mini-batches)"""
+    """optimizer updates per step (the runtime's --updates-per-rollout; the peers' mini-batches): each
+    an optimizer step and its gradient sync, one publication per step whatever their number"""
     shapes: tuple[tuple[int, int, int, float], ...] = ()
     """a shape mix: (height, width, frames, weight) buckets, one shape per prompt group, the step's
     prompts drawn in proportion to the weights (`group_keys`); empty: every prompt at height x width
@@ -79,6 +81,10 @@ class Workload:
     """GPUs of a reward service (the runtime's --reward http://HOST:PORT/NAME): the reward models
     run there, not on the plan's ranks, while the generators denoise their next fragment; the plan
     pays for these GPUs too (lab.planning.placements.with_reward_service)"""
+    update_split: str = "samples"
+    """which samples each update trains (rl/updates.py, --update-split): samples and members parts span
+    every fragment, so all but the first update's training waits for the step's last fragment; groups
+    parts come in the order fragments are generated and stream"""
 
     def __post_init__(self):
         model_spec(self.model)
@@ -102,6 +108,8 @@ class Workload:
             Resolution(*bucket[:3])
         if len({b[:3] for b in self.shapes}) != len(self.shapes):
             raise ValueError(f"a shape appears twice in the mix {self.shapes}")
+        if self.update_split not in SPLITS:
+            raise ValueError(f"unknown update_split {self.update_split!r}; choose one of {SPLITS}")
         parse_codec(self.publish_compression)
         if self.reward_gpus < 0:
             raise ValueError(f"reward_gpus must be >= 0, got {self.reward_gpus}")
@@ -138,6 +146,12 @@ class Workload:
     @property
     def transitions(self) -> int:
         return self.samples * self.trained_timesteps
+
+    @property
+    def held_fraction(self) -> float:
+        """The share of a fragment's training that waits for the step's last fragment (the
+        simulator's `Costs.held_fraction`): the later updates' with parts that span the step."""
+        return held_fraction(self.optimizer_steps, self.update_split)
 
     @property
     def fwd_flops(self) -> float:

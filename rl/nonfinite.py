@@ -4,8 +4,9 @@ The trainers check every step before `optimizer.step()` and before the EMA updat
 advantages (non-finite rewards make them so), the loss and statistics sums, and the gradient norm,
 all reduced over the trainer group so that every trainer takes the same decision. A step with a
 non-finite value is skipped (no update, no EMA, gradients dropped) and counted
-(train/skipped_steps); after --max-skipped-steps such steps in a row the run stops with RunAbort,
-naming what went non-finite at which steps.
+(train/skipped_steps; with --updates-per-rollout N, each of a step's updates is checked and counted
+alike); after --max-skipped-steps such steps in a row the run stops with RunAbort, naming what went
+non-finite at which steps.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class RunAbort(RuntimeError):
 
 
 class SkipTracker:
-    """Counts skipped steps; raises RunAbort after `max_in_row` in a row."""
+    """Counts skipped updates; raises RunAbort after `max_in_row` steps in a row with one skipped."""
 
     def __init__(self, max_in_row: int):
         self.max_in_row = max_in_row
@@ -31,12 +32,16 @@ class SkipTracker:
         return [name for name, v in values.items() if not math.isfinite(v)]
 
     def record(self, step: int, bad: list[str]) -> bool:
-        """Record step `step`'s check; True if the step must be skipped."""
+        """Record the check of an update of step `step`; True if the update must be skipped. Several
+        skipped updates of one step count as one step in a row."""
         if not bad:
             self.in_row = []
             return False
         self.total += 1
-        self.in_row.append((step, bad))
+        if self.in_row and self.in_row[-1][0] == step:
+            self.in_row[-1] = (step, sorted(set(self.in_row[-1][1]) | set(bad)))
+        else:
+            self.in_row.append((step, bad))
         if len(self.in_row) >= self.max_in_row:
             steps = ", ".join(str(s) for s, _ in self.in_row)
             what = sorted({w for _, ws in self.in_row for w in ws})

@@ -4,7 +4,8 @@
               send each fragment's training data to its trainers -> receive version k+1
   scorers:    score the fragments sent to them
   trainers:   receive (or, colocated, take) their work -> forward/backward each transition ->
-              one optimizer update -> publish version k+1 to every generator
+              one optimizer update (one per part: --updates-per-rollout) -> publish version k+1
+              to every generator
   all ranks:  put their step record on the store; the logging rank (the first trainer) logs them
 
 Colocated mode runs both halves on every rank with no transfer and no publication. What each

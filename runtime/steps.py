@@ -98,11 +98,13 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
                  publisher: WeightPublisher, assistant=None, store=None,
                  reward_std: float | None = None) -> dict[str, float]:
     """One step of a trainer rank: train its work (chunks, or with --tsp its packed transitions of
-    every fragment) in plan order as it lands (colocated: from `local`), one optimizer update, then
-    publish version k+1 to every generator. With TAG, the `assistant` may generate fragments while
-    this rank waits for one (under FSDP: the whole group, between forwards)."""
+    every fragment) in plan order as it lands (colocated: from `local`), one optimizer update per
+    part of the step's samples (--updates-per-rollout, rl/updates.py; the work of part p trains
+    after update p - 1), then publish version k+1 to every generator. With TAG, the `assistant`
+    may generate fragments while this rank waits for one (under FSDP: the whole group, between
+    forwards)."""
     tracer, topo, facts, intake, step = ctx.tracer, ctx.topo, ctx.facts, ctx.intake, plan.step
-    pad_to = forward_rows.fsdp_pad_target(plan, facts, intake)
+    pad_to = forward_rows.fsdp_pad_targets(plan, facts, intake)
     streamed_end = trainer.rule.needs_step_end and len(plan.fragments) > 1  # else its fragment decided it all
     trainer.begin_step(keep_items=streamed_end, scale_later=streamed_end and trainer.rule.std_mode == "global")
     trainer.current_step = step
@@ -111,34 +113,24 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
         intake.exchange(plan, ctx.rank)  # colocated TSP: the packed shares move between ranks first
     if assistant is not None:
         assistant.begin_step(plan, reward_std, trainer, intake)
-
-    def helper_s() -> float:  # seconds of TAG windows run inside training (FSDP: between forwards)
-        return assistant.window_s if assistant is not None else 0.0
-
-    template, seconds = None, {}
-    for need in intake.needs(plan):
-        src = None
-        if need.key not in intake.inbox:  # with TAG, this rank may generate fragments while it waits
-            src = assistant.source_of(need.fragment) if assistant is not None else intake.static_source(plan, need.fragment)
-        item = intake.take(plan, need, src)
-        with tracer.span("train", "train", step, item.fragment, **intake.span_args(item)):
-            t0, helped = time.perf_counter(), helper_s()
-            trainer.train(item)
-            took = time.perf_counter() - t0 - (helper_s() - helped)
-            seconds[item.fragment] = seconds.get(item.fragment, 0.0) + took
-        template = item
-    if pad_to:
-        with tracer.span("pad", "train", step):
-            trainer.pad_forwards(pad_to, template)
-    end = fragment_records.end_step(
-        trainer, plan, store, template, seed=ctx.cfg.seed, tracer=ctx.tracer) if trainer.rule.needs_step_end else None
-    t0 = time.perf_counter()
-    with tracer.span("optimizer", "optimizer", step):
-        stats = trainer.finish_step(end.scale if end is not None else 1.0)  # sync point: all trainers
-    update_s = time.perf_counter() - t0
+    work = _Work(intake.needs(plan))
+    end, update_s = None, 0.0
+    for part, (upto, mine) in enumerate(intake.passes(plan, padded=any(pad_to))):
+        _train_part(ctx, trainer, plan, work, upto, mine, part, assistant)
+        if pad_to[part]:
+            with tracer.span("pad", "train", step):
+                trainer.pad_forwards(pad_to[part], work.template)
+        if trainer.rule.needs_step_end:  # the step's end, read once: before the first update it waits for every reward
+            end = end or fragment_records.read_end(trainer, plan, store, seed=ctx.cfg.seed, tracer=tracer)
+            fragment_records.train_end(trainer, plan, end, work.template, part, tracer=tracer)
+        t0 = time.perf_counter()
+        with tracer.span("optimizer", "optimizer", step, part=part):
+            trainer.update(end.scale if end is not None else 1.0)  # sync point: all trainers
+        update_s += time.perf_counter() - t0
+    stats = trainer.end_step()
     if end is not None:
         stats.update(end.metrics)
-        if ctx.rank == topo.trainer_ranks[0]:  # every trainer has read the facts before finish_step's all-reduce
+        if ctx.rank == topo.trainer_ranks[0]:  # every trainer has read the facts before the first update's all-reduce
             fragment_records.clear(store, step, len(plan.fragments))
     t0 = time.perf_counter()
     if facts.disagg:
@@ -162,8 +154,43 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
         with tracer.span("publish", "publish", step):  # colocated: the codec's update, nothing sent
             trainer.make_version(list(trainer.codec.held))
     if assistant is not None:
-        assistant.observe_training(seconds)
+        assistant.observe_training(work.seconds)
         assistant.tracker.observe_update(update_s)
         assistant.tracker.observe_publish(time.perf_counter() - t0)
         stats.update(assistant.end_step())
     return stats
+
+
+class _Work:
+    """A trainer's pieces of one step: what it needs in plan order, what it has taken so far (held
+    until the step's last update that trains them), the last piece taken (FSDP padding's
+    template) and its seconds of training per fragment (TAG's cost model)."""
+
+    def __init__(self, needs: list):
+        self.needs, self.taken, self.num_taken, self.template, self.seconds = needs, {}, 0, None, {}
+
+
+def _train_part(ctx, trainer: Trainer, plan, work: _Work, upto: int, mine: list[int], part: int, assistant) -> None:
+    """Update `part`'s training: take the pieces up to `upto` in plan order as they land, and train
+    the transitions of part `part` of the pieces in `mine`."""
+    tracer, intake = ctx.tracer, ctx.intake
+    for i in range(upto):
+        need = work.needs[i]
+        if i == work.num_taken:
+            src = None
+            if need.key not in intake.inbox:  # with TAG, this rank may generate fragments while it waits
+                src = assistant.source_of(need.fragment) if assistant is not None else \
+                    intake.static_source(plan, need.fragment)
+            work.taken[i] = work.template = intake.take(plan, need, src)
+            work.num_taken += 1
+            trainer.admit(work.template)
+        if i not in mine:
+            continue
+        item = work.taken[i]
+        with tracer.span("train", "train", plan.step, item.fragment, part=part, **intake.span_args(item)):
+            t0, helped = time.perf_counter(), assistant.window_s if assistant is not None else 0.0
+            trainer.train(item, part=part)
+            took = time.perf_counter() - t0 - ((assistant.window_s if assistant is not None else 0.0) - helped)
+            work.seconds[item.fragment] = work.seconds.get(item.fragment, 0.0) + took
+        if not any(need.forwards[part + 1:]):  # its last update: the trainer keeps it only for the step's end
+            del work.taken[i]

@@ -224,12 +224,15 @@ def _check_same(results: dict, keys: tuple[str, ...]) -> None:
                 assert row[k] == pytest.approx(ref_row[k], rel=1e-6), (name, k)
 
 
-@pytest.mark.parametrize("binding", [False, True], ids=["no-clamp", "clamp-and-kl"])
-def test_streamed_global_std_trains_the_batch_synchronous_weights(tmp_path, binding):
+@pytest.mark.parametrize("binding,updates", [(False, 1), (True, 1), (True, 2)],
+                         ids=["no-clamp", "clamp-and-kl", "clamp-and-kl-2-updates"])
+def test_streamed_global_std_trains_the_batch_synchronous_weights(tmp_path, binding, updates):
     """--std-mode global: GAP + TSP (with a binding clamp and beta > 0: over FSDP2 trainers, and TAG
     with FSDP2 trainers too) stream fragments and end with the weights of one replica that scores
-    the whole step before anything trains."""
-    flags = ["--reward", "jpeg_compressibility", "--std-mode", "global"] + (
+    the whole step before anything trains. With 2 updates per rollout too: the first waits for the
+    step's std, each trains again its own part's clamped samples, FSDP pads each, TAG's windows
+    fall where a piece is first taken."""
+    flags = ["--reward", "jpeg_compressibility", "--std-mode", "global", "--updates-per-rollout", str(updates)] + (
         ["--adv-clip", "0.8", "--beta", "0.04"] if binding else [])
     placements = {"whole-step": WHOLE_STEP, "gap-tsp": GAP_TSP}
     if binding:
@@ -243,6 +246,7 @@ def test_streamed_global_std_trains_the_batch_synchronous_weights(tmp_path, bind
     assert all(r["train/kl"] > 0 for r in ref[1:]) == binding
     late = [r["train/late_forwards"] for name, (_, m) in results.items() if name != "whole-step" for r in m]
     assert (sum(late) > 0) == binding  # the trainer that logs ran correction forwards
+    assert all(r["train/num_updates"] == updates for _, m in results.values() for r in m)
 
 
 def test_published_options_are_placement_invariant(tmp_path):

@@ -158,6 +158,31 @@ def test_flow_grpo_fast_drawn_windows_in_every_placement(tmp_path, fast_colocate
             assert r["train/approx_kl"] < 1e-12 and r["train/clipfrac"] == 0.0, r
 
 
+@pytest.mark.parametrize("algorithm,extra,nproc,placement", [
+    (NFT, [], 3, ["--generators", "1", "--trainers", "2", "--tsp", "--train-micro-batch", "3", "--tag",
+                  *SLOW_GENERATOR]),
+    (MIX, ["--update-split", "members"], 3, ["--generators", "2", "--gap-stages", "2", "--trainers", "1"]),
+], ids=["nft-tsp-tag", "mixgrpo-members-gap-stages"])
+def test_two_updates_per_rollout_train_the_colocated_weights(tmp_path, algorithm, extra, nproc, placement):
+    """2 updates per rollout: DiffusionNFT's old policy (its loss's v_old and what generators sample
+    with) moves once per step, after both updates, as NFT moves it after its epoch's updates, and its
+    epoch-global std streams (both updates scaled by the step's std, read before the first); MixGRPO-
+    Flash over its members' split (its gradient accumulation) with its compressed rollout. Every placement trains the colocated
+    weights; the first update of a step is on-policy, the second not."""
+    args = [*algorithm, *extra, "--lora-rank", "4", "--steps", "2", "--updates-per-rollout", "2"]
+    torchrun(2, [*args, "--mode", "colocated", "--output-dir", str(tmp_path / "colocated")])
+    torchrun(nproc, [*args, "--output-dir", str(tmp_path / "run"), *placement])
+    assert_same_weights(trained_weights(str(tmp_path / "colocated"), 2), trained_weights(str(tmp_path / "run"), 2),
+                        "theta")
+    if algorithm is NFT:
+        assert_same_weights(_old(tmp_path / "colocated", 2), _old(tmp_path / "run", 2), "old policy")
+    for ref, rows in zip(_rows(tmp_path / "colocated"), _rows(tmp_path / "run")):
+        assert rows["train/num_updates"] == ref["train/num_updates"] == 2.0
+        assert rows["train/num_transitions"] == ref["train/num_transitions"]
+        if algorithm is MIX:
+            assert rows["train/approx_kl"] > 0 and rows["train/ratio"] == pytest.approx(ref["train/ratio"], rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def dppo_colocated(tmp_path_factory):
     out = tmp_path_factory.mktemp("dppo-colocated")

@@ -145,7 +145,8 @@ def test_nft_evaluation_ema_and_step_count(monkeypatch):
     from prompts.sets import PromptRecord
     from rewards import RewardSet
     from runtime.evaluation import evaluate
-    from trainer import Trainer, ema_decay
+    from rl.ema import ema_decay
+    from trainer import Trainer
 
     want = fixture("diffusion_nft_old_policy.json")
     steps, decays = want["inputs"]["steps"], want["outputs"]["eval_ema_decay"]

@@ -170,6 +170,36 @@ def test_running_std_matches_colocated(tmp_path):
     assert _changed(weights["group"], weights["disagg"]) > 0  # the running std changed the advantages
 
 
+def test_two_updates_per_rollout_are_placement_invariant_and_resume_exactly(tmp_path):
+    """--updates-per-rollout 2 over whole groups in step order (a disaggregated trainer updates on the
+    first two groups while the last two are generated): colocated and disaggregated (2 + 2, fragments
+    of one group streamed) runs train the same weights, the second update off-policy (ratio != 1)
+    alike in both; a colocated copy cut back to its step-1 checkpoint (the EMA, AdamW's
+    state and the update count after two updates) resumes bitwise."""
+    import shutil
+
+    args = [*TINY, "--prompts-per-step", "4", "--fragment-groups", "1", "--lora-rank", "4", "--steps", "2",
+            "--updates-per-rollout", "2", "--update-split", "groups", "--ema-decay", "0.9"]
+    colocated = [*args, "--mode", "colocated", "--save-every", "1"]
+    torchrun(2, [*colocated, "--output-dir", str(tmp_path / "colocated")])
+    torchrun(4, [*args, "--generators", "2", "--trainers", "2", "--output-dir", str(tmp_path / "disagg")],
+             env=traced(tmp_path / "disagg"))
+    assert_nccl_ok(tmp_path / "disagg", TRAFFIC["disagg-2g2t"])
+    ref = trained_weights(str(tmp_path / "colocated"), 2)
+    assert_same_weights(ref, trained_weights(str(tmp_path / "disagg"), 2), "disagg")
+    rows = {name: read_metrics(str(tmp_path / name / "metrics.jsonl")) for name in ("colocated", "disagg")}
+    for a, b in zip(*rows.values()):
+        assert a["train/num_updates"] == b["train/num_updates"] == 2.0
+        assert a["train/ratio"] == pytest.approx(b["train/ratio"], rel=1e-6)
+        assert a["train/num_transitions"] == b["train/num_transitions"]
+    assert rows["colocated"][1]["train/approx_kl"] > 0 and rows["colocated"][1]["train/ratio"] != 1.0  # update 1
+    shutil.copytree(tmp_path / "colocated", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step-2")
+    torchrun(2, [*colocated, "--resume", str(tmp_path / "resumed"), "--output-dir", str(tmp_path / "resumed")])
+    resumed = trained_weights(str(tmp_path / "resumed"), 2)
+    assert all(torch.equal(ref[n], resumed[n]) for n in ref)
+
+
 def test_corrupted_publication_is_detected(tmp_path):
     proc = torchrun(2, [*TINY, "--lora-rank", "4", "--steps", "2", "--output-dir", str(tmp_path / "run")],
                     env={"DIGENRL_DEBUG_CORRUPT_PUBLISH": "1"}, check=False)

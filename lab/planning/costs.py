@@ -22,7 +22,9 @@ time is a sum of action times):
   - the receive work, for the fragment's first `recv` on each trainer: from when both sides are
   ready until the data has landed.
 - update_s: last optimizer end - last `train` span end of the step (all trainers): FSDP padding,
-  the gradient all-reduce and the optimizer step.
+  the gradient all-reduce and the optimizer step; with several updates per rollout, plus the
+  earlier updates' `optimizer` spans of the first trainer. The later updates' training waits for
+  the step's last fragment (`SimSetup.held_fraction`, from the run's config).
 - publish_s: on-policy disagg, next step's first replica `generate` start - last optimizer end:
   publication, installation and the generators' step start. TCSS: the trainers' publish span
   (generators do not wait for it). Colocated: 0.
@@ -47,6 +49,7 @@ from parallel.schedule import fragments_in_flight
 from telemetry.metrics import read_metrics
 from parallel.event_engine import Costs, SimResult
 from parallel.topology import Topology
+from rl.updates import held_fraction
 from telemetry.tracing import BUSY_CATEGORIES, bubble_fraction
 
 
@@ -135,6 +138,8 @@ class SimSetup:
     topology: Topology
     gen_wave: int = 1
     """fragments a replica of S stages pipelines together: enough for S micro-batches in flight"""
+    held_fraction: float = 0.0
+    """the training that waits for the step's last fragment (several updates per rollout: rl.updates)"""
 
     @property
     def num_replicas(self) -> int:
@@ -173,7 +178,9 @@ def sim_setup(config: dict[str, Any], world_size: int) -> SimSetup:
     else:
         mode, policy = "disagg", None
     wave = fragments_in_flight(topo.gap_stages, len(plan.fragments[0].chunks))
-    return SimSetup(mode, policy, num_fragments, num_trainers, topo.gap_stages, chunks, topo, wave)
+    waits = rl.get("std_mode") == "global" or (rl.get("drop_zero_std") and rl.get("readmit_multiple", 1) > 1)
+    held = held_fraction(rl.get("updates_per_rollout", 1), rl.get("update_split", "samples"), bool(waits))
+    return SimSetup(mode, policy, num_fragments, num_trainers, topo.gap_stages, chunks, topo, wave, held)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +246,9 @@ def measure_costs(run: RunTrace, setup: SimSetup, skip: int = 1) -> Costs:
         if not opt or not last_train:
             continue
         opt_end = max(s.end_s for s in opt)
-        update.append(max(0.0, opt_end - max(last_train)))
+        # Several updates per rollout: the earlier updates' spans on one trainer (the others wait for it).
+        earlier = sorted((s for s in opt if s.rank == trainers[0]), key=lambda s: s.start_s)[:-1]
+        update.append(max(0.0, opt_end - max(last_train)) + sum(s.end_s - s.start_s for s in earlier))
         if setup.mode == "colocated":
             continue
         if setup.mode == "tcss":
@@ -252,7 +261,8 @@ def measure_costs(run: RunTrace, setup: SimSetup, skip: int = 1) -> Costs:
         publish = [s.end_s - s.start_s for k in steps for s in run.of(trainers, cat="publish", name="publish", step=k)]
     return Costs(replica_fragment_s=replica_s, trainer_fragment_s=trainer_s, train_fragment_s=train_s,
                  transfer_s=_mean(list(latency.values()), 0.0), update_s=_mean(update, 0.0),
-                 publish_s=_mean(publish, 0.0), chunks_per_fragment=setup.chunks_per_fragment)
+                 publish_s=_mean(publish, 0.0), chunks_per_fragment=setup.chunks_per_fragment,
+                 held_fraction=setup.held_fraction)
 
 
 def _receives(run: RunTrace, steps: list[int], topo: Topology) -> list[tuple[int, int, TraceSpan, float]]:

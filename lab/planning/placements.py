@@ -272,7 +272,8 @@ def disagg_plan(wl: Workload, gen: Pool, trn: Pool, generators: int, trainers: i
         reps += [replica_fragment_s(first, tgpu, stages, frags[0][1] * wl.group_size if frags else frag_samples,
                                     micro, frags[0][1] if frags else groups)] * (extra // stages)
         pub = publish_s(wl, ggpu, tgpu, generators + extra, stages, trainers, False)
-    costs = Costs(reps, trainer_gen, train, transfer_s=transfer, update_s=update, publish_s=pub, **(scales or {}))
+    costs = Costs(reps, trainer_gen, train, transfer_s=transfer, update_s=update, publish_s=pub,
+                  held_fraction=wl.held_fraction, **(scales or {}))
     sim_mode = "disagg" if naive else {"gap": "gap", "tag": "tag", "tcss": "tcss"}[mode]
     steps = 4 if mode == "tcss" else 1
     res = simulate_run(sim_mode, steps, num_fragments, costs, trainers, "bts" if tag else None,

@@ -39,6 +39,7 @@ from planner.released_specs import MODELS, model_names, resolve
 from lab.planning.peer_systems import SYSTEMS, predict_system
 from parallel.stepplan import DISPATCHES
 from planner.workload import ALGORITHMS, REWARDS, Workload, for_algorithm, parse_shape_mix
+from rl.updates import SPLITS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,7 +78,7 @@ def workload_from_args(a) -> Workload:
                   a.cfg_scale, a.finetune, a.lora_rank, a.gradient_checkpointing, a.kl, a.text_tokens,
                   tuple(a.reward or ["pickscore"]), Kernels(a.compile, a.attention), a.rollout_micro_batch,
                   a.train_micro_batch, a.optimizer_steps, parse_shape_mix(a.shape_mix) if a.shape_mix else (),
-                  a.publish_compression, reward_gpus=a.reward_gpus)
+                  a.publish_compression, reward_gpus=a.reward_gpus, update_split=a.update_split)
     wl = for_algorithm(wl, a.algorithm, window=a.window)
     return wl.with_(trained_timesteps=a.trained_timesteps) if a.trained_timesteps else wl
 
@@ -233,7 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--attention", choices=("sdpa", "fa2", "fa3"), default="sdpa")
     w.add_argument("--rollout-micro-batch", type=int, default=8)
     w.add_argument("--train-micro-batch", type=int, default=16)
-    w.add_argument("--optimizer-steps", type=int, default=1)
+    w.add_argument("--optimizer-steps", type=int, default=1,
+                   help="optimizer updates per step (the run's --updates-per-rollout); one publication")
+    w.add_argument("--update-split", choices=SPLITS, default="samples",
+                   help="which samples each update trains (the run's --update-split): samples and members hold "
+                        "every fragment, so the later updates' training follows generation; groups stream")
     w.add_argument("--shape-mix", metavar="HxW[xF]:WEIGHT,...",
                    help="prompts of several shapes, one per group, in proportion to the weights, e.g. "
                         "512x512:1,1024x1024:1 (replaces --height/--width/--frames in the costs)")

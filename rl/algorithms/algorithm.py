@@ -177,7 +177,9 @@ class Algorithm:
         return None
 
     def after_update(self, state, updates: int) -> None:
-        """After the optimizer's update number `updates` (a skipped step makes none)."""
+        """After a step's updates, once (with --updates-per-rollout N, after the last of them, as NFT
+        moves its old policy after its epoch's updates), `updates` the count of optimizer updates
+        so far; a step whose updates were all skipped makes no call."""
 
     def sampling_policy(self, state):
         """A context that puts the policy the generators sample with into the parameters (colocated

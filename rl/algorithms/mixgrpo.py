@@ -182,6 +182,11 @@ class MixGRPO(Algorithm):
         if s.dpm_apply == "all" and s.ode_solver not in ("dpm1", "dpm2", "dpm3"):
             raise ValueError(f"--dpm-apply all takes DPM-Solver++ at every step: use --ode-solver dpm1, dpm2 or dpm3 "
                              f"(got {s.ode_solver})")
+        if rl.advantage_rerange != "none" and rl.updates_per_rollout > 1:
+            raise ValueError(f"--advantage-rerange {rl.advantage_rerange} orders a step's samples by their advantages, "
+                             f"and MixGRPO's updates take consecutive pieces of that order; --update-split cuts the "
+                             f"step before any reward is known (rl/updates.py): use --updates-per-rollout 1 or "
+                             f"--advantage-rerange none")
         if rl.trimmed_ratio and int(rl.group_size * rl.trimmed_ratio) >= rl.group_size - 1:
             raise ValueError(f"--trimmed-ratio {rl.trimmed_ratio} leaves fewer than 2 of the {rl.group_size} rewards "
                              f"of a group for its std")
