@@ -99,7 +99,9 @@ def training_order(sample_ids: list[int], adv: list[float], strategy: str, *, se
     alternating, each shuffled, the smaller side first and the rest of the larger side after, the
     zero advantages left out (balance). MixGRPO shuffles with Python's global RNG per GPU; here by
     (seed, step), so every placement orders alike. With one update per step the order changes
-    nothing but balance's dropped zeros; it is the order the updates of a step take their parts in."""
+    nothing but balance's dropped zeros; MixGRPO's updates take consecutive pieces of it, which
+    --update-split cannot follow (the parts are fixed before the rewards), so `check` refuses a
+    rerange with several updates per rollout."""
     if strategy == "none":
         return list(sample_ids)
     rng = np.random.default_rng(derive_seed(seed, step, "rerange"))
