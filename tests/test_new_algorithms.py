@@ -453,6 +453,8 @@ def test_new_recipes_carry_the_published_settings_and_fit():
     (["--algorithm", "mixgrpo", "--sample-steps", "5", "--window-interval", "2", "--steps", "10"],
      "the MixGRPO window is empty at step 6"),
     (["--algorithm", "mixgrpo", "--sample-steps", "2"], "at least 3 sampling steps"),
+    (["--algorithm", "mixgrpo", "--advantage-rerange", "balance", "--updates-per-rollout", "2", "--update-split",
+      "members"], "--advantage-rerange balance orders a step's samples by their advantages"),
     (["--window-size", "0"], "--window-size must be >= 1, got 0"),
     (["--window-stride", "-1"], "--window-stride must be >= 0"),
     (["--window-schedule", "decay"], "unknown --window-schedule 'decay'"),

@@ -176,6 +176,15 @@ def test_two_updates_per_rollout_train_the_colocated_weights(tmp_path, algorithm
                         "theta")
     if algorithm is NFT:
         assert_same_weights(_old(tmp_path / "colocated", 2), _old(tmp_path / "run", 2), "old policy")
+        # One rank scoring the step as one fragment knows its std before anything trains: the streamed
+        # runs' split gradients, scaled before each update, give its weights (Adam's first updates turn
+        # float32 rounding of near-zero entries into up to ~1e-4 of a tensor: tests/test_global_std.py REL).
+        torchrun(1, [*args, "--mode", "colocated", "--fragment-groups", "0", "--output-dir", str(tmp_path / "whole")])
+        assert_same_weights(trained_weights(str(tmp_path / "whole"), 2),
+                            trained_weights(str(tmp_path / "colocated"), 2), "whole step", rel=3e-4)
+        whole = _rows(tmp_path / "whole")
+        assert [r["train/adv_std"] for r in _rows(tmp_path / "colocated")] == pytest.approx(
+            [r["train/adv_std"] for r in whole], rel=1e-6)
     for ref, rows in zip(_rows(tmp_path / "colocated"), _rows(tmp_path / "run")):
         assert rows["train/num_updates"] == ref["train/num_updates"] == 2.0
         assert rows["train/num_transitions"] == ref["train/num_transitions"]
