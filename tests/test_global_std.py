@@ -213,7 +213,9 @@ def _runs(tmp_path, flags: list[str], placements: dict) -> dict:
     return out
 
 
-def _check_same(results: dict, keys: tuple[str, ...]) -> None:
+def _check_same(results: dict, keys: tuple[str, ...], loose: dict | None = None) -> None:
+    """Every placement's weights, transition counts, gradient norms and `keys` are the whole step's;
+    `loose`: key -> pytest.approx arguments in place of rel 1e-6."""
     ref_w, ref_m = results["whole-step"]
     for name, (w, m) in results.items():
         assert_same_weights(ref_w, w, name, rel=REL)
@@ -221,7 +223,7 @@ def _check_same(results: dict, keys: tuple[str, ...]) -> None:
             assert row["train/num_transitions"] == ref_row["train/num_transitions"], name
             assert row["train/grad_norm"] == pytest.approx(ref_row["train/grad_norm"], rel=1e-5), name
             for k in keys:
-                assert row[k] == pytest.approx(ref_row[k], rel=1e-6), (name, k)
+                assert row[k] == pytest.approx(ref_row[k], **(loose or {}).get(k, {"rel": 1e-6})), (name, k)
 
 
 @pytest.mark.parametrize("binding,updates", [(False, 1), (True, 1), (True, 2)],
@@ -240,7 +242,11 @@ def test_streamed_global_std_trains_the_batch_synchronous_weights(tmp_path, bind
         placements["tag-fsdp"] = (3, ["--generators", "1", "--trainers", "2", "--tag", "--train-sharding", "fsdp",
                                       "--debug-slow-rank", "0:5"])
     results = _runs(tmp_path, flags, placements)
-    _check_same(results, ("train/adv_std", "train/adv_clamped", "train/loss", "train/kl"))
+    # A second update scores the weights the first moved, which placements reproduce to float32
+    # rounding (the gradient norms to 4e-8): its KL agrees to 1e-5 (seen: 3.3e-6), and its loss, a sum
+    # of terms of size |A| ~ 1 that cancels to ~1e-6, to that rounding in absolute terms (seen: 3.7e-9).
+    loose = {"train/loss": {"abs": 2e-8}, "train/kl": {"rel": 1e-5}} if updates > 1 else None
+    _check_same(results, ("train/adv_std", "train/adv_clamped", "train/loss", "train/kl"), loose)
     ref = results["whole-step"][1]
     assert (sum(r["train/adv_clamped"] for r in ref) > 0) == binding
     assert all(r["train/kl"] > 0 for r in ref[1:]) == binding
