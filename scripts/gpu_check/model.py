@@ -169,7 +169,9 @@ def trainer(size: Size, lora: bool, device, dtype: str, batch: int, build=None) 
     a = build(size, weights) if build is not None else adapter(size, device, weights)
     if lora:
         apply_lora(a.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
-    return Trainer(cfg, a, sampling(a, size), None, "replicate")
+    # In the check's world of one rank (one_rank), the world is the trainer's group of itself alone.
+    own = dist.group.WORLD if dist.is_initialized() else None
+    return Trainer(cfg, a, sampling(a, size), None, "replicate", own_group=own)
 
 
 @contextlib.contextmanager
