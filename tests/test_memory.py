@@ -145,8 +145,7 @@ def test_trackers_book_parameters_gradients_optimizer_and_activations_exactly():
     w = n * n * 4  # one float32 weight matrix
     with fakemem.FakeRun() as run:
         m = _linear(run)
-        opt = torch.optim.AdamW(m.parameters())
-        fakemem.optimizer_as_on_gpu(opt)
+        opt = torch.optim.AdamW(m.parameters(), fused=True)  # as trainer.adamw makes it
         x = torch.empty(rows, n)
         tracker = Tracker()
         tracker.hold(run.mode, host=[x])
@@ -192,6 +191,52 @@ def test_fake_run_computes_like_cuda_and_keeps_small_values():
         assert (y.dtype, z.dtype) == (torch.bfloat16, torch.float32)  # CUDA autocast's policy, not the CPU's
         assert not bool((sigma == 0).all()) and sigma.tolist() == [0.5, 0.25]  # small values are real
         assert run.unknown_reads == 0 and float(y.sum()) == 1.0 and run.unknown_reads == 1
+
+
+def test_a_fake_run_reads_lazy_modules_without_importing(monkeypatch):
+    """A FakeRun patches `models.autocast` (and its kin) wherever a module imported it, reading each
+    module's own dict: a lazy module whose missing attribute imports something absent (transformers
+    5.17 without torchvision) is not asked for one."""
+    import types
+
+    import models
+
+    lazy = types.ModuleType("lazy_stand_in")
+
+    def missing(name):
+        raise ModuleNotFoundError(f"No module named 'torchvision' (asked for {name})")
+
+    lazy.__getattr__ = missing
+    lazy.autocast = original = models.autocast
+    monkeypatch.setitem(sys.modules, "lazy_stand_in", lazy)
+    with fakemem.FakeRun():
+        assert lazy.autocast is not original  # as on a GPU: patched where it was imported
+    assert lazy.autocast is original
+
+
+def test_a_fake_run_that_fails_to_start_leaves_nothing_behind(monkeypatch):
+    """A FakeRun that fails after registering CUDA's autocast kernels takes them back (and every
+    other patch), so CPU autocast casts as before and a later run starts."""
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    def exp_dtype():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.exp(torch.ones(2, dtype=torch.bfloat16)).dtype
+
+    def fail():
+        raise RuntimeError("injected")
+
+    limit = fake_tensor.CONSTANT_NUMEL_LIMIT
+    monkeypatch.setattr(fakemem, "uncounted_propagation", fail)  # entered after the kernels
+    with pytest.raises(RuntimeError, match="injected"):
+        with fakemem.FakeRun():
+            pass
+    monkeypatch.undo()
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::exp", "AutocastCPU")
+    assert exp_dtype() == torch.bfloat16 and fake_tensor.CONSTANT_NUMEL_LIMIT == limit  # CPU autocast's own policy
+    with fakemem.FakeRun():
+        assert exp_dtype() == torch.float32  # CUDA's policy: exp in float32
+    assert exp_dtype() == torch.bfloat16
 
 
 def test_replayed_calls_book_the_first_calls_working_set():
