@@ -112,7 +112,7 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
 def shards_from_host(facts: RunFacts, rank: int) -> bool:
     """Whether rank `rank` loads its transformer into host memory for the Trainer to shard: an FSDP2
     trainer's, whose device then holds its own shards and, while FSDP2 shards a unit, that unit
-    whole (trainer.py; the whole float32 model on the device first would take HunyuanVideo's 52 GB
+    whole (trainer.py; the whole float32 model on the device first would take HunyuanVideo's 48 GiB
     on every trainer). Other ranks hold their whole transformer and load it onto the device."""
     return facts.topology.is_trainer(rank) and facts.train_sharding == "fsdp"
 

@@ -13,13 +13,18 @@ the order of a run, each phase's peak taken by category:
 - generator: "publication" (receive the version the first trainer sent and install it), then
   "fragment" (`Generator.generate` of the step's first fragment: encode, K denoising steps per
   chunk, decode, score, cut into chunks);
-- every rank: "start-up probe" (`probe.probe_speed`, before the trainer shards the model).
+- trainers and generators: "load" (its weights as runtime/context.py loads them, its rewards, and a trainer's
+  Trainer: FSDP2 sharding the transformer a unit at a time, from host memory for a sharded
+  trainer, and the KL reference, EMA and old policy copies) and "start-up probe"
+  (`probe.probe_speed`, a trainer's after its model is sharded).
 
 What stands in for what a measurement cannot run, and why:
 - rewards: each reward model's network, built from its released config (rewards/configs/) in the
   reward's dtype, runs one batch of the reward's size on inputs of its processor's size (the
   processors and tokenizers work on the host, on images the fake run has no pixels of);
 - the trainer's input: a `TransitionBatch` with the conditioning shapes a generator rank encodes;
+- host memory: a sharded trainer's transformer waits on the meta device (never counted) until
+  FSDP2 moves a unit of it to the device (`fakemem.moved_to_device`);
 - the wire: the trainer's sends go to a fake process group; the generator receives the header the
   trainer's send carried (replayed), into the buffers its own code allocates.
 """
@@ -130,7 +135,7 @@ def fake_rank(cfg, facts, release: str, rank: int, memory: RankMemory | None = N
 
     def built():
         ctx, _ = context.make_context(cfg, facts, rank, groups)
-        return ctx, (_trainer(cfg, facts, ctx) if trains else None)
+        return ctx, (build.make_trainer(ctx) if trains else None)
 
     release_name, topo = release, facts.topology
     with fakemem.fake_world(topo.world_size, rank), fakemem.FakeRun() as run, \
@@ -229,11 +234,6 @@ def measure_trainer(cfg, facts, release: str, rank: int, sent: Sent) -> tuple[Ra
         memory.add_rises(replay)
     memory.seconds = time.perf_counter() - started
     return memory, headers
-
-
-def _trainer(cfg, facts, ctx) -> Trainer:
-    """The rank's Trainer as runtime/build.py makes it."""
-    return Trainer(cfg, ctx.adapter, ctx.sampling, ctx.comms.trainers, facts.train_sharding, ctx.slowdown, ctx.device)
 
 
 def _start_codec(cfg, facts, ctx, trainer: Trainer) -> None:

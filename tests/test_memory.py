@@ -93,6 +93,29 @@ def test_a_recipe_measured_again_at_the_released_size():
     assert got["generator"].rises["velocity"] > 0 and got["generator"].rises["decode"] > 0
 
 
+def test_a_full_fine_tune_with_a_kl_term_holds_a_sharded_bf16_reference(adapters):
+    """DanceGRPO FLUX.1-dev with beta 0.04 (full fine-tuning, 4 FSDP2 trainers), its first trainer
+    measured (about 70 s here): the KL reference adds its bf16 quarter (5.5 GiB) to what the
+    trainer holds at every phase, no float32 or unsharded copy at its load, and the model says so
+    within 10%. Its load holds shards and one unit whole: less than the 44 GiB float32 model alone."""
+    paths = [os.path.join(ROOT, "recipes", "dance_grpo", "flux_dev.toml"), TOPOLOGIES[0]]
+    cfg, recipe, facts = load_recipe(paths)
+    cfg.rl.beta = 0.04
+    sent = measure.sent_by_generators(cfg, facts, recipe["model_config"])
+    got, _ = measure.measure_trainer(cfg, facts, recipe["model_config"], facts.topology.trainer_ranks[0], sent)
+    with open(os.path.join(ROOT, "docs", "memory", "dance_grpo-flux_dev-8gpus.json")) as f:
+        without = next(r for r in json.load(f)["roles"] if r["role"] == "trainer")["phases"]
+    quarter = 2 * parameter_counts("flux1_dev")["transformer"] / 4
+    for phase in ("load", "optimizer step", "publication"):  # the reference's forwards gather only in a micro-batch
+        added = got.phases[phase]["parameters"] - without[phase]["categories"]["parameters"] * GiB
+        assert added == pytest.approx(quarter, rel=0.01), phase
+    assert got.phases["load"]["total"] < 8 * quarter  # shards, the text encoders: less than the float32 model alone
+    predicted = predict(cfg, facts, adapters("flux1_dev"))["trainer"]
+    for phase, measured in got.phases.items():
+        assert predicted[phase].tensors == pytest.approx(measured["total"], rel=TOLERANCE), phase
+    assert predicted["micro-batch"].items["reference copy"] == pytest.approx(quarter, rel=1e-6)
+
+
 # ----- the recipes' GPUs ----------------------------------------------------------------------------
 def test_recipes_name_80_gb_gpus_and_the_smallest_topology_that_fits(adapters):
     """Every recipe names an 80 GB GPU (the GPUs its source system ran on) and a GPU count at which
