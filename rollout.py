@@ -16,13 +16,14 @@ import torch
 from torch import Tensor
 
 from rl import advantages
-from prompts import shapes
+from prompts import resolutions
 from rl import sampler
-from parallel import stepfacts
-from parallel.intake import TrainChunk
+from parallel import fragment_records
+from parallel.trainer_intake import TrainChunk
 from parallel.stepplan import Chunk, Fragment, StepPlan
 from parallel.publish import PublicationError
 from parallel.scoring import LocalScorer, Ticket
+from parallel import store_keys as keys
 from rl.conditioning import Conditioning
 from telemetry.tracing import Slowdown
 
@@ -50,7 +51,8 @@ def sample_images(adapter, prompts: list[str], cfg: sampler.SamplingConfig, *, s
         trajs.append(traj)
         images.append(adapter.decode(traj.latents[:, -1]).cpu())
     traj = sampler.Trajectory(latents=torch.cat([t.latents for t in trajs]).cpu(),
-                              log_probs=torch.cat([t.log_probs for t in trajs]).cpu(), sigmas=trajs[0].sigmas)
+                              log_probs=torch.cat([t.log_probs for t in trajs]).cpu(), sigmas=trajs[0].sigmas,
+                              steps={k: torch.cat([t.steps[k] for t in trajs]).cpu() for k in trajs[0].steps})
     return traj, torch.cat(images)
 
 
@@ -94,20 +96,20 @@ class Generator:
     def __init__(self, adapter, sampling: sampler.SamplingConfig, scorer, records, *, seed: int,
                  negative_prompt: str = "", same_group_noise: bool = False,
                  rule: advantages.AdvantageRule | None = None, store=None, autocast_ctx=None,
-                 slowdown: Slowdown | None = None, clean_only: bool = False, policy=None):
+                 slowdown: Slowdown | None = None, carried: Callable | None = None, policy=None):
         """`scorer`: a parallel.scoring.LocalScorer or RemoteScorer (a RewardSet is scored locally).
         `rule`: how rewards become advantages (default: group std, clamp 5); `store` receives each
         fragment's facts when the rule needs the end of the step. `slowdown` (--debug-slow-rank)
-        wraps all of this rank's generation work. `clean_only`: the chunks carry the clean samples
-        only (DiffusionNFT trains no path). `policy`: a context that puts the sampling policy into
-        the model while this generator denoises (a trainer's `sampling_policy`, for ranks that
-        generate with the trainer's model)."""
+        wraps all of this rank's generation work. `carried`: what a chunk carries of a sampled
+        trajectory (the algorithm's `carried`; default all of it). `policy`: a context that puts the
+        sampling policy into the model while this generator denoises (a trainer's `sampling_policy`,
+        for ranks that generate with the trainer's model)."""
         self.adapter, self.sampling, self.records = adapter, sampling, records
         self.scorer = scorer if hasattr(scorer, "wait") else LocalScorer(scorer)  # a RewardSet has `submit` too
         self.seed, self.negative_prompt = seed, negative_prompt
         self.same_group_noise, self.rule, self.store = same_group_noise, rule or advantages.AdvantageRule(), store
         self.autocast = autocast_ctx or contextlib.nullcontext
-        self.clean_only, self.policy = clean_only, policy or contextlib.nullcontext
+        self.carried, self.policy = carried or (lambda traj: traj), policy or contextlib.nullcontext
         self.sigmas = sampler.sigmas_for(adapter, sampling)
         self.shapes: dict = {}  # shape key -> (its SamplingConfig, its sigmas): the dynamic shift depends on it
         self.slowdown = slowdown or Slowdown()
@@ -118,7 +120,7 @@ class Generator:
         if shape is None:
             return self.sampling, self.sigmas
         if shape not in self.shapes:
-            cfg = shapes.sampling_for(self.sampling, shape)
+            cfg = resolutions.sampling_for(self.sampling, shape)
             self.shapes[shape] = (cfg, sampler.sigmas_for(self.adapter, cfg))
         return self.shapes[shape]
 
@@ -174,7 +176,7 @@ class Generator:
 
     def complete(self, plan: StepPlan, scoring: Scoring, reward_std: float | None) -> "FragmentResult":
         """Wait for a fragment's scores, compute its group advantages and cut it into chunks; put
-        the facts the end of the step reads on the store (parallel/stepfacts.py)."""
+        the facts the end of the step reads on the store (parallel/fragment_records.py)."""
         fragment = scoring.denoised.fragment
         scores = self.scorer.wait(scoring.ticket)
         ids = list(fragment.sample_ids)
@@ -182,7 +184,7 @@ class Generator:
         out = advantages.fragment_advantages(self.rule, scores, group_ids, ids, std=reward_std,
                                              whole_step=len(plan.fragments) == 1, seed=self.seed, step=plan.step)
         if self.rule.needs_step_end:
-            stepfacts.publish(self.store, plan.step, fragment.index, out.facts)
+            fragment_records.publish(self.store, plan.step, fragment.index, out.facts)
         combined = scores.pop("combined")
         zero_std = advantages.zero_std_groups(combined, group_ids)
         adv, keep = out.advantages, out.keep
@@ -190,14 +192,12 @@ class Generator:
         d = scoring.denoised
         for chunk, traj, cond, neg in zip(fragment.chunks, d.trajectories, d.conds, d.negs):
             sl = slice(start, start + len(chunk.sample_ids))
-            latents, log_probs = traj.latents, traj.log_probs
-            if self.clean_only:  # DiffusionNFT: the clean samples (n, 1, ...), no log-probs (n, 0)
-                latents, log_probs = latents[:, -1:].contiguous(), log_probs[:, :0].contiguous()
+            kept = self.carried(traj)
             # The trajectories and conditioning stay on the device until they are sent (or, colocated,
             # trained); the per-sample metadata is small and read on the host.
             chunks.append(TrainChunk(plan.step, fragment.index, chunk.index, scoring.version,
-                                     torch.tensor(chunk.sample_ids, dtype=torch.int64), latents, log_probs,
-                                     adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(), cond, neg))
+                                     torch.tensor(chunk.sample_ids, dtype=torch.int64), kept.latents, kept.log_probs,
+                                     adv[sl].clone(), keep[sl].clone(), traj.sigmas.cpu(), cond, neg, kept.steps))
             start = sl.stop
         rewards = {name: v.float().cpu().tolist() for name, v in scores.items()}
         rewards["combined"] = combined.tolist()
@@ -287,17 +287,17 @@ class VersionSync:
     def at_step_start(self, step: int) -> int:
         need = max(step - self.lag, self.version)
         if self.layout is not None and not self.layout.first:
-            need = max(need, self.store.get(f"rv/{self.replica}/{step}"))  # stage 0's choice
+            need = max(need, self.store.get(keys.replica_version(self.replica, step)))  # stage 0's choice
         while self.version < need:
             self._install_next(step)
         if self.layout is not None and self.layout.first:
-            self.store.put(f"rv/{self.replica}/{step}", self.version)
+            self.store.put(keys.replica_version(self.replica, step), self.version)
         return self.version
 
     def at_fragment_boundary(self, step: int) -> int:
         """TCSS: stage an announced publication (never install it inside a step)."""
         if self.lag and self.layout is None and self.receiver.staged_version is None \
-                and self.store.ready(f"pub/{self.version + 1}"):
+                and self.store.ready(keys.version_published(self.version + 1)):
             self._receive_next(step)
         return self.version
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointing import lock
+from parallel.store import launch_id
 from runtime import guard
 from runtime import loop as runtime
 from config.cli import parse_config
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv, __doc__.strip().splitlines()[0])
     cfg.resolve_defaults()
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    lock.set_launch(launch_id())  # this launch's own id, never the launcher's: which run folder lock is ours
     facts = validate(cfg, world)  # every user error, on every rank, before anything loads or any rank waits
     if rank == 0:  # the run folder is this run's from here on, until the process ends (checkpointing/lock.py)
         guard.at_exit(lock.release)
@@ -82,7 +84,7 @@ def quiet_unless_alone(line: str, wait_s: float = 2.0) -> None:
 
 def cli(argv: list[str] | None = None) -> None:
     """Run, print at most one line for a known failure, and exit with a documented code
-    (runtime/guard.py; README, "Reliability")."""
+    (runtime/guard.py; docs/reliability.md)."""
     code = guard.EXIT_ERROR
     try:
         code = main(argv)

@@ -10,18 +10,17 @@ reduction order (docs/DESIGN.md, placement invariance).
 Without TSP a chunk of samples goes whole to one trainer, which runs one forward per trained
 timestep. With --tsp every trainer receives a `TransitionBatch`: its share of each fragment's
 transitions, packed by `parallel.tsp` into micro-batches that mix samples and timesteps. Which of
-the two a run uses is its intake's choice (parallel/intake.py).
+the two a run uses is its intake's choice (parallel/trainer_intake.py).
 
-DiffusionNFT (--algorithm nft) trains the same way on clean records: a transition is a (sample,
-sigma) pair whose clean latent the trainer noises itself, against the old policy this trainer keeps
-(rl/old_policy.py), which is also what it publishes for the generators to sample with.
+What a forward computes is the algorithm's (rl/algorithms/, `Algorithm.forward`): the trainer hands
+it the transitions and its policies' velocities, and it returns the loss terms. An algorithm may keep
+state beside the weights (`Algorithm.trainer_state`: DiffusionNFT's old policy, which its trainers
+train against and publish for the generators to sample with).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,12 +34,12 @@ from rl.gradients import SplitGradients
 from config.schema import RunConfig
 from models import DiTAdapter, autocast, resolve_dtype
 from models.lora import trainable_names
-from rl import nft, old_policy
 from rl.conditioning import Conditioning
 from rl.nonfinite import SkipTracker
-from parallel import compress, forwards
-from parallel.fsdp import count_allgathers, full_tensor, local_part, own_group, shard_modules
-from parallel.intake import TrainChunk, TrainingSpec, TransitionBatch
+from parallel import compress
+from parallel import forward_rows
+from parallel.fsdp import count_allgathers, full_tensor, local_part, shard_modules
+from parallel.trainer_intake import TrainChunk, TrainingSpec, TransitionBatch
 from parallel.p2p import comm_device
 from parallel.publish import Outgoing
 from telemetry.tracing import Slowdown
@@ -67,15 +66,19 @@ class Transitions:
     step: int | None = None  # the step the transitions belong to (its window, its noise)
     weight: Tensor | None = None  # (n,) each policy term's weight: 1 (None), or a correction's (rl.advantages)
     counted: Tensor | None = None  # (n,) bool: carries its KL term and statistics (None: all; False: a correction)
+    steps: dict[str, Tensor] = field(default_factory=dict)  # the rollout's per-step fields at each t: (n, ...)
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig, group=None,
-                 sharding: str = "replicate", slowdown: Slowdown | None = None, device: torch.device | None = None):
-        """`slowdown` (--debug-slow-rank) wraps every training forward + backward. `device`: where
-        this rank computes (default: the transformer's). An FSDP2 trainer's transformer may arrive in
-        host memory (runtime/context.py `shards_from_host`): FSDP2 moves each unit to the device as it
-        shards it, so the device holds this rank's shards and at most one unit whole."""
+                 sharding: str = "replicate", slowdown: Slowdown | None = None, own_group=None,
+                 device: torch.device | None = None):
+        """`slowdown` (--debug-slow-rank) wraps every training forward + backward. `own_group`: a
+        replicated trainer's group of itself alone (ProcessGroups.own), which every rank created.
+        `device`: where this rank computes (default: the transformer's). An FSDP2 trainer's
+        transformer may arrive in host memory (runtime/context.py `shards_from_host`): FSDP2 moves
+        each unit to the device as it shards it, so the device holds this rank's shards and at most
+        one unit whole."""
         self.cfg, self.adapter, self.sampling = cfg, adapter, sampling
         self.slowdown = slowdown or Slowdown()
         self.spec = TrainingSpec.of(cfg, sampling)  # which timesteps of a sample are trained
@@ -92,16 +95,19 @@ class Trainer:
         # inputs are cast to it alike everywhere (DiTAdapter.compute_dtype).
         self.compute_dtype = resolve_dtype(cfg.model.dtype, self.device)
         adapter.compute_dtype = self.compute_dtype
-        algorithm = algorithms.algorithm(cfg.rl.algorithm)
-        self.loss = algorithm.loss(cfg.rl)
-        self.rule = algorithm.advantages(cfg.rl)  # what the end of a step decides (rl.advantages.step_end)
+        self.algorithm = algorithms.algorithm(cfg.rl.algorithm)
+        self.loss = self.algorithm.loss(cfg.rl)
+        self.rule = self.algorithm.advantages(cfg.rl)  # what the end of a step decides (rl.advantages.step_end)
         # The KL reference is copied before FSDP2 shards the model (a sharded module cannot be copied).
         reference = self._reference_copy() if self.loss.needs_reference and not self.lora else None
         # Mixed precision as FSDP2 does it (float32 weights, each unit cast to the compute dtype for
         # its forward, float32 gradients): over the trainer group, or for a replicated trainer over
         # this rank alone, so that every forward computes with exactly the weights generators hold.
         mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
-        engine = group if sharding == "fsdp" else (own_group() if mixed is not None else None)
+        engine = group if sharding == "fsdp" else (own_group if mixed is not None else None)
+        if sharding != "fsdp" and mixed is not None and engine is None and dist.is_initialized():
+            raise RuntimeError(f"a replicated trainer computing in {mixed} needs a group of its own, created by every "
+                             f"rank: ProcessGroups.create(..., own=True)")
         if engine is not None:
             adapter.enclosing = shard_modules(model, engine, mixed)  # one root: all-gathers overlap compute
             count_allgathers(model, engine, self._on_allgather)
@@ -113,9 +119,8 @@ class Trainer:
         self.params = self.trained_params()
         self.optimizer = adamw(self.params, cfg, self.device)
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
-        # DiffusionNFT's old policy: what the generators sample with and the loss contrasts against.
-        self.old = old_policy.OldPolicy(self.params, old_policy.schedule(cfg.rl.old_policy_decay),
-                                        cfg.rl.old_policy_interval) if self.loss.forward_process else None
+        # What the algorithm keeps beside the weights (DiffusionNFT: the old policy the generators sample with).
+        self.state = self.algorithm.trainer_state(cfg, self.params)
         self.num_updates = 0
         self.skips = SkipTracker(cfg.optim.max_skipped_steps)  # steps with non-finite values (rl/nonfinite.py)
         self.current_step: int | None = None  # the step being trained (its update makes version step+1)
@@ -209,7 +214,7 @@ class Trainer:
         cond = item.cond.to(self.device)
         neg = item.neg_cond.to(self.device) if item.neg_cond is not None else None
         packed = isinstance(item, TransitionBatch)
-        for key, rows in forwards.forwards(item, self.spec, end):
+        for key, rows in forward_rows.forwards(item, self.spec, end):
             if not rows:  # padding keeps FSDP ranks' forward counts equal (the end's: in train_again)
                 if end is None and (not packed or self.sharding == "fsdp"):
                     self._start_forward()
@@ -234,12 +239,13 @@ class Trainer:
         whole = n == len(chunk.sample_ids)  # keep the generation batch intact: bitwise-equal forwards
         x_t, x_next, logp = chunk.at(_index(js, chunk.latents.device), t)
         host = torch.tensor(js)
+        steps = chunk.steps_at(_index(js, chunk.latents.device), t)
         return Transitions(x_t.to(dev), x_next.to(dev),
                            chunk.sigmas[t].to(dev).expand(n), chunk.sigmas[t + 1].to(dev).expand(n), [t] * n,
                            cond if whole else cond.select(_index(js, dev)),
                            neg if (neg is None or whole) else neg.select(_index(js, dev)),
                            logp.to(dev), chunk.advantages[host].to(dev), chunk.sample_ids[host].tolist(), chunk.step,
-                           *forwards.weights(rows, dev))
+                           *forward_rows.weights(rows, dev), {k: v.to(dev) for k, v in steps.items()})
 
     def _packed_rows(self, batch: TransitionBatch, rows: list[tuple[int, float, bool]], cond, neg) -> Transitions:
         """The rows of a packed micro-batch: its latents indexed where they arrived, its metadata
@@ -251,65 +257,42 @@ class Trainer:
                            batch.sigma_next[sel].to(dev), batch.timesteps[sel].tolist(), cond.select(idx),
                            neg.select(idx) if neg is not None else None, batch.log_probs[sel].to(dev),
                            batch.advantages[sel].to(dev), batch.sample_ids[sel].tolist(), batch.step,
-                           *forwards.weights(rows, dev))
+                           *forward_rows.weights(rows, dev), {k: v[device_sel].to(dev) for k, v in batch.steps.items()})
 
     def _forward(self, tr: Transitions, pad: bool = False) -> None:
-        """One forward + backward of the loss of `tr`. Padding runs the same computation and
-        collectives as a real forward (FSDP ranks must run equally many) and records nothing."""
+        """One forward + backward of the loss of `tr`, as the algorithm computes it. Padding runs the
+        same computation and collectives as a real forward (FSDP ranks must run equally many) and
+        records nothing."""
         with self.slowdown():
-            if self.old is not None:  # every row weighs 1 (the global std, whose corrections weigh otherwise, is refused)
-                policy, stats = self._forward_process_loss(tr)
-                policy, kl = policy * (not pad), None
-            else:
-                with autocast(self.device, self.cfg.model.dtype):
-                    v = sampler.guided_velocity(self.adapter, tr.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
-                out = sampler.score_rows(self.sampling, tr.x_t, v, tr.sigma, tr.sigma_next, tr.timesteps, tr.x_next,
-                                         tr.step)
-                mean_ref = sampler.score_rows(self.sampling, tr.x_t, self._reference_velocity(tr), tr.sigma,
-                                              tr.sigma_next, tr.timesteps, tr.x_t, tr.step).mean \
-                    if self.loss.needs_reference else None
-                none = torch.zeros_like(out.log_prob)
-                policy, kl, stats = self.loss(out.log_prob, tr.logp_old, tr.adv, weight=none if pad else tr.weight,
-                                              counted=none.bool() if pad else tr.counted, mean=out.mean,
-                                              mean_ref=mean_ref, std=out.std, std_dev_t=out.std_dev_t)
-            self.grads.backward(policy, kl)
+            terms = self.algorithm.forward(self.loss, self, tr, self.state, pad)
+            self.grads.backward(terms.policy, terms.unscaled)
         if not pad:
-            self.loss_sums += stats
+            self.loss_sums += terms.stats
 
-    def _forward_process_loss(self, tr: Transitions) -> tuple[Tensor, Tensor]:
-        """DiffusionNFT (rl/nft.py): each transition's clean sample x0 noised at its sigma with the
-        noise keyed by (seed, step, sample, t), x_t = (1 - sigma) x0 + sigma eps; the old policy's and
-        the reference's velocities without gradient (before the trained forward: the old policy's
-        exchange writes the parameters in place), then the trained policy's."""
-        x0 = tr.x_t.float()
-        noised = dataclasses.replace(tr, x_t=nft.noised(x0, tr.sigma, tr.sample_ids, tr.timesteps, self.cfg.seed,
-                                                        tr.step))
-        with torch.no_grad(), self.old.swapped(), autocast(self.device, self.cfg.model.dtype):
-            v_old = sampler.guided_velocity(self.adapter, noised.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
-        v_ref = self._reference_velocity(noised) if self.loss.needs_reference else None
+    def velocity(self, tr: Transitions, x_t: Tensor) -> Tensor:
+        """The trained policy's guided velocity at `x_t` and the transitions' sigmas and prompts."""
         with autocast(self.device, self.cfg.model.dtype):
-            v = sampler.guided_velocity(self.adapter, noised.x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
-        return self.loss(x0, noised.x_t, tr.sigma, v, v_old, tr.adv, v_ref)
-
-    def sampling_policy(self):
-        """The policy the generators sample with, in the parameters for a block (colocated ranks and
-        TAG helpers generate with the trainer's model): DiffusionNFT's old policy, else the trained
-        weights as they are."""
-        return self.old.swapped() if self.old is not None else contextlib.nullcontext()
+            return sampler.guided_velocity(self.adapter, x_t, tr.sigma, tr.cond, tr.neg, self.sampling)
 
     @torch.no_grad()
-    def _reference_velocity(self, tr: Transitions) -> Tensor:
+    def reference_velocity(self, tr: Transitions, x_t: Tensor) -> Tensor:
         """The reference policy's guided velocity: LoRA disabled, or the frozen copy."""
         lora = self.reference is None
         if lora:
             self.adapter.transformer.disable_adapters()
         try:
             with autocast(self.device, self.cfg.model.dtype):
-                return sampler.guided_velocity(self.reference or self.adapter, tr.x_t, tr.sigma, tr.cond, tr.neg,
+                return sampler.guided_velocity(self.reference or self.adapter, x_t, tr.sigma, tr.cond, tr.neg,
                                                self.sampling)
         finally:
             if lora:
                 self.adapter.transformer.enable_adapters()
+
+    def sampling_policy(self):
+        """The policy the generators sample with, in the parameters for a block (colocated ranks and
+        TAG helpers generate with the trainer's model): the algorithm's (DiffusionNFT: the old
+        policy), else the trained weights as they are."""
+        return self.algorithm.sampling_policy(self.state)
 
     def pad_forwards(self, count: int, template: TrainChunk | TransitionBatch | None) -> None:
         """FSDP only: run padding forwards until this rank has done `count` forwards this step."""
@@ -325,7 +308,7 @@ class Trainer:
         """The step's end: the transitions of the samples it trains again, from the items kept this
         step. FSDP ranks agree on the group's most such forwards first (their forwards are
         collectives) and pad to it. Returns this rank's count."""
-        count = sum(1 for item in self.items for _, rows in forwards.forwards(item, self.spec, end) if rows)
+        count = sum(1 for item in self.items for _, rows in forward_rows.forwards(item, self.spec, end) if rows)
         target = self.num_forwards + count
         if self.sharding == "fsdp":
             target = self.num_forwards + int(self._all_reduce_max(float(count)))  # sync point: all trainers
@@ -382,8 +365,8 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.num_updates += 1
-        if self.old is not None and not skip:
-            self.old.after_update(self.num_updates)  # NFT: the soft update, after the optimizer's
+        if not skip:
+            self.algorithm.after_update(self.state, self.num_updates)  # after the optimizer's (NFT: the soft update)
         if self.ema is not None and not skip:
             decay = min(self.cfg.optim.ema_decay, (1 + self.num_updates) / (10 + self.num_updates))
             with torch.no_grad():
@@ -429,14 +412,17 @@ class Trainer:
         wanted = set(names or self.names)
         return {n: p for n, p in self.adapter.transformer.named_parameters() if n in wanted}
 
+    def sampled_copy(self) -> dict[str, Tensor] | None:
+        """The tensors the generators sample with by name, when the algorithm keeps them apart from
+        the trained weights (DiffusionNFT's old policy; None: they are the weights), sharded alike."""
+        tensors = self.algorithm.sampled_tensors(self.state)
+        return None if tensors is None else dict(zip(self.names, tensors))
+
     def sampling_tensors(self, names: list[str]) -> dict[str, Tensor]:
         """The tensors of the policy the generators sample with, by name, as this rank holds them
-        (under FSDP its shards): the trained weights, or DiffusionNFT's old policy."""
-        if self.old is None:
-            params = dict(self.adapter.transformer.named_parameters())
-            return {n: params[n] for n in names}
-        index = {n: i for i, n in enumerate(self.names)}
-        return {n: self.old.tensors[index[n]] for n in names}
+        (under FSDP its shards): the trained weights, or the algorithm's copy (`sampled_copy`)."""
+        held = self.sampled_copy() or dict(self.adapter.transformer.named_parameters())
+        return {n: held[n] for n in names}
 
     # ----- publication ----------------------------------------------------------------------
     def start_codec(self, spec: str, names: list[str], residual: dict[str, Tensor] | None = None) -> None:

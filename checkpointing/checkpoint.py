@@ -19,7 +19,7 @@ DIR/checkpoints/step-N/ holds the state after N optimizer updates (policy versio
   skipped-step counters), config.json (the run's config), state.json (step, version);
 - with --tcss, stale.safetensors: the published tensors of version N-1, which the generators hold
   when the trainers reach version N (step N is generated with them), so a resume is exact;
-- manifest.json, written last: every file's size and SHA-256 (checkpointing/files.py writes the
+- manifest.json, written last: every file's size and SHA-256 (checkpointing/manifest.py writes the
   folder atomically and verifies it before anything loads).
 
 trainer_state.pt holds only containers, numbers and tensors and is read with
@@ -27,8 +27,11 @@ trainer_state.pt holds only containers, numbers and tensors and is read with
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 import signal
 import warnings
 
@@ -38,10 +41,12 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from checkpointing import files as checkpoint_files
+from checkpointing import manifest as checkpoint_files
 from parallel.fsdp import copy_full, full_tensor
+from rl.nonfinite import RunAbort
 
 # Adapters (models.DiTAdapter) are passed in: this module imports no model family.
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -49,7 +54,8 @@ ADAPTER = ".default"  # peft's adapter name inside parameter names
 STALE_FILE = "stale.safetensors"
 STATE_DIR = "state"
 RESIDUAL = "residual."  # state/ keys of the publication codec's residual (parallel/compress.py)
-OLD = "old."  # state/ keys of DiffusionNFT's old policy (rl/old_policy.py), the generators' weights
+SAMPLED = "old."  # state/ keys of the weights the generators sample with when an algorithm's trainers keep
+#                   them apart from the trained ones (Trainer.sampled_copy: DiffusionNFT's old policy)
 EMA_DIR = "ema"
 WEIGHTS_NAME = "diffusion_pytorch_model"  # diffusers' file names: <name>.safetensors, <name>-i-of-n, index
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -62,9 +68,10 @@ def checkpoint_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step-{step}")
 
 
-def find_checkpoint(run_dir: str) -> checkpoint_files.Found:
-    """The newest checkpoint of a run folder whose manifest verifies, and those passed over."""
-    return checkpoint_files.find_valid(os.path.join(run_dir, "checkpoints"))
+def find_checkpoint(run_dir: str, pinned_only: str | None = None) -> checkpoint_files.Found:
+    """The newest checkpoint of a run folder whose manifest verifies (`pinned_only`: and that holds
+    a KEEP file), and those passed over."""
+    return checkpoint_files.find_valid(os.path.join(run_dir, "checkpoints"), pinned_only)
 
 
 # ----- the export: diffusers layouts --------------------------------------------------------
@@ -148,6 +155,24 @@ def _read_transformer(path: str) -> dict[str, Tensor]:
     return out
 
 
+def verify_checkpoint(path: str) -> dict:
+    """A checkpoint folder (checkpoints/step-N, or its ema/) as scripts.sample and scripts.eval read
+    it, verified as --resume verifies it (checkpointing/manifest.py): every file step-N's manifest
+    lists, with its size and SHA-256. Returns the manifest; a ValueError names the first file that
+    does not match, before any model loads."""
+    folder = os.path.normpath(path)
+    if not os.path.isdir(folder):
+        raise ValueError(f"--checkpoint {path!r} is not a folder")
+    root = folder
+    if os.path.basename(folder) == EMA_DIR and not os.path.isfile(os.path.join(folder, checkpoint_files.MANIFEST)):
+        root = os.path.dirname(folder)  # ema/ is listed in its checkpoint's manifest
+    try:
+        return checkpoint_files.read_manifest(root)
+    except ValueError as e:
+        raise ValueError(f"--checkpoint {path!r}: {e}; a checkpoint whose bytes are not those its run wrote is not "
+                         f"read (another checkpoints/step-N folder of the run, or its ema/)") from None
+
+
 def load_trained_weights(adapter: "DiTAdapter", path: str) -> None:
     """Sampling from a checkpoint or its ema/ (scripts/sample.py --checkpoint): LoRA through
     diffusers' own loader, a full fine-tune into the transformer (cast to its dtype)."""
@@ -198,8 +223,9 @@ def _state_tensors(trainer) -> dict[str, Tensor]:
     out = {f"model.{n}": params[n].detach() for n in trainer.names}
     if trainer.ema is not None:
         out.update({f"ema.{n}": e for n, e in zip(trainer.names, trainer.ema)})
-    if trainer.old is not None:  # DiffusionNFT's old policy: what the generators sample with
-        out.update({f"{OLD}{n}": t for n, t in zip(trainer.names, trainer.old.tensors)})
+    sampled = trainer.sampled_copy()  # what the generators sample with, kept apart from the weights
+    if sampled is not None:
+        out.update({f"{SAMPLED}{n}": t for n, t in sampled.items()})
     out.update(_optimizer_tensors(trainer)[1])
     if trainer.codec is not None:  # whole tensors, the same on every trainer rank
         out.update({f"{RESIDUAL}{n}": r for n, r in trainer.codec.residual.items()})
@@ -230,8 +256,9 @@ def _load_state(path: str, trainer) -> None:
     targets = {f"model.{n}": params[n].detach() for n in trainer.names}
     if trainer.ema is not None and any(k.startswith("ema.") for k in saved):
         targets.update({f"ema.{n}": e for n, e in zip(trainer.names, trainer.ema)})
-    if trainer.old is not None:
-        targets.update({f"{OLD}{n}": t for n, t in zip(trainer.names, trainer.old.tensors)})
+    sampled = trainer.sampled_copy()
+    if sampled is not None:
+        targets.update({f"{SAMPLED}{n}": t for n, t in sampled.items()})
     has_optim = any(k.startswith("optim.") for k in saved)
     osd, flat = _optimizer_tensors(trainer, for_load=True) if has_optim else ({}, {})
     targets.update(flat)
@@ -249,42 +276,97 @@ def save_run_state(out_dir: str, done: int, trainer, adapter, running, lora_conf
     one with `write` adds the small files, commits the folder atomically and prunes to the newest
     `keep`. `extra` joins trainer_state.pt; `stale` is the TCSS generators' version (done - 1)."""
     path = checkpoint_dir(out_dir, done)
-    tmp = checkpoint_files.temporary(path)
-    if write:
-        checkpoint_files.begin(path)
-    _barrier(trainer.group)  # the empty folder exists before any rank writes into it
-    dcp.save(_state_tensors(trainer), storage_writer=HuggingFaceStorageWriter(os.path.join(tmp, STATE_DIR),
-                                                                            save_distributed=True),
-             process_group=trainer.group)
-    params = dict(trainer.adapter.transformer.named_parameters())
-    dtype = EXPORT_DTYPES[export_dtype]
-    export_weights(tmp, adapter, {n: params[n] for n in trainer.names}, lora=trainer.lora, dtype=dtype,
-                   group=trainer.group, write=write, lora_config=lora_config)
-    if trainer.ema is not None:
-        export_weights(os.path.join(tmp, EMA_DIR), adapter, dict(zip(trainer.names, trainer.ema)), lora=trainer.lora,
-                       dtype=dtype, group=trainer.group, write=write, lora_config=lora_config)
-    _barrier(trainer.group)  # every rank's files are complete before the manifest lists them
-    if not write:
-        return None
-    state = {"num_updates": trainer.num_updates, "running_std": running.state_dict(),
-             "torch_rng": torch.get_rng_state(), "step": done, **(extra or {})}
-    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-    if stale is not None:
-        save_file({n: t.detach().cpu().contiguous() for n, t in stale.items()}, os.path.join(tmp, STALE_FILE))
-    with open(os.path.join(tmp, "state.json"), "w") as f:
-        json.dump({"step": done, "version": done, "lora": trainer.lora}, f)
-    if config is not None:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
+    with _naming_a_full_disk(path, out_dir):  # ENOSPC named with the folder and its free space
+        tmp = checkpoint_files.temporary(path)
+        if write:
+            checkpoint_files.begin(path)
+        _barrier(trainer.group)  # the empty folder exists before any rank writes into it
+        dcp.save(_state_tensors(trainer), storage_writer=HuggingFaceStorageWriter(os.path.join(tmp, STATE_DIR),
+                                                                                save_distributed=True),
+                 process_group=trainer.group)
+        params = dict(trainer.adapter.transformer.named_parameters())
+        dtype = EXPORT_DTYPES[export_dtype]
+        export_weights(tmp, adapter, {n: params[n] for n in trainer.names}, lora=trainer.lora, dtype=dtype,
+                       group=trainer.group, write=write, lora_config=lora_config)
+        if trainer.ema is not None:
+            export_weights(os.path.join(tmp, EMA_DIR), adapter, dict(zip(trainer.names, trainer.ema)),
+                           lora=trainer.lora, dtype=dtype, group=trainer.group, write=write, lora_config=lora_config)
+        _barrier(trainer.group)  # every rank's files are complete before the manifest lists them
+        if not write:
+            return None
+        state = {"num_updates": trainer.num_updates, "running_std": running.state_dict(),
+                 "torch_rng": torch.get_rng_state(), "step": done, **(extra or {})}
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        if stale is not None:
+            save_file({n: t.detach().cpu().contiguous() for n, t in stale.items()}, os.path.join(tmp, STALE_FILE))
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump({"step": done, "version": done, "lora": trainer.lora}, f)
+        if config is not None:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(config, f, indent=2)
 
-    def crash_hook(folder: str) -> None:
-        if os.environ.get(KILL_ENV, "").strip() == str(done):
-            os.kill(os.getpid(), signal.SIGKILL)
+        def crash_hook(folder: str) -> None:
+            if os.environ.get(KILL_ENV, "").strip() == str(done):
+                os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoint_files.commit(path, {"step": done, "version": done, "lora": trainer.lora, "config": config},
-                            before_manifest=crash_hook)
-    checkpoint_files.prune(os.path.dirname(path), keep, protect=(path,))
-    return path
+        checkpoint_files.commit(path, {"step": done, "version": done, "lora": trainer.lora, "config": config},
+                                before_manifest=crash_hook)
+        checkpoint_files.prune(os.path.dirname(path), keep, protect=(path,))
+        return path
+
+
+class DiskFull(RunAbort):
+    """A checkpoint write ran out of space: the run stops (exit 3) naming the folder and its free
+    space, not with the bare CheckpointException DCP raises (the previous checkpoints are whole)."""
+
+
+def no_space(exc: BaseException) -> bool:
+    """`exc`, what caused it or a rank's failure it carries (DCP's CheckpointException) is a full
+    disk or quota: ENOSPC or EDQUOT, as an OSError or in the message of a writer that reports the
+    OS's error as text (safetensors, torch.save)."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(e) for text in ("No space left on device", "Disk quota exceeded", "StorageFull")):
+            return True
+        if isinstance(e, CheckpointException):
+            todo += [failure[0] for failure in e.failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
+@contextlib.contextmanager
+def _naming_a_full_disk(path: str, out_dir: str):
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        if not no_space(e):
+            raise
+        try:
+            usage = shutil.disk_usage(out_dir)
+            room = f"{_size(usage.free)} free of {_size(usage.total)} on its file system"
+        except OSError:
+            room = "its free space unknown"
+        earlier = [p for _, p in checkpoint_files.step_dirs(os.path.dirname(path)) if p != path]
+        then = (f"continue from {os.path.basename(earlier[0])} (it and the earlier checkpoints are whole) with "
+                f"--resume {out_dir} --output-dir {out_dir}") if earlier else "launch again (no checkpoint came before)"
+        raise DiskFull(f"checkpoint {os.path.basename(path)}: no space left on device (ENOSPC) writing into "
+                       f"{os.path.dirname(path)}, {room}: free space (the unfinished "
+                       f"{os.path.basename(checkpoint_files.temporary(path))} can go), then {then}") from e
+
+
+def _size(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _barrier(group) -> None:
@@ -296,8 +378,8 @@ def restore_run_state(path: str, adapter, trainer, running, use_stale: bool = Fa
     """Every rank installs checkpoint `path`'s weights from state/ (with `use_stale`, the TCSS
     generators' version N-1 on top); trainers load their own shards of the weights, the optimizer
     and the EMA. Returns trainer_state.pt (its "step" is the checkpoint's)."""
-    if trainer is None:  # a generator installs what it samples with: DiffusionNFT's old policy, else the weights
-        install_weights(adapter.transformer, read_state(path, OLD, missing_ok=True) or read_state(path, "model."))
+    if trainer is None:  # a generator installs what it samples with: a sampled copy if any, else the weights
+        install_weights(adapter.transformer, read_state(path, SAMPLED, missing_ok=True) or read_state(path, "model."))
     else:
         _load_state(path, trainer)
     stale_path = os.path.join(path, STALE_FILE)

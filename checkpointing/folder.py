@@ -30,8 +30,8 @@ import socket
 import time
 from dataclasses import dataclass
 
-from checkpointing import checkpoint, lock
-from checkpointing import files as checkpoint_files
+from checkpointing import checkpoint, digests, lock
+from checkpointing import manifest as checkpoint_files
 from checkpointing import runrecord
 
 RUN_ENTRIES = ("config.json", "metrics.jsonl", "tb", "trace", "checkpoints", "samples", "eval", "discarded")
@@ -52,14 +52,21 @@ class ResumePoint:
     has_stale: bool  # written with --tcss: holds the generators' version step - 1
     changed: dict  # {setting: [the checkpoint's, this run's]}: what config.json's history records
     anyway: tuple[str, ...] = ()  # the differences --resume-anyway let through
+    notes: tuple[str, ...] = ()  # what rank 0 says about the resume (a moved model folder)
 
 
 def _entries(folder: str) -> list[str]:
     return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
 
 
-def _same(a: str, b: str) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
+def same_folder(a: str, b: str) -> bool:
+    """`a` and `b` are one folder: the same (device, inode), whatever names lead there (a symlink,
+    a bind mount or another mount of it, which realpath cannot see through)."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def check_writable(out: str, steps: int) -> None:
@@ -104,17 +111,19 @@ def _limit(path: str, name: str, default: int) -> int:
         return default
 
 
-def check(cfg, prompts_sha256: str | None = None, not_carried=frozenset()) -> ResumePoint | None:
+def check(cfg, prompts_sha256: str | None = None, not_carried=frozenset(), model_digest: dict | None = None
+          ) -> ResumePoint | None:
     """Every error about the run folder and --resume, before anything loads (ValueError naming it).
     `prompts_sha256`: the training prompts as this run read them; `not_carried`: settings a resume
-    neither compares nor records (where the run goes, the test hooks)."""
+    neither compares nor records (where the run goes, the test hooks); `model_digest`: the model
+    folder's bytes (checkpointing/digests.py)."""
     o = cfg.output
     out = o.output_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--output-dir {out!r} is a file, not a folder")
     check_writable(out, cfg.rl.steps)
     lock.check(out, o.overwrite)  # a live run's folder: refused on every rank alike
-    resume = _resume_point(cfg, prompts_sha256, not_carried) if o.resume else None
+    resume = _resume_point(cfg, prompts_sha256, not_carried, model_digest) if o.resume else None
     held = [e for e in _entries(out) if e in RUN_ENTRIES]  # a launcher's logs beside them do not count
     if held and not o.overwrite and not (resume and resume.same_folder):
         listed = ", ".join(held[:5]) + (" ..." if len(held) > 5 else "")
@@ -122,21 +131,47 @@ def check(cfg, prompts_sha256: str | None = None, not_carried=frozenset()) -> Re
                          f"--output-dir {out}, start over with --overwrite (removes its run files), or choose "
                          f"another folder")
     if o.overwrite and resume and resume.same_folder:
-        raise ValueError(f"--overwrite would delete the checkpoints --resume {o.resume!r} continues from")
+        raise ValueError(f"--overwrite would delete the checkpoints --resume {o.resume!r} continues from"
+                         + ("" if os.path.realpath(o.resume) == os.path.realpath(out) else
+                            f" ({o.resume!r} and --output-dir {out!r} are one folder)"))
+    if resume and resume.same_folder:
+        check_metrics(out)  # cut back and replayed once the model has loaded: its bytes are checked now
     return resume
 
 
-def _resume_point(cfg, prompts_sha256: str | None, not_carried) -> ResumePoint:
+def _source(resume_dir: str, output_dir: str) -> tuple[str | None, str | None]:
+    """(why each unpinned checkpoint is passed over, the refusal when none is pinned) when another
+    run lives in the folder --resume reads (it prunes its checkpoints as it goes); (None, None)
+    when no run does, or when it is this run's own folder (whose lock `check` judged)."""
+    if same_folder(resume_dir, output_dir):
+        return None, None
+    kind, record = lock.state(resume_dir)
+    if kind not in ("live", "elsewhere"):
+        return None, None
+    who = lock.describe(record) + (", a host this one cannot check" if kind == "elsewhere" else "")
+    skip = f"not pinned, and the live run in {resume_dir} ({who}) may prune it"
+    refuse = (f"--resume {resume_dir!r} is the folder of a live run, {who}, which prunes its checkpoints as it goes, "
+              f"and none of them is pinned: pin the one to continue from (a file named {checkpoint_files.PIN_FILE} in "
+              f"its folder, e.g. touch {os.path.join(resume_dir, 'checkpoints', 'step-N', checkpoint_files.PIN_FILE)}: "
+              f"never pruned), copy it to a folder of its own, or wait for that run to end")
+    return skip, refuse
+
+
+def _resume_point(cfg, prompts_sha256: str | None, not_carried, model_digest: dict | None = None) -> ResumePoint:
     """The checkpoint --resume continues from, checked against the command and its own run."""
     o = cfg.output
     if not os.path.isdir(o.resume):
         raise ValueError(f"--resume {o.resume!r} is not a folder")
-    found = checkpoint.find_checkpoint(o.resume)
+    skip, refuse = _source(o.resume, o.output_dir)
+    found = checkpoint.find_checkpoint(o.resume, pinned_only=skip)
     if found.path is None:
+        if refuse and any(why == skip for _, why in found.skipped):
+            raise ValueError(refuse)
         why = f": skipped {found.skipped_text()}" if found.skipped else " (no checkpoints/step-N folder)"
         raise ValueError(f"--resume {o.resume!r} holds no valid checkpoint{why}")
     saved, current = found.manifest.get("config") or {}, cfg.to_dict()
-    differences = runrecord.config_differences(saved, current)
+    model_bytes = digests.differences((saved.get("run") or {}).get("model_digest"), model_digest)
+    differences = runrecord.config_differences(saved, current, model_bytes)
     if differences:
         raise ValueError(f"--resume {found.path}: the checkpoint was trained with " + ", ".join(differences)
                          + "; these change what its weights mean")
@@ -144,15 +179,43 @@ def _resume_point(cfg, prompts_sha256: str | None, not_carried) -> ResumePoint:
         raise ValueError(f"--steps {cfg.rl.steps} is not above the step of the checkpoint {found.path} "
                          f"({found.step}): there is nothing to train; raise --steps")
     changed = runrecord.changes(saved, current, not_carried)
-    anyway = runrecord.needs_anyway(changed, saved.get("run") or {}, prompts_sha256)
+    anyway = runrecord.needs_anyway(changed, saved.get("run") or {}, prompts_sha256, same_model=model_bytes == [])
     other = runrecord.foreign(o.resume, saved)
     if (anyway or other) and not getattr(o, "resume_anyway", False):
         why = [f"it was not written by the run in {o.resume} ({'; '.join(other)})"] if other else []
         why += [f"this run changes {', '.join(anyway)}"] if anyway else []
         raise ValueError(f"--resume {found.path}: {' and '.join(why)}; resume with --resume-anyway to go on with "
                          f"this run's settings (config.json records the change at step {found.step})")
-    return ResumePoint(found.path, found.step, tuple(found.skipped), _same(o.resume, o.output_dir), saved,
-                       checkpoint.STALE_FILE in found.manifest.get("files", {}), changed, tuple(other + anyway))
+    notes = ()
+    if model_bytes == [] and "model.model_path" in changed:
+        was, now = changed["model.model_path"]
+        notes = (f"--model-path {now} holds the bytes the checkpoint was trained on, in {was} then (a moved or "
+                 f"copied folder): going on",)
+    return ResumePoint(found.path, found.step, tuple(found.skipped), same_folder(o.resume, o.output_dir), saved,
+                       checkpoint.STALE_FILE in found.manifest.get("files", {}), changed, tuple(other + anyway), notes)
+
+
+def check_metrics(out: str) -> None:
+    """A resume in place reads the folder's metrics.jsonl: every line UTF-8 JSON, each whole row
+    an object with an integer step (a torn last line of a killed run is set aside, not an error).
+    ValueError naming the file and line otherwise, before the model loads."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: line {n} holds the byte 0x{raw[e.start]:02x}, not UTF-8 ({e.reason}); a run "
+                                 f"writes it as UTF-8 JSON: repair the line or remove it, then resume") from None
+            try:
+                row = json.loads(line) if line.strip() else {"step": 0}
+            except ValueError:
+                continue  # a torn line: cut_back sets it aside
+            if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+                raise ValueError(f"{path}: line {n} is not a row this program wrote (an object with an integer "
+                                 f"'step'): repair the line or remove it, then resume")
 
 
 def prepare(cfg, resume: ResumePoint | None, digests: dict, say=print) -> dict:
@@ -177,6 +240,8 @@ def prepare(cfg, resume: ResumePoint | None, digests: dict, say=print) -> dict:
             say(f"resume: skipped {path}: {why}")
         for why in resume.anyway:
             say(f"resume: --resume-anyway: {why}")
+        for note in resume.notes:
+            say(f"resume: {note}")
         say(f"resume: continuing from {resume.path} (step {resume.step})")
         record = runrecord.continued_record(resume.config.get("run") or {}, digests, resume.step, resume.path,
                                             resume.changed, list(resume.anyway))

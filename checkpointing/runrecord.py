@@ -1,5 +1,5 @@
 """What a checkpoint is of: the run record that config.json and every checkpoint carry, and what a
-resume may change (README, "Reliability").
+resume may change (docs/reliability.md).
 
 The record (`run` in config.json and in each checkpoint's config): the run's id, drawn when it
 starts and kept by every resume; the SHA-256 of the prompt files as it read them; and `resumes`,
@@ -16,7 +16,7 @@ A resume compares three things, all before anything loads:
 - the checkpoint against the run in the folder it comes from (that folder's config.json): one
   written by another run (another run id, or without ids another seed or prompt file) needs
   --resume-anyway;
-- the checkpoint's own step against its folder's name (checkpointing/files.py).
+- the checkpoint's own step against its folder's name (checkpointing/manifest.py).
 Pure dict and file code: no torch, no process group.
 """
 from __future__ import annotations
@@ -57,10 +57,20 @@ def _meaning(cfg: dict, section: str, name: str):
     return value
 
 
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """The settings that change the weights' meaning and differ: ['--lora-rank 4 (this run: 8)', ...]."""
+def config_differences(saved: dict, current: dict, model_bytes: list[str] | None = None) -> list[str]:
+    """The settings that change the weights' meaning and differ: ['--lora-rank 4 (this run: 8)', ...].
+    `model_bytes`: the base model's files whose bytes differ from the checkpoint's record
+    (checkpointing/digests.differences; [] the same bytes): they, not the folder's path, decide;
+    None where there is no record to compare (a preset, an older run): the path stands for them."""
     out = []
     for section, name, flag_name in WEIGHT_MEANING:
+        if name == "model_path" and model_bytes is not None:
+            if model_bytes:
+                more = f" and {len(model_bytes) - 3} more" if len(model_bytes) > 3 else ""
+                shown = ", ".join(model_bytes[:3]) + more
+                out.append(f"other base model bytes: {shown} in --model-path {current['model']['model_path']} since "
+                           f"the checkpoint")
+            continue
         a, b = _meaning(saved, section, name), _meaning(current, section, name)
         if a != b:
             out.append(f"{flag_name} {a} (this run: {b})")
@@ -90,9 +100,11 @@ def free(key: str) -> bool:
     return key in FREE or key.startswith("output.") or (key.startswith("topology.") and key not in TRAINING_TOPOLOGY)
 
 
-def needs_anyway(changed: dict, saved_run: dict, prompts_sha256: str | None) -> list[str]:
-    """The changes only --resume-anyway allows, named: ['--seed 1 (this run: 0)', ...]."""
-    out = [f"{flag(k)} {old} (this run: {new})" for k, (old, new) in changed.items() if not free(k)]
+def needs_anyway(changed: dict, saved_run: dict, prompts_sha256: str | None, same_model: bool = False) -> list[str]:
+    """The changes only --resume-anyway allows, named: ['--seed 1 (this run: 0)', ...].
+    `same_model`: the model folder holds the checkpoint's bytes, wherever it is now."""
+    skip = {"model.model_path"} if same_model else set()
+    out = [f"{flag(k)} {old} (this run: {new})" for k, (old, new) in changed.items() if not free(k) and k not in skip]
     then = saved_run.get("prompts_sha256")
     if then and prompts_sha256:
         if then != prompts_sha256:

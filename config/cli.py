@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from checkpointing import files as checkpoint_files
+from checkpointing import manifest as checkpoint_files
 from config import files
 from config.schema import FLAGS, NOT_CARRIED, SECTIONS, RunConfig
 

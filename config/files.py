@@ -30,6 +30,8 @@ import subprocess
 import sys
 import tomllib
 
+from prompts.sets import check_regular
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "recipe"
 PROVENANCE = "provenance"
@@ -37,7 +39,7 @@ RUN = "run"
 RECIPE_KEYS = {"name": str, "summary": str, "source": str, "gpu": str, "gpus": int, "model_config": str,
                "needs": dict, "notes": str}
 """What a [recipe] table may hold: name, one-line summary, the published setting it follows, the GPU
-kind and count it is sized for (`runtime/memory.py` checks the fit), the released config under
+kind and count it is sized for (`runtime/budget.py` checks the fit), the released config under
 models/configs/ it runs, the flags it needs, free notes."""
 PACKAGES = ("torch", "diffusers", "transformers", "peft", "accelerate", "safetensors", "tokenizers",
             "huggingface_hub", "numpy", "pillow", "tensorboard")
@@ -45,8 +47,9 @@ PACKAGES = ("torch", "diffusers", "transformers", "peft", "accelerate", "safeten
 
 def read_config_file(path: str) -> dict:
     """One .toml recipe or .json config as a dict; a clear ValueError naming the file otherwise."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ValueError(f"--config {path!r}: no such file")
+    check_regular(path, "--config")  # a FIFO would block every rank
     try:
         if path.endswith(".toml"):
             with open(path, "rb") as f:

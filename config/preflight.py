@@ -20,20 +20,19 @@ from checkpointing import checkpoint
 from checkpointing.checkpoint import EXPORT_DTYPES
 from config.schema import eval_scorers
 from models import ATTENTION_BACKENDS, adapter_class, check_attention
-from models.base import check_model_folder, preset_defaults, read_folder_defaults
+from models.adapter import check_model_folder, preset_defaults, read_folder_defaults
 from models.released import released_config
 from parallel import compress
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
 from parallel.stepplan import DISPATCHES
 from parallel.topology import SHARDINGS
 from prompts import embeds
-from prompts import shapes
-from rl import algorithms, old_policy, sampler
+from prompts import resolutions
+from prompts.sets import check_regular
+from rl import algorithms, sampler
 from rl.advantages import COMBINES, STD_MODES
 from rl.loss import KL_FORMS
-from rl.timesteps import trained_timesteps
-from rl.window import WINDOW_SCHEDULES, WindowSchedule
-from rewards import parse_reward_spec, reward_class, reward_model_paths
+from rewards import parse_reward_spec, prompt_checker, reward_model_paths
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -139,11 +138,6 @@ def check_numbers(cfg) -> None:
     _need(_finite(t.stop_grace_s) and 1 <= t.stop_grace_s <= 86400, "--stop-grace-s", t.stop_grace_s,
           "in [1, 86400] seconds")
     _need(cfg.output.keep_checkpoints >= 0, "--keep-checkpoints", cfg.output.keep_checkpoints, ">= 0 (0 = keep all)")
-    _need(s.window_size >= 1, "--window-size", s.window_size, ">= 1")
-    _need(s.window_stride >= 0, "--window-stride", s.window_stride, ">= 0 (0 = a fixed window)")
-    _need(s.window_interval >= 1, "--window-interval", s.window_interval, ">= 1")
-    _need(_finite(rl.nft_beta) and rl.nft_beta > 0, "--nft-beta", rl.nft_beta, "a finite number > 0")
-    _need(rl.old_policy_interval >= 1, "--old-policy-interval", rl.old_policy_interval, ">= 1")
 
 
 def _choice(flag: str, value, choices) -> None:
@@ -152,14 +146,11 @@ def _choice(flag: str, value, choices) -> None:
 
 
 def check_choices(cfg) -> None:
-    """Every flag with a set of values (the algorithm's name: rl.algorithms)."""
+    """Every flag with a set of values (the algorithm's name and the algorithms' own options: rl.algorithms)."""
     rl, s, t, o = cfg.rl, cfg.sampling, cfg.topology, cfg.output
     _choice("--std-mode", rl.std_mode, STD_MODES)
     _choice("--reward-combine", rl.reward_combine, COMBINES)
     _choice("--kl-form", rl.kl_form, KL_FORMS)
-    if rl.std_mode == "global" and algorithms.algorithm(rl.algorithm).forward_process:
-        raise ValueError(f"--std-mode global scales the gradient of a loss that is linear in the advantages' scale; "
-                         f"--algorithm {rl.algorithm}'s loss is not: use --std-mode group or running")
     if rl.reward_combine != "rewards" and rl.std_mode != "group":
         raise ValueError(f"--std-mode {rl.std_mode} normalises the combined reward; --reward-combine "
                          f"{rl.reward_combine} normalises each reward by its group's std: use --std-mode group")
@@ -176,8 +167,6 @@ def check_choices(cfg) -> None:
     _choice("--dispatch", t.dispatch, DISPATCHES)
     _choice("--export-dtype", o.export_dtype, EXPORT_DTYPES)
     _choice("--ode-solver", s.ode_solver, sampler.ODE_SOLVERS)
-    _choice("--window-schedule", s.window_schedule, WINDOW_SCHEDULES)
-    old_policy.schedule(rl.old_policy_decay)
     compress.parse(t.publish_compression)
     m = cfg.model
     if m.dtype == "float16":  # every run trains
@@ -264,6 +253,8 @@ def check_folder_files(path: str) -> None:
                 os.stat(full)
             except OSError as e:
                 raise ValueError(f"{full}: cannot be read ({e.strerror})") from None
+            if name in FOLDER_JSON or name.endswith(".safetensors"):
+                check_regular(full, "model file")  # a FIFO would block the reader
             if name in FOLDER_JSON:
                 _read_json(full)
             elif name.endswith(".safetensors"):
@@ -306,51 +297,46 @@ def check_model(cfg, prompts=(), released: str | None = None) -> None:
     height = s.height if s.height is not None else defaults.height
     width = s.width if s.width is not None else defaults.width
     frames = s.num_frames if s.num_frames is not None else defaults.num_frames
+    steps = s.sample_steps if s.sample_steps is not None else defaults.num_steps
+    shift = _shift_config(cls, m.model_path, defaults, s.sde_type)
     try:
         cls.check_size(geometry, height, width, frames)
+        _check_shift(cls, geometry, shift, (height, width, frames), steps)
     except ValueError as e:
         raise ValueError(f"--height/--width/--num-frames: {e}") from None
-    _check_prompt_shapes(cls, geometry, (height, width, frames), prompts)
-    steps = s.sample_steps if s.sample_steps is not None else defaults.num_steps
-    if s.sde_window is not None and not s.sde_window[1] <= steps:
-        raise ValueError(f"--sde-window {s.sde_window[0]}:{s.sde_window[1]} ends after the {steps} sampling steps")
-    if cfg.rl.algorithm == "mixgrpo":
-        check_window(window_schedule(cfg, steps), cfg.rl.steps)
+    _check_prompt_shapes(cls, geometry, (height, width, frames), prompts, shift, steps)
     noise = s.noise_level if s.noise_level is not None else (
         defaults.dance_eta if s.sde_type == "dance" else defaults.noise_level)
     if s.sde_type == "cps" and not 0 <= noise <= 1:
         raise ValueError(f"--noise-level {noise} must be in [0, 1] for --sde-type cps (sin(a pi / 2) of the step)")
-    rl, algo = cfg.rl, algorithms.algorithm(cfg.rl.algorithm)
-    if rl.beta > 0 and s.sde_type == "cps" and not algo.sliding_window and steps - 1 in trained_timesteps(
-            algo.timesteps, steps, rl.timestep_fraction, seed=0, step=0, sample_id=0, window=s.sde_window):
-        raise ValueError(f"--beta {rl.beta} with --sde-type cps trains the last step, whose std is 0, and the KL "
-                         f"divides by it: use --timestep-fraction below 1 or an --sde-window that ends before "
-                         f"step {steps - 1}")
+    algorithms.algorithm(cfg.rl.algorithm).check_steps(cfg, steps)  # what the algorithm asks of the K steps
 
 
-def window_schedule(cfg, num_steps: int) -> WindowSchedule:
-    """MixGRPO's sliding window of a run of `num_steps` denoising steps (a ValueError for fewer than 3)."""
-    s = cfg.sampling
-    return WindowSchedule(s.window_size, s.window_stride, s.window_interval, num_steps, s.window_schedule, cfg.seed)
+def _shift_config(cls, model_path: str | None, defaults, sde_type: str) -> dict | None:
+    """The scheduler config of a family whose timesteps shift by the sample's size (the folder's
+    or, for a preset or a released config, the family's own); None where they do not."""
+    if defaults.shift != "dynamic" or sde_type == "dance":
+        return None
+    if model_path:
+        return _read_json(os.path.join(model_path, "scheduler", "scheduler_config.json"))
+    return dict(cls.scheduler().config)
 
 
-def check_window(window: WindowSchedule, steps: int) -> None:
-    """No training step of the run has an empty window (MixGRPO reaches one at start K-2 and trains
-    nothing there)."""
-    empty = window.first_empty(range(steps))
-    if empty is not None:
-        raise ValueError(f"the MixGRPO window is empty at step {empty} (it starts at step {window.start(empty)} "
-                         f"of the {window.num_steps} sampling steps, and MixGRPO trains only steps before "
-                         f"K - 2 = {window.last}): use fewer --steps, a larger --window-interval or more "
-                         f"--sample-steps")
+def _check_shift(cls, geometry: dict, shift: dict | None, shape: tuple, steps: int) -> None:
+    """A sample of `shape` gets a schedule the run can sample with (rl.sampler.check_schedule)."""
+    if shift is not None:
+        height, width, frames = shape
+        sampler.check_schedule(shift, steps, cls.image_tokens(geometry, height, width, frames))
 
 
-def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
+def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts, shift: dict | None = None,
+                         steps: int = 1) -> None:
     """Each distinct shape a .jsonl prompt gives itself ((file, record) pairs), as the loaded
-    model's check would (prompts.shapes.check_shapes), from the size factors alone."""
+    model's check would (prompts.resolutions.check_shapes), from the size factors alone, and its
+    timestep schedule (`shift`: the scheduler config of a family that shifts by the size)."""
     seen = {default}
     for path, r in prompts:
-        shape = shapes.record_shape(r, default)
+        shape = resolutions.record_shape(r, default)
         if shape in seen:
             continue
         seen.add(shape)
@@ -359,16 +345,17 @@ def _check_prompt_shapes(cls, geometry: dict, default: tuple, prompts) -> None:
             raise ValueError(f"{where}: 'frames' {r.metadata['frames']} given for {cls.family!r}, an image model")
         try:
             cls.check_size(geometry, *shape)
+            _check_shift(cls, geometry, shift, shape, steps)
         except ValueError as e:
-            raise ValueError(f"{where}: prompt shape {shapes.shape_name(shape)}: {e}") from None
+            raise ValueError(f"{where}: prompt shape {resolutions.shape_name(shape)}: {e}") from None
 
 
 def check_prompts(cfg, prompt_sets) -> None:
     """Every training (and evaluated) prompt is one each reward (and each --eval-scorer, of the
     evaluated ones) can score: a grammar reward such as shapes fails here, naming the file, line and
     prompt, not at step 0. `prompt_sets`: (path, records) as the run read them."""
-    checkers = [reward_class(parse_reward_spec(spec)[0]) for spec in cfg.rl.reward]
-    scorers = [reward_class(parse_reward_spec(spec)[0]) for spec in eval_scorers(cfg.output.eval_scorer)]
+    checkers = [c for c in map(prompt_checker, cfg.rl.reward) if c is not None]
+    scorers = [c for c in map(prompt_checker, eval_scorers(cfg.output.eval_scorer)) if c is not None]
     for path, records in prompt_sets:
         for n, record in enumerate(records, 1):
             for cls in checkers + (scorers if path == cfg.output.eval_prompts else []):
@@ -390,7 +377,8 @@ def check_run(cfg, prompt_sets, released: str | None = None) -> None:
         check_reward_models(cfg)
     check_prompts(cfg, prompt_sets)
     if cfg.model.prompt_embeds:
-        embeds.check(cfg.model.prompt_embeds, cfg.model.model, embedded_prompts(cfg, prompt_sets))
+        encoder = None if released else embeds.encoder_record(cfg.model.model_path, cfg.model.preset, cfg.seed)
+        embeds.check(cfg.model.prompt_embeds, cfg.model.model, embedded_prompts(cfg, prompt_sets), encoder)
 
 
 def embedded_prompts(cfg, prompt_sets) -> list[str]:

@@ -10,11 +10,12 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from checkpointing.files import write_json_atomic
+from checkpointing.manifest import write_json_atomic
 from config import files
 from models import model_names
-from rewards import parse_reward_spec
+from rewards import judge_paths, parse_reward_spec, reward_model_paths, reward_scales
 from rl import algorithms
+from rl.loss import KL_FORMS
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,9 +89,17 @@ class SamplingArgs:
 class RLConfig:
     prompts: str | None = _f(None, "prompt file (.txt one per line, or .jsonl with a 'prompt' field); "
                                    "default: data/shapes_train.txt")
-    reward: list = _f([], "reward NAME[:WEIGHT], or http://HOST:PORT/NAME[:WEIGHT] for a reward scored by a "
-                          "reward service (python -m scripts.reward_server), repeatable (default: shapes:1.0)",
+    reward: list = _f([], "reward NAME[:WEIGHT] (registered), module.path:function[:WEIGHT] or "
+                          "file.py:function[:WEIGHT] (your own), or [PROTOCOL+]http://HOST:PORT/NAME[:WEIGHT] for a "
+                          "reward service (protocols: digenrl, flow_grpo, verl_omni, openai; rewards/README.md), "
+                          "repeatable (default: shapes:1.0)",
                   action="append", metavar="NAME[:WEIGHT]")
+    reward_scale: list = _f([], "NAME=FACTOR: multiply a reward's scores before they are logged and combined, to "
+                                "use a peer's unit (jpeg_compressibility=0.002 is Flow-GRPO's -kB/500), repeatable",
+                        action="append", metavar="NAME=FACTOR")
+    reward_judge: list = _f([], "NAME=FILE: the judge file (TOML: model, template, score rule) of an "
+                                "openai+http://.../NAME reward, a VLM judge (rewards/judge.py), repeatable",
+                        action="append", metavar="NAME=FILE")
     reward_timeout_s: float = _f(60.0, "a reward service must return a fragment's scores within this many seconds "
                                        "of its sending, retries included (a restart within it loses no sample); "
                                        "then the run stops, naming the URL and its answer")
@@ -102,19 +111,14 @@ class RLConfig:
     prompts_per_step: int = _f(8, "B: prompts (groups) per step")
     group_size: int = _f(8, "G: samples per prompt")
     micro_batch: int = _f(8, "samples per forward pass, in generation and in training")
-    algorithm: str = _f("flow_grpo", "RL algorithm: flow_grpo (trains the first int(frac*K) steps in order), "
-                                     "dance_grpo (a random int(frac*(K-1)) of the steps before the last per sample; "
-                                     "Bessel std + 1e-8), flow_grpo_fast (SDE and training only inside --sde-window; "
-                                     "old spelling: window), mixgrpo (SDE and training in a window that slides with "
-                                     "the step: --window-*), nft (DiffusionNFT: ODE rollout with the old policy, a "
-                                     "flow-matching loss on the clean samples)")
+    algorithm: str = _f(algorithms.DEFAULT, f"RL algorithm (rl/algorithms/): {algorithms.describe()}")
     timestep_fraction: float = _f(0.99, "fraction of the K steps trained (Flow-GRPO 0.99, DanceGRPO 0.6)")
     clip_range: float = _f(1e-4, "PPO clip range eps of the importance ratio")
     adv_clip: float = _f(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
     beta: float = _f(0.0, "KL coefficient to the reference policy (0 disables the reference forward)")
-    kl_form: str = _f("flow_grpo", "the KL term: flow_grpo (mean (mu - mu_ref)^2 / (2 std_dev_t^2), Flow-GRPO's, "
-                                   "std_dev_t without sqrt(-dt)) or transition (the exact KL of the two Gaussian "
-                                   "steps: Flow-GRPO's divided by sigma - sigma' for sde)")
+    kl_form: str = _f(KL_FORMS[0], f"the KL term: {KL_FORMS[0]} (mean (mu - mu_ref)^2 / (2 std_dev_t^2), "
+                                   "Flow-GRPO's, std_dev_t without sqrt(-dt)) or transition (the exact KL of the two "
+                                   "Gaussian steps: Flow-GRPO's divided by sigma - sigma' for sde)")
     std_mode: str = _f("group", "advantage std: group (the group's own), global (of the whole step's rewards, exact "
                                 "while streaming: Flow-GRPO's default, which its recipes set) or running (of the "
                                 "previous steps)")
@@ -135,6 +139,17 @@ class RLConfig:
                                                 "FLAT:UPRATE:UPHOLD (d=0 before FLAT, then "
                                                 "min((u-FLAT) UPRATE, UPHOLD))")
     old_policy_interval: int = _f(1, "DiffusionNFT: optimizer updates between soft updates of the old policy")
+    kl_mask_threshold: float = _f(1e-5, "Flow-DPPO: an update is dropped where the KL D_t between the current and the "
+                                        "rollout transition reaches this and the ratio moves away from the rollout "
+                                        "(VeRL-Omni: 1e-5)")
+    add_kl_coefficient: bool = _f(True, "Flow-DPPO: D_t divides the squared mean drift by 2 (std_dev_t sqrt(-dt))^2, "
+                                        "the step's SDE variance (VeRL-Omni's add_kl_coefficient); off: by 2")
+
+    def reward_options(self) -> dict:
+        """What a RewardSet takes of these flags beside the specs, the device and the dtype: the model
+        folders, the services' deadline, the judge files and the scales."""
+        return dict(model_paths=reward_model_paths(self.reward_model), timeout_s=self.reward_timeout_s,
+                    judges=judge_paths(self.reward_judge), scales=reward_scales(self.reward_scale))
 
 
 @dataclass

@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpointing import folder
+from checkpointing.digests import folder_digest
 from config import preflight
-from config.schema import NOT_CARRIED, RunConfig
+from config.schema import NOT_CARRIED, RunConfig, eval_scorers
 from models import adapter_class, model_names
 from parallel.stepplan import ShapeTable, StepPlan, plan_step
 from parallel.topology import Topology
 from prompts.sets import PromptRecord, PromptSet, eval_records, read_prompt_file
-from rewards import VIDEO_REWARDS, parse_reward_specs, reward_model_paths, reward_url
+from rewards import (VIDEO_REWARDS, check_reward_options, check_user_rewards, judge_paths, parse_reward_spec,
+                     parse_reward_specs,
+                     reward_model_paths, reward_scales, reward_url, service_token)
 from rl import algorithms
 
 
@@ -58,11 +61,15 @@ class RunFacts:
     eval_sha256: str | None = None
     resume: folder.ResumePoint | None = None
     """--resume: the verified checkpoint the run continues from"""
+    model_digest: dict | None = None
+    """the base model folder's bytes (checkpointing/digests.py); None for a preset"""
 
     @property
     def digests(self) -> dict:
-        """The SHA-256 of the prompt files as read, for config.json's run record."""
-        return {"prompts_sha256": self.prompts.sha256 if self.prompts else None, "eval_prompts_sha256": self.eval_sha256}
+        """The SHA-256 of the prompt files as read and the model folder's digest, for config.json's
+        run record (and every checkpoint's): what a resume compares its own with."""
+        return {"prompts_sha256": self.prompts.sha256 if self.prompts else None,
+                "eval_prompts_sha256": self.eval_sha256, "model_digest": self.model_digest}
 
     @property
     def num_trainers(self) -> int:
@@ -94,21 +101,7 @@ def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> Ru
     topo = Topology.build(world_size, t.mode, t.generators, t.trainers, t.scorers, t.gap_stages)
     preflight.check_numbers(cfg)  # every range, in one place
     preflight.check_choices(cfg)
-    algo = algorithms.algorithm(rl.algorithm)
-    if algo.sliding_window and s.sde_window is not None:
-        raise ValueError(f"--algorithm {algo.name} slides its own window (--window-size, --window-stride, "
-                         f"--window-interval); --sde-window {s.sde_window[0]}:{s.sde_window[1]} fixes one: use "
-                         f"--algorithm flow_grpo_fast for a fixed window")
-    if s.sde_window is not None:
-        start, end = s.sde_window
-        top = s.sample_steps if s.sample_steps is not None else end
-        if not 0 <= start < end <= top:
-            raise ValueError(f"--sde-window {start}:{end} must satisfy 0 <= START < END <= --sample-steps ({top})")
-        if not algo.needs_window:
-            raise ValueError(f"--sde-window {start}:{end} samples ODE steps outside the window, which have no "
-                             f"log-probability to train: use --algorithm flow_grpo_fast (got {rl.algorithm!r})")
-    if algo.needs_window and s.sde_window is None:
-        raise ValueError(f"--algorithm {algo.name} needs --sde-window START:END")
+    algorithms.check(cfg)  # the algorithms' own options, and what the run's algorithm asks of the flags
     if o.debug_slow_rank is not None:
         rank, factor = o.debug_slow_rank
         if not 0 <= rank < world_size or not factor >= 1:
@@ -120,6 +113,12 @@ def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> Ru
         raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
     names = [n for n, _ in parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))]
     check_scorers(o.eval_scorer, names, reward_model_paths(rl.reward_model))
+    scored = [*rl.reward, *eval_scorers(o.eval_scorer)]
+    if any(map(reward_url, scored)):
+        service_token()  # DIGENRL_REWARD_TOKEN_FILE names a readable token, or is unset
+    check_reward_options([parse_reward_spec(spec)[0] for spec in scored], judge_paths(rl.reward_judge),
+                         reward_scales(rl.reward_scale), scored)
+    check_user_rewards(scored, video=adapter_class(cfg.model.model).video)  # a user's function, on a dummy batch
     video_models = [n for n in model_names() if adapter_class(n).video]
     if not adapter_class(cfg.model.model).video and VIDEO_REWARDS & set(names):
         raise ValueError(f"reward(s) {sorted(VIDEO_REWARDS & set(names))} score videos; {cfg.model.model!r} makes "
@@ -132,10 +131,12 @@ def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> Ru
         held_out_sha = read.sha256
         sets.append((o.eval_prompts, read.records[:o.eval_num_prompts]))
     preflight.check_run(cfg, sets, released)  # every other flag, the model folder and sizes, the prompts' shapes and grammar
-    resume = folder.check(cfg, prompts.sha256, NOT_CARRIED)  # the run folder, its lock and --resume
+    model_digest = folder_digest(cfg.model.model_path) if cfg.model.model_path and released is None else None
+    resume = folder.check(cfg, prompts.sha256, NOT_CARRIED, model_digest)  # the run folder, its lock and --resume
     disagg = topo.mode == "disagg"
     return RunFacts(topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
                     train_sharding=t.train_sharding if disagg else t.colocated_sharding,
                     train_micro_batch=t.train_micro_batch or rl.micro_batch, fragment_split=t.fragment_split,
                     lora=cfg.optim.lora_rank > 0, num_prompts=len(prompts.records), log_rank=topo.trainer_ranks[0],
-                    prompts=prompts, eval_records=held_out, eval_sha256=held_out_sha, resume=resume)
+                    prompts=prompts, eval_records=held_out, eval_sha256=held_out_sha, resume=resume,
+                    model_digest=model_digest)

@@ -9,7 +9,7 @@ import diffusers.utils.logging as dlog
 import torch
 import transformers.utils.logging as tlog
 
-from models.base import TEXT_ENCODERS, Conditioning, DiTAdapter, SamplingDefaults, State
+from models.adapter import TEXT_ENCODERS, Conditioning, DiTAdapter, SamplingDefaults, State
 
 
 # name -> "module:class"; imported on first use so one family's import cost is paid only when used.

@@ -6,8 +6,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from torch import Tensor
 
 from models import tiny_text
-from models.base import (MID_SAMPLING, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
-                         check_packed_image_size, to_unit_range)
+from models.adapter import MID_SAMPLING, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, check_packed_image_size, packed_image_tokens, to_unit_range
 
 
 class FluxAdapter(DiTAdapter):
@@ -40,6 +39,10 @@ class FluxAdapter(DiTAdapter):
     @classmethod
     def check_size(cls, geometry, height, width, num_frames=None):
         check_packed_image_size(cls.family, geometry["vae"], height, width, num_frames)
+
+    @classmethod
+    def image_tokens(cls, geometry, height, width, num_frames=None):
+        return packed_image_tokens(geometry["vae"], height, width)
 
     def latent_shape(self, height, width, num_frames=None):
         self.check_size(self.own_geometry(), height, width, num_frames)

@@ -16,8 +16,7 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaModel
 
 from models import tiny_text
-from models.base import (TINY_FRAMES, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
-                         to_unit_range, video_latent_shape)
+from models.adapter import TINY_FRAMES, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range, video_latent_shape
 
 # The Llama chat template needs Llama 3's header tokens, and its crop_start (95) counts the real
 # tokenizer's tokens. A tokenizer without those tokens (the tiny preset's byte vocabulary) gets the

@@ -13,8 +13,7 @@ from torch import Tensor
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from models import tiny_text
-from models.base import (TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
-                         check_packed_image_size, to_unit_range)
+from models.adapter import TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, check_packed_image_size, packed_image_tokens, to_unit_range
 
 # Special tokens of Qwen2.5-VL's vocabulary that the prompt template and the model config refer to.
 _QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -67,6 +66,10 @@ class QwenImageAdapter(DiTAdapter):
     @classmethod
     def check_size(cls, geometry, height, width, num_frames=None):
         check_packed_image_size(cls.family, geometry["vae"], height, width, num_frames)
+
+    @classmethod
+    def image_tokens(cls, geometry, height, width, num_frames=None):
+        return packed_image_tokens(geometry["vae"], height, width)
 
     def latent_shape(self, height, width, num_frames=None):
         self.check_size(self.own_geometry(), height, width, num_frames)

@@ -5,7 +5,7 @@ that has parameters (transformer, VAE, text encoders) as its config.json gives i
 lengths its tokenizers use. `meta_adapter(NAME)` builds the family's adapter over those components
 on the meta device (shapes and parameter counts, no memory, no download), with the tiny offline
 tokenizers standing in for the real ones; `parameter_counts(NAME)` counts each component. The
-recipes' memory estimate (runtime/memory.py) and the tests of the embed / blocks / head split at full
+recipes' memory estimate (runtime/budget.py) and the tests of the embed / blocks / head split at full
 scale read them.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import transformers
 from torch import nn
 
 from models import adapter_class
-from models.base import DiTAdapter
+from models.adapter import DiTAdapter
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 _NOT_MODULES = ("repo", "family", "tokenizer_max_length")

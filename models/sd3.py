@@ -10,8 +10,7 @@ from torch import Tensor
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
 from models import tiny_text
-from models.base import (TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames,
-                         to_unit_range)
+from models.adapter import TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, check_image_frames, to_unit_range
 
 
 class SD3Adapter(DiTAdapter):

@@ -9,8 +9,7 @@ from torch import Tensor
 from transformers import UMT5Config, UMT5EncoderModel
 
 from models import tiny_text
-from models.base import (TINY_FRAMES, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State,
-                         to_unit_range, video_latent_shape)
+from models.adapter import TINY_FRAMES, TINY_SAMPLING, Conditioning, DiTAdapter, SamplingDefaults, State, to_unit_range, video_latent_shape
 
 
 class WanAdapter(DiTAdapter):

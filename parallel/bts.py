@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from parallel.engine import Costs, StepState, predict_makespan
+from parallel.event_engine import Costs, StepState, predict_makespan
 
 DEFAULT_MARGIN = 0.01
 """A claim must shorten the predicted rest of the step by this fraction, so that measurement noise

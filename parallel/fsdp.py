@@ -9,8 +9,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from parallel import torchapi
 
 
 class Root(torch.nn.Module):
@@ -55,16 +56,6 @@ def shard_modules(transformer: torch.nn.Module, group, param_dtype: torch.dtype 
     return fully_shard(Root(transformer), mesh=mesh, mp_policy=policy)
 
 
-def own_group():
-    """A process group of this rank alone, for FSDP2 as a mixed-precision engine on a replicated
-    trainer (one rank: no all-gather, no reduce-scatter; FSDP2 casts each unit's weights for its
-    forward and frees them after, as sharded trainers do). Only this rank takes part in creating it
-    (use_local_synchronization), so the ranks' group order is unchanged. None outside a process group."""
-    if not dist.is_initialized():
-        return None
-    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
-
-
 def spans_ranks(t: Tensor) -> bool:
     """Whether `t` is sharded over more than one rank (its whole takes a collective)."""
     return isinstance(t, DTensor) and t.device_mesh.size() > 1
@@ -77,14 +68,21 @@ def full_tensor(t: Tensor) -> Tensor:
 
 def local_part(t: Tensor) -> tuple[Tensor, int]:
     """(this rank's part of `t`, the flat index in the whole tensor of the part's first element): an
-    FSDP2 shard (rows of dim 0, a contiguous range of the flattened tensor) or a plain tensor whole."""
+    FSDP2 shard (rows of dim 0, a contiguous range of the flattened tensor) or a plain tensor whole.
+    The first row is `Shard.local_shard_size_and_offset`'s, public in torch 2.11-2.13 (torch.chunk's
+    split, which FSDP2 shards by)."""
     if not isinstance(t, DTensor):
         return t, 0
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        raise ValueError(f"local_part takes FSDP2's Shard(0) over a 1-D mesh, got {t.placements} over a "
+                         f"{t.device_mesh.ndim}-D mesh")
+    mesh = t.device_mesh
+    _, first_row = Shard.local_shard_size_and_offset(t.shape[0], mesh.size(), mesh.get_local_rank()) \
+        if t.dim() else (0, 0)
     row = 1
     for size in t.shape[1:]:
         row *= size
-    return t.to_local(), (offset[0] if offset else 0) * row
+    return t.to_local(), int(first_row) * row
 
 
 def whole_like(local: Tensor, like: Tensor) -> Tensor:
@@ -121,16 +119,47 @@ def copy_full(param: Tensor, whole: Tensor) -> None:
         param.copy_(whole.to(device=param.device, dtype=param.dtype))
 
 
+PARAM_GROUP = ("FSDPModule._get_fsdp_state()", "FSDPState._fsdp_param_group")
+"""FSDP2's private state that `param_groups` reads (torch 2.11-2.13)"""
+_MISSING = object()
+
+
+def _param_group(module: FSDPModule, needs: tuple[str, ...]):
+    """FSDP2's parameter group of unit `module` (None: the unit holds no parameters), or _MISSING
+    when this torch keeps it elsewhere or the group lacks an attribute in `needs`."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    group = getattr(get_state(), "_fsdp_param_group", _MISSING) if get_state is not None else _MISSING
+    if group is not None and group is not _MISSING and not all(hasattr(group, n) for n in needs):
+        return _MISSING
+    return group
+
+
+def param_groups(transformer: torch.nn.Module, feature: str, consequence: str | None = None,
+                 needs: tuple[str, ...] = ()) -> list | None:
+    """FSDP2's parameter group of every FSDP unit in `transformer` (torch-private state), each with
+    the attributes `needs`. When this torch has no such state: None after one warning that `feature`
+    degrades to `consequence`, or without a consequence torchapi.MissingTorchAPI (the feature
+    cannot work without it)."""
+    groups = [_param_group(m, needs) for m in transformer.modules() if isinstance(m, FSDPModule)]
+    if any(g is _MISSING for g in groups):
+        text = torchapi.message(PARAM_GROUP + tuple(f"FSDPParamGroup.{n}" for n in needs), feature,
+                                consequence or torchapi.CANNOT)
+        if consequence is None:
+            raise torchapi.MissingTorchAPI(text)
+        torchapi.warn_once(text)
+        return None
+    return [g for g in groups if g is not None]
+
+
 def count_allgathers(transformer: torch.nn.Module, group, on_allgather: Callable[[], None]) -> None:
     """Call `on_allgather` for every parameter all-gather FSDP2 starts: wraps every param group's
     `unshard`, which starts one all-gather when the group is sharded and none is pending (FSDP2
-    internals, torch 2.13)."""
+    internals, torch 2.11-2.13; without them the count is off, with a warning)."""
     if dist.get_world_size(group) == 1:
         return  # FSDP over one rank gathers nothing
-    for module in transformer.modules():
-        param_group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-        if param_group is None:
-            continue
+    groups = param_groups(transformer, "FSDP2's all-gather count (train/num_allgathers)",
+                          "the count is off and train/num_allgathers reads 0", needs=("_all_gather_result", "unshard"))
+    for param_group in groups or ():
 
         def unshard(*args, _group=param_group, _unshard=param_group.unshard, **kwargs):
             idle = _group._all_gather_result is None

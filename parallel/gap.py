@@ -195,7 +195,7 @@ class PipelinedReplica:
                 x0 = sampler.initial_latents(cfg, plan.step, self.gen.init_ids(plan, chunk), shape, dev)
                 if lay.last:  # the last stage owns the latent and the stored path
                     st.x_of[a.mb] = x0
-                    st.paths[a.mb] = ([x0], [])
+                    st.paths[a.mb] = sampler.PathRecorder(x0, cfg.record)
         cond, neg = st.conds[a.mb]
         sigma = cfg.model_sigma(sigmas[a.t].to(dev).expand(len(ids)))  # what the model sees (quantised or not)
         with self.gen.autocast(), torch.no_grad():
@@ -223,14 +223,12 @@ class PipelinedReplica:
                 v = adapter.combine_cfg(v, adapter.head(states[1]), cfg.cfg_scale)
         out = sampler.sample_step(st.x_of[a.mb], v, sigmas, a.t, ids, plan.step, cfg, st.x0_of.pop(a.mb, None))
         st.x_of[a.mb], st.x0_of[a.mb] = out.x_next, out.x0
-        st.paths[a.mb][0].append(out.x_next)
-        st.paths[a.mb][1].append(out.log_prob)
+        st.paths[a.mb].add(out)
         if a.t + 1 < cfg.num_steps:
             st.sends.append(p2p.isend_framed({"x": out.x_next.contiguous()}, {"mb": a.mb, "t": a.t + 1},
                                              dst=next_rank, group=self.send_group))
             return
-        lat, lps = st.paths.pop(a.mb)
-        st.done[a.mb] = sampler.Trajectory(torch.stack(lat, dim=1), torch.stack(lps, dim=1), sigmas)
+        st.done[a.mb] = st.paths.pop(a.mb).trajectory(sigmas)
         del st.x_of[a.mb], st.x0_of[a.mb]
         members = [m for m, (f, _) in enumerate(st.chunks) if f.index == frag.index]
         if all(m in st.done for m in members):
@@ -251,6 +249,6 @@ class _StepState:
     sides: dict = field(default_factory=dict)   # mb -> (side inputs of cond, of neg)
     x_of: dict = field(default_factory=dict)    # last stage: mb -> current latent
     x0_of: dict = field(default_factory=dict)   # last stage: mb -> the last step's data prediction (dpm2)
-    paths: dict = field(default_factory=dict)   # last stage: mb -> (latents, log_probs)
+    paths: dict = field(default_factory=dict)   # last stage: mb -> its sampler.PathRecorder
     done: dict = field(default_factory=dict)    # last stage: mb -> finished Trajectory
     sends: list = field(default_factory=list)

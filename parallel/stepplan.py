@@ -72,7 +72,7 @@ width d = 3072 (Qwen-Image and HunyuanVideo share it); the runtime passes 6 x it
 class ShapeTable:
     """Per-prompt shapes as plain data: `keys[p]` is prompt p's shape key (any hashable, e.g.
     (height, width, frames)); `costs[key]` the predicted cost of one sample of that shape
-    (`sample_cost`). Built by the runtime from the prompt file and the model (prompts/shapes.py)."""
+    (`sample_cost`). Built by the runtime from the prompt file and the model (prompts/resolutions.py)."""
 
     keys: tuple
     costs: Mapping

@@ -4,14 +4,44 @@ collective, so generators can run ahead of trainers (TCSS)."""
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from datetime import timedelta
 
-import torch.distributed as dist
+from torch.distributed import TCPStore
+
+from parallel import torchapi
+
+LAUNCH_KEY = "digenrl/launch-id"
+_LAUNCH_STORE: list[TCPStore] = []  # rank 0's early server (no agent store): init_process_group shares it
+
+
+def launch_id(timeout_s: float = 300.0) -> str:
+    """This launch's own id, the same on every rank of it and on no other launch (the run folder's
+    lock tells its own launch from others by it: checkpointing/lock.py). Every rank proposes a
+    random id and the rendezvous store keeps the first (compare_set is atomic), so no rank waits
+    for another: torchrun's agent hosts the store before any worker starts. Never the launcher's
+    rdzv id, which every launch of a SLURM allocation shares. Without an agent store rank 0 starts
+    the store's server now, as init_process_group would (multi-tenant: it later shares it); one
+    process without a launcher draws its own."""
+    mine = uuid.uuid4().hex
+    if "MASTER_PORT" not in os.environ:
+        return mine
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), world,
+                     is_master=rank == 0 and not agent, timeout=timedelta(seconds=timeout_s),
+                     wait_for_workers=False, multi_tenant=not agent)
+    if rank == 0 and not agent:
+        _LAUNCH_STORE.append(store)  # the server lives on for init_process_group
+    return store.compare_set(LAUNCH_KEY, "", mine).decode()
 
 
 class StepStore:
     def __init__(self, timeout_s: float, prefix: str = "digenrl"):
-        self.store = dist.distributed_c10d._get_default_store()
+        # torchrun's store, which init_process_group connected to: torch names no public getter
+        self.store = torchapi.require("the run's step store (parallel/store.py)",
+                                      "torch.distributed.distributed_c10d._get_default_store")()
         self.store.set_timeout(timedelta(seconds=timeout_s))
         self.prefix = prefix
 

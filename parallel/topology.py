@@ -121,6 +121,8 @@ class ProcessGroups:
       publish        versions: the first trainer -> generators (one at a time)
       images[s]      decoded fragments to scorer s;  scores[g]: scores to generator g
       gap[r, s]      a GAP replica r's link from stage s to the next (the last stage -> stage 0)
+      own[t]         trainer t alone, with `own`: FSDP2 as the mixed-precision engine of a
+                     replicated trainer (parallel/fsdp.py); with one trainer, the trainers' group
     The point-to-point communicators get `pending_s` as their NCCL watchdog timeout, which counts
     from posting: an op may stay posted through a long evaluation or checkpoint, and waits on it
     are bounded from when they start (parallel/p2p.py). The collective groups get `timeout_s`,
@@ -132,17 +134,23 @@ class ProcessGroups:
     images: dict = field(default_factory=dict)  # scorer rank -> its communicator
     scores: dict = field(default_factory=dict)  # generator rank -> its communicator
     gap: dict = field(default_factory=dict)  # (replica, stage) -> its link to the next stage
+    own: dict = field(default_factory=dict)  # trainer rank -> a group of it alone (`create(own=True)`)
 
     @classmethod
-    def create(cls, topo: Topology, timeout_s: float, pending_s: float, exchange: bool = False) -> "ProcessGroups":
-        """`exchange`: colocated ranks exchange TSP shares (else nothing moves between them)."""
-        pending = timedelta(seconds=pending_s)
+    def create(cls, topo: Topology, timeout_s: float, pending_s: float, exchange: bool = False,
+               own: bool = False) -> "ProcessGroups":
+        """`exchange`: colocated ranks exchange TSP shares (else nothing moves between them).
+        `own`: each trainer gets a group of its own (replicated trainers in mixed precision)."""
+        pending, timeout = timedelta(seconds=pending_s), timedelta(seconds=timeout_s)
         generators, trainers = list(topo.generator_ranks), list(topo.trainer_ranks)
         if topo.mode == "colocated":
             every = list(range(topo.world_size))
-            return cls(trainers=dist.group.WORLD,
-                       data={t: commhooks.new_group(f"data.to{t}", every, pending) for t in trainers} if exchange else {})
-        out = cls(trainers=commhooks.new_group("trainers", trainers, timedelta(seconds=timeout_s)))
+            data = {t: commhooks.new_group(f"data.to{t}", every, pending) for t in trainers} if exchange else {}
+            out = cls(trainers=dist.group.WORLD, data=data)
+            out.own = cls._own(trainers, out.trainers, timeout) if own else {}
+            return out
+        out = cls(trainers=commhooks.new_group("trainers", trainers, timeout))
+        out.own = cls._own(trainers, out.trainers, timeout) if own else {}
         out.data = {t: commhooks.new_group(f"data.to{t}", generators + trainers, pending) for t in trainers}
         out.publish = commhooks.new_group("publish", [trainers[0]] + generators, pending)
         scorers = list(topo.scorer_ranks)
@@ -155,6 +163,17 @@ class ProcessGroups:
                 nxt = (s + 1) % len(ranks)
                 out.gap[r, s] = commhooks.new_group(f"gap.r{r}.s{s}->s{nxt}", [ranks[s], ranks[nxt]], pending)
         return out
+
+    @staticmethod
+    def _own(trainers: list[int], group, timeout) -> dict:
+        """A group of each trainer alone, created like every other group: by every rank, in one
+        order (`commhooks.new_group`). Not one `dist.split_group` for all of them, which would be a
+        single ncclCommSplit: torch documents it as experimental, and it refuses gloo (it needs a
+        device bound to the world), so the CPU tests could not run the path GPUs take. One trainer:
+        the trainers' group is its own already."""
+        if len(trainers) == 1:
+            return {trainers[0]: group}
+        return {t: commhooks.new_group(f"own.t{t}", [t], timeout) for t in trainers}
 
     def stage_links(self, replica: int, stage: int, num_stages: int) -> tuple:
         """(the link a GAP stage receives on, the link it sends on)."""

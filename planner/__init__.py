@@ -1,6 +1,7 @@
-"""The cluster planner: the calibrated cost model of a step (specs, hardware, workload, phases,
-memory), the simulator over the step engine of parallel/, the placements it ranks against the
-modelled peer systems (placements.py, systems.py, published.py), fits to measured runs (fit.py,
-profile.py, costs.py) and its command line (cli.py, timeline.py, bench_report.py).
+"""The calibrated cost and memory model of a step, as a run reads it: the released models' specs
+(specs.py, released_specs.py), GPUs, links and efficiencies (hardware.py), one step's workload
+(workload.py), each phase's seconds (phases.py) and each role's memory (memory.py, which
+--memory-budget-gb checks). The planner's offline side (placements, simulator, peers, fits) is in
+lab/planning/.
 
 May import parallel/ and telemetry/; never models/, a role or runtime/ (it runs without torch models)."""

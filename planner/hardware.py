@@ -2,8 +2,8 @@
 
 Every number here is a datasheet value, a measured public fact named beside it, or a constant
 fitted to the measured-MFU facts (the fit and its residuals are in docs/calibration.md). A device
-profile written by scripts/calibrate.py replaces the datasheet values of the GPU it was measured
-on (`DeviceProfile`, read by planner/profile.py).
+profile written by lab/calibrate.py replaces the datasheet values of the GPU it was measured
+on (`DeviceProfile`, read by lab/planning/profile.py).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class GPU:
     """illustrative on-demand price per GPU-hour in USD (--price overrides it)"""
     gpus_per_node: int = 8
     measured: Any = None
-    """a device profile (planner/profile.py) whose measured efficiency and all-gather bandwidth
+    """a device profile (lab/planning/profile.py) whose measured efficiency and all-gather bandwidth
     replace the constants below for this GPU"""
 
     @property

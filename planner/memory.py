@@ -1,9 +1,9 @@
 """GPU memory per role and phase: the one model that the planner prices placements with and that the
-runtime checks recipes and --memory-budget-gb with (runtime/memory.py gives it a run's sizes). A
-test holds it within 10% of the peaks measured on the roles' own code (runtime/measure.py, committed
+runtime checks recipes and --memory-budget-gb with (runtime/budget.py gives it a run's sizes). A
+test holds it within 10% of the peaks measured on the roles' own code (lab/memory/measure.py, committed
 in docs/memory/*.json) for every recipe and topology.
 
-A rank's peak is the largest of its phases, the ones runtime/measure.py measures: a generator's
+A rank's peak is the largest of its phases, the ones lab/memory/measure.py measures: a generator's
 "fragment" (encode, K steps per chunk, decode, score) and "publication" (receive, install); a
 trainer's "micro-batch" (forward + backward), "optimizer step", "publication" (make and send a
 version) and "evaluation"; every rank's "load" (its weights, a trainer's sharded a unit at a time)
@@ -47,7 +47,7 @@ BUCKET_BYTES = 64 << 20
 @dataclass(frozen=True)
 class RunShape:
     """What memory depends on, counted: built from a planner Workload (`shape_of`) or by the runtime
-    from a released config and a run's config (runtime/memory.py)."""
+    from a released config and a run's config (runtime/budget.py)."""
 
     family: str
     dit: float
@@ -90,8 +90,9 @@ class RunShape:
     reference: bool = False
     """a frozen reference copy for a KL term (full fine-tuning)"""
     ema: bool = False
-    old_policy: bool = False
-    """DiffusionNFT's old policy: a float32 copy of the trained weights, sharded alike"""
+    state_copies: tuple[tuple[str, int], ...] = ()
+    """(name, count) of float32 copies of the trained weights an algorithm keeps on each trainer,
+    sharded alike (DiffusionNFT's old policy: rl.algorithms.Cost)"""
     lossy_codec: bool = False
     tcss: bool = False
     """TCSS: a generator receives the next version into an idle copy while it samples with the live one"""
@@ -252,7 +253,8 @@ def trainer_phases(s: RunShape, capacity: float, *, shard: int, evaluates: bool 
             m.add("VAE", s.vae * s.compute_bytes, "parameters")
         m.add("optimizer", 8 * trained / n if phase not in ("load", "start-up probe") else 0.0, "optimizer")
         m.add("EMA", 4 * trained / n if s.ema else 0.0, "other")
-        m.add("old policy", 4 * trained / n if s.old_policy else 0.0, "other")
+        for name, copies in s.state_copies:
+            m.add(name, 4 * copies * trained / n, "other")
         if phase != "load":  # started after the start-up checks
             m.add("codec copy and residual", 2 * s.compute_bytes * trained / n if s.lossy_codec else 0.0, "other")
         return m.add("context", CONTEXT_BYTES)
@@ -325,7 +327,7 @@ def shape_of(wl: Workload, *, gen_micro: int | None = None, train_micro: int | N
         gen_micro=gen_micro or wl.rollout_micro_batch, train_micro=train_micro or wl.train_micro_batch,
         fragment=fragment or wl.group_size, lora=0.0 if full else lora_params(spec, wl.lora_rank),
         weight_bytes=wl.param_bytes if full else 2, checkpointing=wl.gradient_checkpointing,
-        reference=wl.kl and full, old_policy=wl.old_policy, trainers_sample=trainers_sample)
+        reference=wl.kl and full, state_copies=wl.state_copies, trainers_sample=trainers_sample)
 
 
 def generator_memory(wl: Workload, g: GPU, *, stages: int = 1, stage: int = 0, micro: int,
@@ -338,7 +340,7 @@ def generator_memory(wl: Workload, g: GPU, *, stages: int = 1, stage: int = 0, m
 def trainer_memory(wl: Workload, g: GPU, *, shard: int, micro: int, buffered_samples: int = 0,
                    generates: bool = False) -> MemoryUse:
     """The peak of one trainer rank; with TAG (`generates`) it also holds what generation needs.
-    Landed trajectories wait in host memory (parallel/intake.py)."""
+    Landed trajectories wait in host memory (parallel/trainer_intake.py)."""
     s = shape_of(wl, train_micro=micro)
     phases = trainer_phases(s, g.memory_bytes, shard=shard, evaluates=False)
     for m in phases.values():
@@ -365,12 +367,12 @@ def training_state(wl: Workload, shard: int, *, reference_copy: bool | None = No
         out["optimizer"] = 8 * p / shard
         if reference_copy if reference_copy is not None else wl.kl:
             out["reference copy"] = 2 * p / shard
-        if wl.old_policy:  # DiffusionNFT's old policy: an fp32 copy of the trained weights, sharded alike
-            out["old policy"] = 4 * p / shard
+        for name, copies in wl.state_copies:  # an algorithm's fp32 copies of the trained weights, sharded alike
+            out[name] = 4 * copies * p / shard
     else:
         lp = lora_params(wl.spec, wl.lora_rank)
         out["base weights bf16"] = 2 * p / shard
-        out["adapters + optimizer"] = 16 * lp + (4 * lp if wl.old_policy else 0)
+        out["adapters + optimizer"] = 16 * lp + sum(4 * copies * lp for _, copies in wl.state_copies)
     if shard > 1:
         out["gathered blocks"] = 4 * max(b.params for b in wl.spec.blocks)
     return out

@@ -1,7 +1,7 @@
 """Seconds of each phase of an RL step on one GPU (or one FSDP group): rollout forwards, training
 micro-batches, reference forwards, VAE decode, rewards, text encoding, the optimizer, host copies
-and transfers. Both the DigenRL plans (planner/placements.py) and the peer-system models
-(planner/systems.py) are built from these, so every system pays the same price for the same work.
+and transfers. Both the DigenRL plans (lab/planning/placements.py) and the peer-system models
+(lab/planning/peer_systems.py) are built from these, so every system pays the same price for the same work.
 
 Conventions (docs/calibration.md): a forward of b samples with CFG runs both branches in one batch
 (2b rows) unless `cfg_batched` is False; an FSDP forward all-gathers the bf16 weights once per
@@ -62,10 +62,10 @@ def train_micro_batch_s(wl: Workload, g: GPU, transitions: int, *, sharding: Sha
                         cfg_batched: bool = True, overlap: float = FSDP_OVERLAP,
                         grad_bytes_per_param: int = 2, gather_bytes: int = 2, with_reference: bool = False) -> float:
     """Forward + backward of one micro-batch of `transitions` (sample, timestep) pairs, with the
-    old policy's forward for DiffusionNFT (`wl.old_policy`) and, `with_reference`, the KL
-    reference's forward inside it (DigenRL's trainer runs both per micro-batch; the peer models
-    price their reference forward as a phase of its own). Every extra forward gathers the weights
-    again under FSDP."""
+    algorithm's forwards without gradient (`wl.frozen_forwards`: DiffusionNFT's old policy) and,
+    `with_reference`, the KL reference's forward inside it (DigenRL's trainer runs both per
+    micro-batch; the peer models price their reference forward as a phase of its own). Every extra
+    forward gathers the weights again under FSDP."""
     calls = 1 if cfg_batched or wl.branches == 1 else wl.branches
     rows = transitions * (wl.branches if calls == 1 else 1)
     reference = int(with_reference and wl.kl)
@@ -73,7 +73,7 @@ def train_micro_batch_s(wl: Workload, g: GPU, transitions: int, *, sharding: Sha
                                 wl.attn_share, wl.kernels, "train")
     comm = 0.0
     if sharding is not None and sharding.shard > 1:
-        comm = calls * (2 + int(wl.old_policy) + reference) * sharding.gather_s(g, weight_bytes(wl, gather_bytes))
+        comm = calls * (2 + wl.frozen_forwards + reference) * sharding.gather_s(g, weight_bytes(wl, gather_bytes))
         comm += sharding.grad_sync_s(g, grad_reduce_bytes(wl, grad_bytes_per_param)) if wl.finetune == "full" else 0.0
     return overlapped_s(compute, comm, overlap)
 
@@ -138,12 +138,10 @@ def host_copy_s(g: GPU, num_bytes: float) -> float:
 
 def trajectory_bytes(wl: Workload, samples: int) -> float:
     """What a generator sends per fragment: the latents around every trained step (fp32), log-probs,
-    advantages, and the prompt conditioning (bf16, every branch); DiffusionNFT's clean records carry
-    one latent and no log-probs."""
-    if wl.clean_samples:
-        from_latents, logps = _latent_bytes(wl), 0
-    else:
-        from_latents, logps = (wl.trained_timesteps + 1) * _latent_bytes(wl), 8 * wl.trained_timesteps
+    advantages, and the prompt conditioning (bf16, every branch); an algorithm may carry other counts
+    (`wl.carried`: DiffusionNFT's clean records one latent and no log-probs)."""
+    latents, logps = wl.carried or (wl.trained_timesteps + 1, wl.trained_timesteps)
+    from_latents, logps = latents * _latent_bytes(wl), 8 * logps
     cond = wl.branches * wl.n_txt * TEXT_EMBED_DIM * 2
     return samples * (from_latents + logps + 8 + cond)
 

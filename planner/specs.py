@@ -14,7 +14,7 @@ over video tokens plus cross-attention to the text. N_img = frames_lat * (H/16) 
 frames_lat = (F - 1) / 4 + 1 (8x spatial VAE, 2x2 patches, 4x temporal VAE).
 
 Pure Python: no torch, no models/ import (the planner runs without them). The specs themselves are
-derived from the released configs in planner/released.py.
+derived from the released configs in planner/released_specs.py.
 """
 from __future__ import annotations
 

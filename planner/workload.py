@@ -7,8 +7,9 @@ from dataclasses import dataclass, field, replace
 
 from parallel.compress import parse as parse_codec
 from planner.hardware import Kernels
-from planner.released import model_spec
+from planner.released_specs import model_spec
 from planner.specs import AuxModel, ModelSpec, Resolution, attention_share, forward_flops, image_tokens
+from rl import algorithms
 
 REWARDS: dict[str, AuxModel] = {r.name: r for r in (
     # CLIP-H/14 scorers: ~1B parameters, 257 image + 77 text tokens.
@@ -66,14 +67,18 @@ class Workload:
     planner's default), none (the trained tensors in their dtype, `param_bytes`), delta, delta-topk:F"""
     param_bytes: int = 4
     """bytes per element of the trained tensors (fp32 under the runtime's --dtype auto)"""
-    old_policy: bool = False
-    """DiffusionNFT: one forward of the frozen old policy per trained transition (no gradient)"""
-    clean_samples: bool = False
-    """DiffusionNFT: a fragment carries each sample's clean latent only, no path and no log-probs"""
+    frozen_forwards: int = 0
+    """forwards without gradient per trained transition besides the KL reference's (an algorithm's:
+    DiffusionNFT's old policy; rl.algorithms.Cost)"""
+    state_copies: tuple[tuple[str, int], ...] = ()
+    """(name, count) of float32 copies of the trained weights each trainer keeps (DiffusionNFT: the old policy)"""
+    carried: tuple[int, int] | None = None
+    """(latents, log-probabilities) a fragment carries per sample; None: the path around every trained
+    step (DiffusionNFT: the clean sample alone, (1, 0))"""
     reward_gpus: int = 0
     """GPUs of a reward service (the runtime's --reward http://HOST:PORT/NAME): the reward models
     run there, not on the plan's ranks, while the generators denoise their next fragment; the plan
-    pays for these GPUs too (planner.placements.with_reward_service)"""
+    pays for these GPUs too (lab.planning.placements.with_reward_service)"""
 
     def __post_init__(self):
         model_spec(self.model)
@@ -147,8 +152,8 @@ class Workload:
     def train_factor(self) -> int:
         """Physical forward-equivalents of one trained transition: forward + activation gradients
         (+ weight gradients for full fine-tuning) (+ the recomputed forward with checkpointing)
-        (+ the old policy's forward, DiffusionNFT)."""
-        return (3 if self.finetune == "full" else 2) + (1 if self.gradient_checkpointing else 0) + int(self.old_policy)
+        (+ the algorithm's frozen forwards: DiffusionNFT's old policy)."""
+        return (3 if self.finetune == "full" else 2) + (1 if self.gradient_checkpointing else 0) + self.frozen_forwards
 
     # -- a shape mix ----------------------------------------------------------------------------
     def group_keys(self) -> list[tuple[int, int, int]]:
@@ -184,7 +189,7 @@ class Workload:
             return sum(self.at(k).model_flops() * keys.count(k) / len(keys) for k in set(keys))
         per = self.fwd_flops * self.branches
         return self.samples * (self.sampling_steps * per
-                               + self.trained_timesteps * per * (3 + int(self.kl) + int(self.old_policy)))
+                               + self.trained_timesteps * per * (3 + int(self.kl) + self.frozen_forwards))
 
     def describe(self) -> str:
         frames = f"x{self.frames}" if self.frames > 1 else ""
@@ -195,36 +200,27 @@ class Workload:
                 f"{'CFG ' + format(self.cfg_scale, 'g') if self.branches == 2 else 'no CFG'}, "
                 f"{'LoRA r' + str(self.lora_rank) if self.finetune == 'lora' else 'full FT'}"
                 f"{', checkpointing' if self.gradient_checkpointing else ''}{', KL' if self.kl else ''}"
-                f"{', old-policy forward, clean samples' if self.old_policy else ''}"
+                f"{f', {self.frozen_forwards} frozen forward(s)' if self.frozen_forwards else ''}"
+                f"{''.join(f', {name}' for name, _ in self.state_copies)}"
+                f"{f', {self.carried[0]} latent(s) carried' if self.carried else ''}"
                 f"{f', rewards served on {self.reward_gpus} GPU(s)' if self.reward_gpus else ''}")
 
     def with_(self, **kw) -> "Workload":
         return replace(self, **kw)
 
 
-ALGORITHMS = ("flow_grpo", "dance_grpo", "flow_grpo_fast", "mixgrpo", "nft")
+ALGORITHMS = algorithms.names()
 
 
 def for_algorithm(base: Workload, algorithm: str, *, window: int = 2, fraction: float | None = None) -> Workload:
-    """`base` (its model, shape, batch and fine-tuning) as `algorithm` prices it (rl/algorithms.py):
-    the trained (sample, t) pairs per sample of its K rollout steps, and what each one costs.
-    flow_grpo: floor(0.99 K); dance_grpo: round(0.6 K) of K - 1; flow_grpo_fast and mixgrpo: the
-    window (a sliding window trains as many steps as a fixed one until it reaches K - 2); nft:
-    floor(0.99 K) of the K sigmas, plus the old policy's forward, clean samples on the wire (and
-    its KL to the reference as `base.kl` says)."""
-    k = base.sampling_steps
-    if algorithm == "flow_grpo":
-        trained = max(1, int(k * (0.99 if fraction is None else fraction)))
-    elif algorithm == "dance_grpo":
-        trained = max(1, min(k - 1, round(k * (0.6 if fraction is None else fraction))))
-    elif algorithm in ("flow_grpo_fast", "mixgrpo"):
-        trained = min(window, k)
-    elif algorithm == "nft":
-        trained = max(1, int(k * (0.99 if fraction is None else fraction)))
-    else:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
-    nft = algorithm == "nft"
-    return replace(base, trained_timesteps=trained, old_policy=nft, clean_samples=nft)
+    """`base` (its model, shape, batch and fine-tuning) as `algorithm` prices it (its `cost`,
+    rl/algorithms/): the trained (sample, t) pairs per sample of its K rollout steps, the forwards
+    without gradient each costs, the weight copies its trainers keep and what a fragment carries (its
+    KL to the reference as `base.kl` says). `window`: an SDE window's steps; `fraction`: the trained
+    fraction (None: the authors')."""
+    cost = algorithms.algorithm(algorithm).cost(base.sampling_steps, fraction, window)
+    return replace(base, trained_timesteps=cost.trained_timesteps, frozen_forwards=cost.frozen_forwards,
+                   state_copies=cost.state_copies, carried=cost.carried)
 
 
 def ceil_div(a: float, b: float) -> int:

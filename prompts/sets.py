@@ -1,5 +1,5 @@
 """Prompt sets: a .txt file (one prompt per line) or a .jsonl file (a `prompt` field plus free metadata;
-`height`, `width` and `frames`, when present, give the prompt its own shape: prompts/shapes.py).
+`height`, `width` and `frames`, when present, give the prompt its own shape: prompts/resolutions.py).
 
 A run reads each prompt file once, before anything loads (`read_prompt_file`, through
 config.validate.RunFacts), and keeps the records: a file edited while the model loads cannot change
@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 
 
@@ -37,12 +38,27 @@ def read_prompt_file(path: str) -> PromptSet:
     """The prompt file `path`, read once: a ValueError names a missing, unreadable or malformed file."""
     if not os.path.lexists(path):
         raise ValueError(f"prompt file {path!r} does not exist")
+    check_regular(path, "prompt file")
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:  # a folder, a broken link or a symlink loop, no permission
         raise ValueError(f"prompt file {path!r} cannot be read ({e.strerror})") from None
     return PromptSet(path, tuple(_parse(path, raw)), hashlib.sha256(raw).hexdigest())
+
+
+def check_regular(path: str, what: str) -> None:
+    """`path` is a regular file (through links): a FIFO with no writer would block the reader, and
+    every rank with it, for ever; a device or a socket is no file to read whole."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:  # a broken link or a symlink loop, no permission
+        raise ValueError(f"{what} {path!r} cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        kind = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFDIR: "a folder", stat.S_IFSOCK: "a socket",
+                stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), "not a file")
+        raise ValueError(f"{what} {path!r} is {kind}, not a regular file: a run reads its files whole before it "
+                         f"starts")
 
 
 def load_prompts(path: str) -> list[PromptRecord]:

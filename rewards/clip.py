@@ -15,8 +15,7 @@ import os
 import torch
 from torch import Tensor
 
-from rewards.base import (CONFIG_FILES, PROCESSOR_FILES, TOKENIZER_FILES, WEIGHT_FILES, Reward, check_local_dir,
-                          load_mlp_head, loading, require_package, to_pil)
+from rewards.reward import CONFIG_FILES, PROCESSOR_FILES, TOKENIZER_FILES, WEIGHT_FILES, Reward, check_local_dir, load_mlp_head, loading, require_package, to_pil
 
 
 def processor_dir(path: str) -> str:

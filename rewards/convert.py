@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers import AutoTokenizer, BlipConfig, BlipForImageTextRetrieval, CLIPModel, CLIPProcessor
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-from rewards.base import load_state_dict
+from rewards.reward import load_state_dict
 
 # ---------------------------------------------------------------- HPSv2: open_clip ViT -> transformers CLIPModel
 

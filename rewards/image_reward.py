@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rewards.base import (CONFIG_FILES, PROCESSOR_FILES, TOKENIZER_FILES, WEIGHT_FILES, Reward, check_local_dir,
-                          load_mlp_head, loading, require_package, to_pil)
+from rewards.reward import CONFIG_FILES, PROCESSOR_FILES, TOKENIZER_FILES, WEIGHT_FILES, Reward, check_local_dir, load_mlp_head, loading, require_package, to_pil
 
 # Reference ImageReward.score(): rewards = (mlp(features) - mean) / std.
 IMAGE_REWARD_MEAN = 0.16717362830052426

@@ -14,8 +14,7 @@ import re
 
 import torch
 
-from rewards.base import (CONFIG_FILES, PROCESSOR_FILES, TOKENIZER_FILES, WEIGHT_FILES, Reward, check_local_dir,
-                          loading, require_package, to_pil)
+from rewards.reward import CONFIG_FILES, PROCESSOR_FILES, TOKENIZER_FILES, WEIGHT_FILES, Reward, check_local_dir, loading, require_package, to_pil
 
 _QUOTED = re.compile(r'"([^"]+)"|\u201c([^\u201d]+)\u201d')
 

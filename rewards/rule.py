@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from rewards.base import Reward, to_uint8_hwc
+from rewards.reward import Reward, to_uint8_hwc
 
 
 def jpeg_size_kb(images: Tensor, quality: int = 95) -> Tensor:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rewards import shapes_world
-from rewards.base import Reward, to_uint8_hwc
+from rewards.reward import Reward, to_uint8_hwc
 
 
 @lru_cache(maxsize=4096)

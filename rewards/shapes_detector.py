@@ -1,5 +1,5 @@
 """A learned scorer of the shapes world, independent of the `shapes` reward: a small convolutional
-detector trained on rendered scenes (scripts/train_shapes_detector.py) and GenEval's strict rule.
+detector trained on rendered scenes (lab/train_shapes_detector.py) and GenEval's strict rule.
 
 The `shapes` reward finds objects by nearest palette colour and connected components and gives
 partial credit. This scorer shares neither: a network trained only on the world's ground truth
@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from rewards import shapes_world
-from rewards.base import Reward
+from rewards.reward import Reward
 
 CLASSES = tuple((c, s) for c in shapes_world.COLORS for s in shapes_world.SHAPES)  # 18
 QUADRANTS = 4  # index 2 * (bottom) + (right): centroid row/column >= half the image
@@ -90,7 +90,7 @@ def load_detector(path: str = DEFAULT_DIR, device: str | torch.device = "cpu") -
     config_file, weights = os.path.join(path, "config.json"), os.path.join(path, WEIGHTS_FILE)
     if not (os.path.isfile(config_file) and os.path.isfile(weights)):
         raise ValueError(f"shapes detector folder {path!r} lacks config.json or {WEIGHTS_FILE} "
-                         f"(python -m scripts.train_shapes_detector writes them)")
+                         f"(python -m lab.train_shapes_detector writes them)")
     with open(config_file) as f:
         config = json.load(f)
     net = DetectorNet(config["width"], config["hidden"])

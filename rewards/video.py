@@ -1,5 +1,5 @@
 """Video rewards: scores of a whole video (B, 3, F, H, W), beyond an image reward's mean over frames
-(which every image reward gives on video: rewards/base.py)."""
+(which every image reward gives on video: rewards/reward.py)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from rewards.base import Reward
+from rewards.reward import Reward
 
 
 class TemporalConsistency(Reward):

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 KL_FORMS = ("flow_grpo", "transition")
+"""--kl-form: Flow-GRPO's divisor (the first, the default) or the transition's std"""
 
 
 def clipped_policy_loss(logp_new: Tensor, logp_old: Tensor, adv: Tensor, clip_range: float) -> tuple[Tensor, Tensor]:
@@ -42,8 +43,6 @@ class ClippedPolicyLoss:
     STATS = ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_high", "clipfrac_low", "ratio")
     SUMMARY = ("approx_kl", "clipfrac")
     """the statistics the step's summary line shows beside the loss"""
-    forward_process = False
-    """replays stored transitions (rl/nft.py's loss trains clean samples instead)"""
 
     def __init__(self, clip_range: float, beta: float, kl_form: str = "flow_grpo"):
         if kl_form not in KL_FORMS:

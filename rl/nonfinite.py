@@ -1,4 +1,4 @@
-"""Nothing non-finite reaches the weights (README, "Reliability").
+"""Nothing non-finite reaches the weights (docs/reliability.md).
 
 The trainers check every step before `optimizer.step()` and before the EMA update: the received
 advantages (non-finite rewards make them so), the loss and statistics sums, and the gradient norm,

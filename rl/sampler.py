@@ -9,7 +9,8 @@ which rank produced it, on its batch neighbours, or on generation order.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,7 +19,6 @@ from torch import Tensor
 
 from rl.seeding import initial_noise, step_noise
 from rl.conditioning import Conditioning
-from rl.window import WindowSchedule
 
 # Adapters (models.DiTAdapter) are passed in and used through their interface only: the sampler
 # imports no model family.
@@ -85,6 +85,30 @@ def make_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, sche
     return sigmas
 
 
+def check_schedule(config: dict, num_steps: int, image_seq_len: int) -> None:
+    """The dynamic schedule of a sample of `image_seq_len` image tokens is one a run can sample
+    with: diffusers' time shift exp(mu) / (exp(mu) + (1 / t - 1)) stays finite (mu grows with the
+    tokens: beyond about 4M of FLUX's, exp(mu) overflows) and the sigmas fall at every step in
+    float32 (a large mu saturates them at 1, and a step of zero length trains nothing). ValueError
+    saying which otherwise (the caller names the sample's size and where it came from)."""
+    mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                         config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+    try:
+        with warnings.catch_warnings():  # numpy's warning of the cast this check reports
+            warnings.simplefilter("ignore", RuntimeWarning)
+            sigmas = make_sigmas(FlowMatchEulerDiscreteScheduler.from_config(config), num_steps, "dynamic",
+                                 image_seq_len)
+    except (OverflowError, RuntimeError) as e:
+        raise ValueError(f"its timestep shift overflows at {image_seq_len} image tokens (mu = {mu:.4g}: {e})") from None
+    shown = ", ".join(f"{x:.4g}" for x in sigmas.tolist()[:6]) + (", ..." if len(sigmas) > 6 else "")
+    if not bool(torch.isfinite(sigmas).all()):
+        raise ValueError(f"its timestep shift overflows float32 at {image_seq_len} image tokens (mu = {mu:.4g}, "
+                         f"exp(mu) = inf): sigmas [{shown}]")
+    if not bool((sigmas[1:] < sigmas[:-1]).all()):
+        raise ValueError(f"its timestep schedule degenerates at {image_seq_len} image tokens: the shift mu = {mu:.4g} "
+                         f"saturates the sigmas [{shown}] in float32, so steps have zero length")
+
+
 # ----- one step with log-probability ------------------------------------------------------------
 @dataclass
 class StepOutput:
@@ -96,6 +120,10 @@ class StepOutput:
     #                    by: std_t without sqrt(-dt) for sde (sd3_sde_with_logprob.py:47), the step's std for
     #                    cps (54809b5:71) and dance (train_grpo_flux.py:148)
     x0: Tensor | None = None  # (B, ...) float32 x - sigma v, the data prediction a multistep solver keeps
+
+
+PER_SAMPLE_FIELDS = ("log_prob", "std", "std_dev_t")
+"""StepOutput fields of one value per sample; the others have the latent's shape"""
 
 
 def _bcast(v: Tensor | float, like: Tensor) -> Tensor:
@@ -217,14 +245,18 @@ class SamplingConfig:
     seed: int = 0
     num_frames: int | None = None
     sde_window: tuple[int, int] | None = None
-    """Flow-GRPO-Fast: SDE steps only for t in [start, end), ODE elsewhere."""
-    window_schedule: WindowSchedule | None = None
-    """MixGRPO: the window of each training step (rl/window.py), in place of a fixed sde_window."""
+    """SDE steps only for t in [start, end), ODE elsewhere (--sde-window)."""
+    window_schedule: object | None = None
+    """a window that moves with the training step, in place of a fixed sde_window: an object whose
+    `window(step)` gives (START, END) (an algorithm's, rl/algorithms/)"""
     ode_solver: str = "euler"
     """deterministic steps: euler, or dpm2 (DPM-Solver++(2M) after the last SDE step; docs/ALGORITHMS.md)"""
     quantize_timestep: bool = False
     """Feed the model int(sigma * 1000) / 1000 (DanceGRPO train_grpo_flux.py:231, 238); the step
     itself uses the exact sigma."""
+    record: tuple[str, ...] = ()
+    """StepOutput fields a trajectory keeps at every step besides the latent and the log-probability
+    (`Trajectory.steps`): what an algorithm's loss reads of the rollout (rl/algorithms/)"""
 
     @classmethod
     def for_adapter(cls, adapter: "DiTAdapter", **overrides) -> "SamplingConfig":
@@ -268,7 +300,7 @@ class SamplingConfig:
         if self.window_schedule is None:
             return self.sde_window
         if step is None:
-            raise ValueError("a sliding SDE window (MixGRPO) needs the training step")
+            raise ValueError("an SDE window that moves with the step needs the training step")
         return self.window_schedule.window(step)
 
     def noise_level_at(self, t: int, step: int | None = None) -> float:
@@ -294,6 +326,26 @@ class Trajectory:
     latents: Tensor    # (B, K+1, *latent_shape) float32: x at every sigma, x[:, 0] the initial noise
     log_probs: Tensor  # (B, K) float32: log p(x_{t+1} | x_t) under the generating policy
     sigmas: Tensor     # (K+1,) float32
+    steps: dict[str, Tensor] = field(default_factory=dict)  # SamplingConfig.record: name -> (B, K, ...)
+
+
+class PathRecorder:
+    """A batch's path as it is denoised, step by step: the latents, the log-probabilities and the
+    step fields the sampling config records (one recorder for a whole-model rank and a GAP stage)."""
+
+    def __init__(self, x0: Tensor, record: tuple[str, ...] = ()):
+        self.latents, self.log_probs = [x0], []
+        self.steps: dict[str, list[Tensor]] = {name: [] for name in record}
+
+    def add(self, out: StepOutput) -> None:
+        self.latents.append(out.x_next)
+        self.log_probs.append(out.log_prob)
+        for name, values in self.steps.items():
+            values.append(getattr(out, name).detach())
+
+    def trajectory(self, sigmas: Tensor) -> Trajectory:
+        return Trajectory(torch.stack(self.latents, dim=1), torch.stack(self.log_probs, dim=1), sigmas,
+                          {name: torch.stack(v, dim=1) for name, v in self.steps.items()})
 
 
 def sigmas_for(adapter: "DiTAdapter", cfg: SamplingConfig) -> Tensor:
@@ -367,12 +419,11 @@ def denoise(adapter: "DiTAdapter", cond: Conditioning, neg_cond: Conditioning | 
     sigmas = sigmas_for(adapter, cfg) if sigmas is None else sigmas
     device = adapter.device
     x = initial_latents(cfg, step, sample_ids if init_ids is None else init_ids, latent_shape, device)
-    latents, log_probs, x0 = [x], [], None
+    path, x0 = PathRecorder(x, cfg.record), None
     for t in range(cfg.num_steps):
         sigma = torch.full((len(sample_ids),), float(sigmas[t]), device=device)  # no host-to-device copy
         v = guided_velocity(adapter, x, sigma, cond, neg_cond, cfg)
         out = sample_step(x, v, sigmas, t, sample_ids, step, cfg, x0)
         x, x0 = out.x_next, out.x0
-        latents.append(x)
-        log_probs.append(out.log_prob)
-    return Trajectory(latents=torch.stack(latents, dim=1), log_probs=torch.stack(log_probs, dim=1), sigmas=sigmas)
+        path.add(out)
+    return path.trajectory(sigmas)

@@ -18,7 +18,7 @@ from checkpointing import folder
 from checkpointing import resume
 from config.schema import RunConfig
 from config.validate import RunFacts
-from models import autocast, resolve_dtype
+from models import autocast, resolve_device, resolve_dtype
 from parallel import commhooks, compress, publish
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
@@ -27,7 +27,8 @@ from parallel.stepplan import replica_speeds
 from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
-from prompts import shapes as prompt_shapes
+from parallel import store_keys as keys
+from prompts import resolutions as prompt_shapes
 from rewards import RewardSet, parse_reward_specs, reward_model_paths, reward_url
 from rl import algorithms
 from rollout import Generator, VersionSync
@@ -53,7 +54,7 @@ class Rank:
     """the first step this run trains (a resumed run's checkpoint step)"""
     shares: list[float]
     """each generator replica's share of fragments (measured speeds, or even)"""
-    shapes: object  # prompts.shapes table of the prompts' shapes, or None for one shape
+    shapes: object  # prompts.resolutions table of the prompts' shapes, or None for one shape
     publish_names: dict[int, list[str]]
     """the weights each generator rank holds (a GAP stage: its blocks'), by rank"""
     generator: Generator | None = None
@@ -104,7 +105,7 @@ class Rank:
         fragments its TAG helper generated: their rewards count too)."""
         if self.trainer is None:
             return None, []
-        self.store.put(f"begin/{plan.step}/{self.ctx.rank}", 1)  # generators may wait for their sends now
+        self.store.put(keys.trainer_began(plan.step, self.ctx.rank), 1)  # generators may wait for their sends now
         stats = trainer_step(self.ctx, self.trainer, plan, local, self.publish_names, self.publisher, self.assistant,
                              self.store, self._reward_std(plan.step))
         self._offload()  # a TAG helper encoded prompts
@@ -167,15 +168,21 @@ class Rank:
         """Wait, with no time limit (the heartbeats name a dead or silent rank), until every rank is
         here: the trainers' last checkpoint and evaluation may outlast any timeout, and the final
         barrier, posted at once on NCCL, would count its timeout from posting."""
-        self.store.put(f"exit/{self.ctx.rank}", 1)
+        self.store.put(keys.rank_exited(self.ctx.rank), 1)
         for rank in range(self.topo.world_size):
-            while not self.store.ready(f"exit/{rank}"):
+            while not self.store.ready(keys.rank_exited(rank)):
                 time.sleep(0.05)  # rank wait: the trainers' last checkpoint and evaluation
 
-    def close(self) -> None:
-        self.log.close()
-        if self.cfg.output.trace:
-            self.ctx.tracer.save(os.path.join(self.cfg.output.output_dir, "trace", f"rank{self.ctx.rank}.json"))
+    def close(self, failing: bool = False) -> None:
+        """Flush the step log, write the trace. While the run fails (`failing`), a write that fails
+        too (the same full disk) is dropped: the run reports the error that ended it."""
+        try:
+            self.log.close()
+            if self.cfg.output.trace:
+                self.ctx.tracer.save(os.path.join(self.cfg.output.output_dir, "trace", f"rank{self.ctx.rank}.json"))
+        except OSError:
+            if not failing:
+                raise
 
     def exit_code(self) -> int:
         return guard.EXIT_STOPPED if self.guard.stopping else guard.EXIT_OK
@@ -193,7 +200,7 @@ class Rank:
         if self.cfg.rl.std_mode != "running":
             return None
         last = step - 1 - (1 if self.cfg.topology.tcss else 0)
-        return None if last < 0 else self.store.get(f"std/{last}")
+        return None if last < 0 else self.store.get(keys.running_std(last))
 
 
 # ----- building -------------------------------------------------------------------------------
@@ -203,13 +210,13 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     commhooks.install()  # DIGENRL_COMM_TRACE: every collective from here on is recorded
     store = StepStore(t.dist_timeout_s)
     groups = ProcessGroups.create(topo, t.dist_timeout_s, guard.pending_timeout_s(t.dist_timeout_s),
-                                  exchange=facts.tsp and not facts.disagg)
+                                  exchange=facts.tsp and not facts.disagg, own=mixed_replicas(cfg, facts))
+    served = any(map(reward_url, cfg.rl.reward))  # a reward service scores: the guard's timeouts outwait it
     run_guard = guard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
                               stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
                               groups=_member_groups(topo, rank, groups),
                               start_step=facts.resume.step if facts.resume else 0,
-                              floor_s=guard.timeout_floor_s(cfg.rl.reward_timeout_s,
-                                                            remote=any(map(reward_url, cfg.rl.reward)))).start()
+                              reward_timeout_s=cfg.rl.reward_timeout_s if served else None).start()
     ctx, shapes = make_context(cfg, facts, rank, groups)  # every check that needs the model: nothing written yet
     trainer = make_trainer(ctx) if topo.is_trainer(rank) else None
     cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
@@ -224,7 +231,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
     begin = resume.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
     log.std_history = begin.std_history
     all_names = _publish_names(ctx.adapter, facts.lora)
-    sampled = trainer.sampling_tensors(all_names) if trainer is not None else None  # NFT trainers: the old policy
+    sampled = trainer.sampling_tensors(all_names) if trainer is not None else None  # may be an algorithm's copy
     resume.check_same_weights(ctx.adapter, all_names, begin.version,  # every rank starts from its version
                                 resolve_dtype(cfg.model.dtype, ctx.device), sampled)
     layouts = _stage_layouts(ctx, cond) if topo.gap_stages > 1 else {}
@@ -245,9 +252,11 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
 
 def make_trainer(ctx: RankContext) -> Trainer:
     """The rank's Trainer, computing on the rank's device: an FSDP2 trainer's transformer is still in
-    host memory (runtime/context.py `shards_from_host`), and FSDP2 moves it there a unit at a time."""
+    host memory (runtime/context.py `shards_from_host`), and FSDP2 moves it there a unit at a time; a
+    replicated one in a compute dtype other than float32 runs FSDP2 over its own group (every rank
+    created it: ProcessGroups.create(own=mixed_replicas(...)))."""
     return Trainer(ctx.cfg, ctx.adapter, ctx.sampling, ctx.comms.trainers, ctx.facts.train_sharding, ctx.slowdown,
-                   ctx.device)
+                   ctx.comms.own.get(ctx.rank), ctx.device)
 
 
 def _expected_step_s(r: Rank, speeds: list) -> float:
@@ -266,9 +275,9 @@ def _prepare_folder(cfg: RunConfig, facts: RunFacts, rank: int, store: StepStore
     reads the run record its checkpoints carry."""
     if rank == 0:
         run = folder.prepare(cfg, facts.resume, facts.digests, say=guard.say)
-        store.put("run/record", run)
+        store.put(keys.RUN_RECORD, run)
     dist.barrier()  # sync point: the folder is ready before any rank writes into it
-    return store.get("run/record")
+    return store.get(keys.RUN_RECORD)
 
 
 def _build_generator(r: Rank, layouts: dict, version: int) -> None:
@@ -312,17 +321,26 @@ def _build_trainer_side(r: Rank, speeds: list, all_names: list[str]) -> None:
                                facts.resume is not None and facts.resume.has_stale, r.store, r.groups.publish)
 
 
+def mixed_replicas(cfg: RunConfig, facts: RunFacts) -> bool:
+    """Whether trainers are replicated and compute in a dtype other than float32: each then runs
+    FSDP2 over a group of its own as its mixed-precision engine (trainer.py), which every rank
+    creates (ProcessGroups.create(own=True)). The same on every rank: it reads the config and the
+    device type, which all ranks share."""
+    compute = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
+    return facts.train_sharding == "replicate" and compute != torch.float32
+
+
 def _generator(ctx: RankContext, scorer, store: StepStore, trainer: Trainer | None) -> Generator:
     """A rank's generator; on a rank that also trains (colocated, a TAG helper) it samples with the
-    trainer's sampling policy (DiffusionNFT: the old policy)."""
+    trainer's sampling policy (the algorithm's: DiffusionNFT's old policy)."""
     cfg = ctx.cfg
     weights = tuple(parse_reward_specs(cfg.rl.reward, reward_model_paths(cfg.rl.reward_model)))
-    rule = algorithms.algorithm(cfg.rl.algorithm).advantages(cfg.rl, weights)
+    algorithm = algorithms.algorithm(cfg.rl.algorithm)
     return Generator(ctx.adapter, ctx.sampling, scorer, ctx.records, seed=cfg.seed,
                      negative_prompt=cfg.sampling.negative_prompt, same_group_noise=cfg.sampling.same_group_noise,
-                     rule=rule, store=store, autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype),
-                     slowdown=ctx.slowdown, clean_only=algorithms.algorithm(cfg.rl.algorithm).forward_process,
-                     policy=trainer.sampling_policy if trainer is not None else None)
+                     rule=algorithm.advantages(cfg.rl, weights), store=store,
+                     autocast_ctx=lambda: autocast(ctx.device, cfg.model.dtype), slowdown=ctx.slowdown,
+                     carried=algorithm.carried, policy=trainer.sampling_policy if trainer is not None else None)
 
 
 def _member_groups(topo: Topology, rank: int, groups: ProcessGroups) -> list:

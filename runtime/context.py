@@ -10,19 +10,18 @@ from dataclasses import dataclass
 
 import torch
 
-from config import preflight
 from config.schema import RunConfig
 from config.validate import RunFacts
 from models import TEXT_ENCODERS, DiTAdapter, load_model, model_dtypes, resolve_device, resolve_dtype
 from models import set_attention
 from models.lora import apply_lora
-from parallel.intake import TrainingSpec, make_intake
+from parallel.trainer_intake import TrainingSpec, make_intake
 from parallel.topology import ProcessGroups, Topology
-from prompts import shapes as prompt_shapes
+from prompts import resolutions as prompt_shapes
 from prompts.embeds import PromptEmbeddings
-from rewards import RewardSet, reward_model_paths
+from rewards import RewardSet
 from rl import algorithms, sampler
-from runtime import memory
+from runtime import budget
 from telemetry.tracing import Slowdown, Tracer
 
 
@@ -38,7 +37,7 @@ class RankContext:
     adapter: DiTAdapter
     sampling: sampler.SamplingConfig
     records: list  # list[prompts.sets.PromptRecord]: the training prompt set
-    intake: object  # parallel.intake.ChunkIntake or TransitionIntake: routing and the trainer's intake
+    intake: object  # parallel.trainer_intake.ChunkIntake or TransitionIntake: routing and the trainer's intake
     slowdown: Slowdown  # --debug-slow-rank: wraps every kind of this rank's work
     comms: ProcessGroups  # the communicators, one per direction of traffic
     rewards: RewardSet | None = None
@@ -84,7 +83,7 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
     if facts.lora:
         apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
     compute = resolve_dtype(cfg.model.dtype, device)
-    memory.check_budget(cfg, facts, adapter)  # --memory-budget-gb: the same on every rank, before any wait
+    budget.check_budget(cfg, facts, adapter)  # --memory-budget-gb: the same on every rank, before any wait
     if not topo.is_trainer(rank):  # generators (and scorers) hold frozen weights in the compute dtype, no gradient
         adapter.transformer.requires_grad_(False).to(compute)
     sampling = run_sampling(cfg, adapter)
@@ -133,22 +132,18 @@ def released_components(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[str
 
 
 def run_sampling(cfg: RunConfig, adapter: DiTAdapter) -> sampler.SamplingConfig:
-    """The run's sampler: the flags over the family's defaults, and what the algorithm prescribes
-    (DiffusionNFT samples with the ODE unless --noise-level says otherwise; MixGRPO's window slides)."""
-    s, algo = cfg.sampling, algorithms.algorithm(cfg.rl.algorithm)
-    noise = 0.0 if s.noise_level is None and algo.forward_process else s.noise_level
+    """The run's sampler: the flags over the family's defaults, as the algorithm samples and records
+    (`Algorithm.sampling`: its noise level, its window, the step fields its loss reads)."""
+    s = cfg.sampling
     sampling = sampler.SamplingConfig.for_adapter(
-        adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type, noise_level=noise,
-        guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed, num_frames=s.num_frames, sde_window=s.sde_window,
-        ode_solver=s.ode_solver, quantize_timestep=s.quantize_timestep)
-    if algo.sliding_window:
-        sampling.window_schedule = preflight.window_schedule(cfg, sampling.num_steps)
-    return sampling
+        adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
+        noise_level=s.noise_level, guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed, num_frames=s.num_frames,
+        sde_window=s.sde_window, ode_solver=s.ode_solver, quantize_timestep=s.quantize_timestep)
+    return algorithms.algorithm(cfg.rl.algorithm).sampling(cfg, sampling)
 
 
 def _reward_set(cfg: RunConfig, device) -> RewardSet:
-    return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model),
-                     timeout_s=cfg.rl.reward_timeout_s, dtype=reward_dtype(cfg, device))
+    return RewardSet(cfg.rl.reward, device=device, dtype=reward_dtype(cfg, device), **cfg.rl.reward_options())
 
 
 def reward_dtype(cfg: RunConfig, device) -> torch.dtype:

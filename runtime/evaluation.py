@@ -10,9 +10,9 @@ from tqdm import tqdm
 
 from config.schema import eval_scorers
 from models import autocast
-from prompts import shapes
+from prompts import resolutions
 from prompts.sets import eval_records
-from rewards import RewardSet, reward_model_paths
+from rewards import RewardSet
 from rl import sampler
 from rollout import sample_images
 from telemetry.metrics import LOGGED_IMAGES, thumbnails
@@ -27,14 +27,15 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
     RewardSet of other names, outside "combined"), each a list of floats in record order; the images
     of the first `keep_images` records, all by default, each passed through `thumbnail` when
     given). Record j is sample first_sample_id + j (or sample_ids[j]: its fixed seed), sampled and
-    scored batch by batch with the records of its shape (prompts/shapes.py), with a progress bar when
+    scored batch by batch with the records of its shape (prompts/resolutions.py), with a progress bar when
     `progress`; a sample does not depend on its batch, so the batch size changes no score. The
     images are a tensor [n, 3, H, W] (videos [n, 3, F, H, W]) when they share one shape, else a list
     in record order (metrics.image_grid pads them to the largest)."""
     # Euler whatever the rollout's solver or window, so every algorithm is evaluated alike (NFT too)
-    ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None, window_schedule=None, ode_solver="euler")
+    ode = dataclasses.replace(sampling, noise_level=0.0, sde_window=None, window_schedule=None, ode_solver="euler",
+                              record=())
     keep = len(records) if keep_images is None else min(keep_images, len(records))
-    by_shape = shapes.rows_by_shape(records, sampling)
+    by_shape = resolutions.rows_by_shape(records, sampling)
     images, scores = [None] * keep, {}
     bar = tqdm(total=len(records), desc="evaluate", unit="sample", disable=not progress, dynamic_ncols=True,
                leave=False)
@@ -42,7 +43,7 @@ def evaluate(adapter, sampling: sampler.SamplingConfig, records, rewards, *, bat
         for lo in range(0, len(rows), batch_size):
             batch = rows[lo:lo + batch_size]
             prompts = [records[j].prompt for j in batch]
-            _, got = sample_images(adapter, prompts, shapes.sampling_for(ode, shape), step=EVAL_STEP,
+            _, got = sample_images(adapter, prompts, resolutions.sampling_for(ode, shape), step=EVAL_STEP,
                                    sample_ids=[first_sample_id + j if sample_ids is None else sample_ids[j]
                                                for j in batch], batch_size=batch_size,
                                    negative_prompt=negative_prompt)
@@ -78,9 +79,8 @@ def summarize(scores: dict[str, list[float]], shape_names: list[str] | None = No
 
 def run_rewards(cfg, adapter) -> tuple[RewardSet, RewardSet | None]:
     """The run's rewards and its --eval-scorer set (None without one), as evaluation builds them."""
-    kw = dict(device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model),
-              timeout_s=cfg.rl.reward_timeout_s,
-              dtype=torch.float32 if cfg.rl.reward_dtype == "float32" else adapter.dtype)
+    kw = dict(device=adapter.device, dtype=torch.float32 if cfg.rl.reward_dtype == "float32" else adapter.dtype,
+              **cfg.rl.reward_options())
     scorers = eval_scorers(cfg.output.eval_scorer)
     return RewardSet(cfg.rl.reward, **kw), RewardSet(scorers, **kw) if scorers else None
 
@@ -98,9 +98,9 @@ def evaluate_on_trainers(cfg, adapter, sampling, topo, rank: int, done: int, log
     evaluators = list(topo.trainer_ranks)
     if rank not in evaluators:
         return
-    default = shapes.default_shape(sampling)
-    names = [shapes.shape_name(shapes.record_shape(r, default)) for r in records]
-    share = shapes.evaluation_share(names, len(evaluators), evaluators.index(rank))
+    default = resolutions.default_shape(sampling)
+    names = [resolutions.shape_name(resolutions.record_shape(r, default)) for r in records]
+    share = resolutions.evaluation_share(names, len(evaluators), evaluators.index(rank))
     rows = [j for j, _ in share]  # record j is sample j: its fixed seed
     rewards, scorers = run_rewards(cfg, adapter)
     # Under the run's autocast, as the generators sample (FSDP2 trainers gather compute-dtype weights;

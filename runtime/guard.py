@@ -26,8 +26,9 @@ blocking get holds its connection, so the main thread's waits never delay a beat
   slowest step so far (at least 60 s, and 60 s beyond --reward-timeout-s when a reward service
   scores: a fragment may wait that long for its scores before its generator reports the service);
   before the first, after --dist-timeout-s or 5 x the step the start-up probe predicts, whichever
-  is longer (`expect_step`); around scheduled checkpoints and evaluations, and at the end, after
-  --dist-timeout-s or the step's timeout, whichever is longer.
+  is longer (`expect_step`), and never before the reward service's floor either; around scheduled
+  checkpoints and evaluations, and at the end, after --dist-timeout-s or the step's timeout,
+  whichever is longer.
   Each point-to-point wait counts from when it starts (parallel/p2p.py). The NCCL watchdog counts
   an op from when it was posted, and an op may stay posted through a long evaluation or checkpoint:
   the point-to-point communicators get `pending_timeout_s` as theirs, a backstop; a dead or silent
@@ -35,7 +36,7 @@ blocking get holds its connection, so the main thread's waits never delay a beat
 - Exits. Every way out that runs code (shutdown, a fault, a second signal) runs the exit hooks
   (`at_exit`: rank 0 releases the run folder's lock, checkpointing/lock.py).
 
-Exit codes (README, "Reliability"): 0 done; 1 unexpected error (traceback); 2 user error, one
+Exit codes (docs/reliability.md): 0 done; 1 unexpected error (traceback); 2 user error, one
 line; 3 the run stopped on a fault it names (a peer failed, died or stopped answering, torchrun
 died, non-finite values N steps in a row, a timeout, the stop grace ran out); 4 stopped by
 SIGTERM/SIGINT after writing a checkpoint; 128 + N a second signal N.
@@ -52,13 +53,13 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
 from tqdm import tqdm
 
 from config.preflight import RAISE_ENV
 from rl.nonfinite import RunAbort
-from parallel import p2p
+from parallel import p2p, torchapi
 from parallel.store import StepStore
+from parallel import store_keys as keys
 
 EXIT_OK, EXIT_ERROR, EXIT_USER, EXIT_ABORT, EXIT_STOPPED = 0, 1, 2, 3, 4
 STOP_SILENCE_S = 5.0  # during a stop every rank beats: a silent one is gone
@@ -132,7 +133,9 @@ def is_comm_error(exc: BaseException) -> bool:
 
 class RunGuard:
     def __init__(self, topo, rank: int, store: StepStore, *, heartbeat_timeout_s: float, stop_grace_s: float,
-                 dist_timeout_s: float, groups: list, start_step: int, floor_s: float = MIN_TIMEOUT_S):
+                 dist_timeout_s: float, groups: list, start_step: int, reward_timeout_s: float | None = None):
+        """`reward_timeout_s`: --reward-timeout-s when a reward service scores (None: none does); no
+        wait times out within 60 s beyond it, before the first step or after (timeout_floor_s)."""
         self.topo, self.rank, self.world = topo, rank, topo.world_size
         self.me = topo.describe(rank)
         self.data_store, self.main, self.beats = store, store.clone(), store.clone()
@@ -142,7 +145,8 @@ class RunGuard:
         self.step, self.phase, self.start_step = start_step, "loading", start_step
         self.stop_at: int | None = None
         self.slowest = 0.0
-        self.floor_s = floor_s  # the shortest adaptive timeout (timeout_floor_s)
+        self.floor_s = timeout_floor_s(reward_timeout_s or 0.0, reward_timeout_s is not None)  # the shortest timeout
+        self.served = reward_timeout_s is not None
         self.expected = 0.0  # the step the start-up probe predicts, until one is measured
         self.timeout_s = self.flat_s
         self.peers = [p for p in range(self.world) if p != rank] if self.world <= 16 else \
@@ -185,7 +189,7 @@ class RunGuard:
         """After the final barrier: a rank that ended well is not 'silent' to its watchers."""
         if code in (EXIT_OK, EXIT_STOPPED):
             try:
-                self.main.put(f"guard/done/{self.rank}", 1)
+                self.main.put(keys.rank_done(self.rank), 1)
             except Exception:  # noqa: BLE001 - the store may be gone with torchrun
                 pass
         self._done.set()
@@ -198,13 +202,13 @@ class RunGuard:
         """At the start of each step: True if the run stops before `step` (a signal somewhere)."""
         self.step, self.phase = step, "step"
         self._beat(self.main)  # a rank that dies now is reported at this step
-        self.main.put(f"guard/began/{self.rank}", step)
+        self.main.put(keys.step_began(self.rank), step)
         if self.stop_at is None:
-            if not self.main.ready("guard/stop/request"):
+            if not self.main.ready(keys.STOP_REQUEST):
                 return False
             self._stop_since = self._stop_since or time.monotonic()
             deadline = time.monotonic() + 30
-            while (at := self.main.get_if_set("guard/stop/at")) is None:
+            while (at := self.main.get_if_set(keys.STOP_AT)) is None:
                 if time.monotonic() > deadline:
                     raise RunAbort("a stop was requested but no rank decided its step within 30 s")
                 time.sleep(0.02)
@@ -233,13 +237,17 @@ class RunGuard:
         if self.slowest:
             t = max(self.floor_s, TIMEOUT_FACTOR * self.slowest)
             t = max(self.flat_s, t) if relaxed else t
-        else:  # a prediction without the first step's one-off costs never shortens --dist-timeout-s
-            t = max(self.flat_s, TIMEOUT_FACTOR * self.expected)
+        else:  # a prediction without the first step's one-off costs never shortens --dist-timeout-s, and a
+            # fragment waits for a reward service from the first step on
+            t = max(self.flat_s, TIMEOUT_FACTOR * self.expected, self.floor_s if self.served else 0.0)
         if t == self.timeout_s:
             return
         self.timeout_s = t
-        for group in self.groups:
-            _set_pg_timeout(timedelta(seconds=t), group)
+        set_pg_timeout = torchapi.optional(  # torch's private setter: no public one changes a live group's
+            "torch.distributed.distributed_c10d._set_pg_timeout", "adaptive collective timeouts (runtime/guard.py)",
+            "the collective groups keep --dist-timeout-s; point-to-point waits and the store still adapt")
+        for group in self.groups if set_pg_timeout is not None else ():
+            set_pg_timeout(timedelta(seconds=t), group)
         self.data_store.set_timeout(t)
         p2p.configure(timeout_s=t)
 
@@ -253,7 +261,7 @@ class RunGuard:
     def report(self, description: str, code: int = EXIT_ABORT) -> str:
         """Publish a fault for every rank (the first report wins); returns the one that stands."""
         try:
-            if self.main.add("guard/fault_claim", 1) == 1:
+            if self.main.add(keys.FAULT_CLAIM, 1) == 1:
                 _publish_fault(self.main, description, code)
                 return description
             deadline = time.monotonic() + 2
@@ -271,7 +279,7 @@ class RunGuard:
         the silence window)."""
         window_s = self.silence_window_s if window_s is None else window_s
         try:
-            first = {p: self.main.get_if_set(f"guard/hb/{p}") for p in range(self.world) if p != self.rank}
+            first = {p: self.main.get_if_set(keys.heartbeat(p)) for p in range(self.world) if p != self.rank}
             deadline = time.monotonic() + window_s
             while True:
                 fault = _read_fault(self.main)
@@ -280,8 +288,8 @@ class RunGuard:
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.25)
-            silent = [p for p, beat in first.items() if self.main.get_if_set(f"guard/hb/{p}") == beat
-                      and not self.main.ready(f"guard/done/{p}")]
+            silent = [p for p, beat in first.items() if self.main.get_if_set(keys.heartbeat(p)) == beat
+                      and not self.main.ready(keys.rank_done(p))]
         except Exception:  # noqa: BLE001
             return None
         return "; ".join(self._silent(p, first[p], window_s) for p in silent) or None
@@ -289,7 +297,8 @@ class RunGuard:
     def explain(self, exc: BaseException) -> tuple[int, str, bool]:
         """(exit code, the one line to print, whether a traceback helps) for an exception of the
         main thread; peers learn of it through guard/fault."""
-        self._done.set()  # this rank reports and exits itself: the thread must not race it to the exit
+        # This rank reports and exits itself: the heartbeat thread must not race it to the exit, but it
+        # beats on while the main thread waits out a diagnosis, or peers would find this rank silent.
         self._exiting.acquire(timeout=30)  # held by the heartbeat thread only while it ends the process itself
         if isinstance(exc, ValueError) and not isinstance(exc, p2p.PeerError):
             self.report(f"{self.me} stopped on a user error: {exc}", EXIT_USER)
@@ -344,7 +353,7 @@ class RunGuard:
     # ----- the heartbeat thread -------------------------------------------------------------------
     def _beat(self, store: StepStore | None = None) -> None:
         self._seq += 1
-        (store or self.beats).put(f"guard/hb/{self.rank}", f"{self._seq} {self.step} {self.phase}")
+        (store or self.beats).put(keys.heartbeat(self.rank), f"{self._seq} {self.step} {self.phase}")
 
     def _silent(self, peer: int, beat: str | None, age: float) -> str:
         step = beat.split()[1] if beat else "?"
@@ -395,7 +404,7 @@ class RunGuard:
             return
         if self._signal is not None and not self._decided:
             self._decide_stop()
-        if self._stop_since is None and self.beats.ready("guard/stop/request"):
+        if self._stop_since is None and self.beats.ready(keys.STOP_REQUEST):
             self._stop_since = time.monotonic()
         if self._stop_since is not None and time.monotonic() - self._stop_since > self.grace_s:
             line = (f"the stop did not finish within --stop-grace-s {self.grace_s:g} s; exiting without a new "
@@ -419,12 +428,12 @@ class RunGuard:
     def _decide_stop(self) -> None:
         self._decided = True
         self._stop_since = self._stop_since or time.monotonic()
-        if self.beats.add("guard/stop/claim", 1) != 1:
+        if self.beats.add(keys.STOP_CLAIM, 1) != 1:
             return  # another rank decides
-        self.beats.put("guard/stop/request", {"rank": self.rank, "signal": self._signal[0]})
-        began = [self.beats.get_if_set(f"guard/began/{r}") for r in range(self.world)]
+        self.beats.put(keys.STOP_REQUEST, {"rank": self.rank, "signal": self._signal[0]})
+        began = [self.beats.get_if_set(keys.step_began(r)) for r in range(self.world)]
         at = max((int(b) for b in began if b is not None), default=self.start_step - 1) + 1
-        self.beats.put("guard/stop/at", at)
+        self.beats.put(keys.STOP_AT, at)
         say(f"{self.signal_name} on {self.me}: the run stops before step {at} (every rank finishes the steps before "
             f"it, the trainers write checkpoint step-{at}; --stop-grace-s {self.grace_s:g}). A second SIGTERM or SIGINT "
             f"{SECOND_SIGNAL_S:g} s or more after this one exits at once without a checkpoint; one sooner is this "
@@ -440,17 +449,17 @@ class RunGuard:
         for p in self.peers:
             if p in self._finished:
                 continue
-            beat = self.beats.get_if_set(f"guard/hb/{p}")
+            beat = self.beats.get_if_set(keys.heartbeat(p))
             if p not in self._changed or beat != self._last.get(p):
                 self._last[p], self._changed[p] = beat, now
                 continue
             age = now - self._changed[p]
             if age > limit:
-                if self.beats.ready(f"guard/done/{p}"):
+                if self.beats.ready(keys.rank_done(p)):
                     self._finished.add(p)
                     continue
                 line = self._silent(p, beat, age)
-                if self.beats.add("guard/fault_claim", 1) == 1:
+                if self.beats.add(keys.FAULT_CLAIM, 1) == 1:
                     _publish_fault(self.beats, line, EXIT_ABORT)
                 self._die(EXIT_ABORT, f"error: {line}; {self.me} stops")
                 return
@@ -458,11 +467,11 @@ class RunGuard:
 
 def _publish_fault(store: StepStore, line: str, code: int) -> None:
     """The fault every rank prints (the caller holds guard/fault_claim) and the code they exit with."""
-    store.put("guard/fault", {"line": line, "code": code})
+    store.put(keys.FAULT, {"line": line, "code": code})
 
 
 def _read_fault(store: StepStore) -> tuple[str, int] | None:
-    fault = store.get_if_set("guard/fault")
+    fault = store.get_if_set(keys.FAULT)
     if fault is None:
         return None
     return (fault["line"], fault["code"]) if isinstance(fault, dict) else (str(fault), EXIT_ABORT)

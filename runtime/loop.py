@@ -42,8 +42,10 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
             if cfg.output.eval_every and (done % cfg.output.eval_every == 0 or done == cfg.rl.steps):
                 r.evaluate(done)
         r.finish()
-    finally:
-        r.close()
+    except BaseException:
+        r.close(failing=True)  # what it writes must not hide the error that ends the run (a full disk)
+        raise
+    r.close()
     return r.exit_code()
 
 

@@ -1,5 +1,5 @@
 """What one rank can do, found at start-up: its speed (a short probe of the run's own model).
-(Whether the run fits its memory, --memory-budget-gb, is runtime/memory.py's check_budget.)
+(Whether the run fits its memory, --memory-budget-gb, is runtime/budget.py's check_budget.)
 
 The speeds are gathered on every rank and set the share of fragments of each generator replica
 (parallel.plan.replica_speeds), the GAP stage partition, and BTS's first estimate of how fast a
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from rl import sampler
 from models import autocast
 from parallel import commhooks
-from prompts import shapes as prompt_shapes
+from prompts import resolutions as prompt_shapes
 from telemetry.tracing import Slowdown
 
 

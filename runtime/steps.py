@@ -10,10 +10,12 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from parallel import forwards, p2p, stepfacts
+from parallel import p2p
+from parallel import forward_rows, fragment_records
 from parallel.publish import WeightPublisher
 from parallel.stepplan import StepPlan
 from parallel.tag import FragmentBoard, claimed_rounds, publish_replica_cost
+from parallel import store_keys as keys
 from rollout import FragmentResult, Generator, VersionSync
 from trainer import Trainer
 
@@ -86,7 +88,7 @@ def drain_sends(store, due: list) -> None:
     (`begin/{step}/{rank}`, runtime/build.py), then wait for the sends, each bounded from there."""
     for step, handles in due:
         for dst in sorted({h.dst for h in handles}):
-            while store is not None and not store.ready(f"begin/{step}/{dst}"):
+            while store is not None and not store.ready(keys.trainer_began(step, dst)):
                 time.sleep(0.01)  # rank wait: the trainer's evaluation or checkpoint
         for h in handles:
             h.wait()  # rank wait: the trainer takes the fragment
@@ -100,7 +102,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     publish version k+1 to every generator. With TAG, the `assistant` may generate fragments while
     this rank waits for one (under FSDP: the whole group, between forwards)."""
     tracer, topo, facts, intake, step = ctx.tracer, ctx.topo, ctx.facts, ctx.intake, plan.step
-    pad_to = forwards.fsdp_pad_target(plan, facts, intake)
+    pad_to = forward_rows.fsdp_pad_target(plan, facts, intake)
     streamed_end = trainer.rule.needs_step_end and len(plan.fragments) > 1  # else its fragment decided it all
     trainer.begin_step(keep_items=streamed_end, scale_later=streamed_end and trainer.rule.std_mode == "global")
     trainer.current_step = step
@@ -128,7 +130,8 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     if pad_to:
         with tracer.span("pad", "train", step):
             trainer.pad_forwards(pad_to, template)
-    end = stepfacts.end_step(ctx, trainer, plan, store, template) if trainer.rule.needs_step_end else None
+    end = fragment_records.end_step(
+        trainer, plan, store, template, seed=ctx.cfg.seed, tracer=ctx.tracer) if trainer.rule.needs_step_end else None
     t0 = time.perf_counter()
     with tracer.span("optimizer", "optimizer", step):
         stats = trainer.finish_step(end.scale if end is not None else 1.0)  # sync point: all trainers
@@ -136,7 +139,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     if end is not None:
         stats.update(end.metrics)
         if ctx.rank == topo.trainer_ranks[0]:  # every trainer has read the facts before finish_step's all-reduce
-            stepfacts.clear(store, step, len(plan.fragments))
+            fragment_records.clear(store, step, len(plan.fragments))
     t0 = time.perf_counter()
     if facts.disagg:
         sent = []
@@ -147,7 +150,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
             by_dst = {g: publish_names[g] for g in topo.generator_ranks}
             if ctx.rank == topo.trainer_ranks[0]:
                 if store is not None:
-                    store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
+                    store.put(keys.version_published(step + 1), 1)  # generators may install it at their next fragment boundary
                 # On a communicator apart from the fragments' (docs/communication.md).
                 sent = publisher.publish_all(out, by_dst, step + 1, group=ctx.comms.publish)
             else:

@@ -1,5 +1,5 @@
 """Check a recipe without weights or GPUs: its config validates on the GPU count it names, and each
-role's GPU memory, measured on the roles' own code at the released model's size (runtime/measure.py:
+role's GPU memory, measured on the roles' own code at the released model's size (lab/memory/measure.py:
 FakeTensorMode with torch's memory trackers), fits the GPU it names.
 
     python -m scripts.check_recipe recipes/dance_grpo/flux_dev.toml --gpu h100 --json OUT.json
@@ -20,8 +20,8 @@ import time
 
 from config import cli
 from planner import hardware
-from runtime import measure
-from runtime.memory import load_recipe, recipe_report
+from lab.memory import measure
+from runtime.budget import load_recipe, recipe_report
 
 
 def print_report(out: dict) -> list[str]:

@@ -10,7 +10,9 @@ included (CFG's unconditional branch, the start-up probes), and --negative-promp
 negative prompt. Only the text encoders load (in --dtype, on --device): the transformer and the VAE
 are not read. Encode on the GPU type the run uses and in its compute dtype, so that the embeddings
 equal what the run would compute on the fly (a batch of one or of many gives the same rows: the
-conditioning is padded to a fixed length).
+conditioning is padded to a fixed length). The file records its encoder (the model folder and the
+digest of its text encoders' files, or the preset and seed) and each tensor's dimensions; a run whose
+model's text encoders differ refuses it before any rank waits.
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                          dtype=model_dtypes(args.dtype, device, master=False), device=device,
                          release=("transformer", "vae"))
     rows = embeds.encode_all(adapter, prompts, args.batch_size)
-    embeds.save(args.out, rows, adapter.family, adapter.max_sequence_length)
+    embeds.save(args.out, rows, adapter.family, adapter.max_sequence_length,
+                embeds.encoder_record(args.model_path, args.preset, args.seed))
     print(f"{len(rows)} prompts -> {args.out}")
     return 0
 

@@ -11,7 +11,7 @@ training checkpoint. The model and sampling flags are the training run's own (co
     python -m scripts.sample --model-path assets/shapes-flux --prompts data/shapes_mixed.jsonl --out-dir out/
 
 A .jsonl prompt with its own `height`, `width` (and `frames`) is sampled at that shape, as training
-samples it (prompts/shapes.py): every shape is checked against the model before any work, batches
+samples it (prompts/resolutions.py): every shape is checked against the model before any work, batches
 hold prompts of one shape, and file NNNN.png is prompt NNNN of the file, sampled with the noise of
 sample id NNNN whatever the batching.
 """
@@ -24,11 +24,11 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from rl import sampler
-from checkpointing.checkpoint import load_trained_weights
+from checkpointing.checkpoint import load_trained_weights, verify_checkpoint
 from config import cli
 from config.cli import config_from_args, config_parser
 from models import load_model, resolve_device, resolve_dtype, set_attention
-from prompts import shapes
+from prompts import resolutions
 from prompts.sets import PromptRecord, load_prompts
 from rollout import sample_images
 
@@ -53,7 +53,7 @@ def save_trajectories(parts: list[tuple[tuple, list[int], sampler.Trajectory]], 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     out = {}
     for shape, rows, traj in parts:
-        suffix = "" if len(parts) == 1 else "/" + shapes.shape_name(shape)
+        suffix = "" if len(parts) == 1 else "/" + resolutions.shape_name(shape)
         out |= {f"latents{suffix}": traj.latents.float().contiguous(), f"sigmas{suffix}": traj.sigmas.float().contiguous(),
                 f"log_probs{suffix}": traj.log_probs.float().contiguous()}
         if suffix:
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
     m, s = cfg.model, cfg.sampling
     device = resolve_device(m.device)
+    if args.checkpoint:
+        verify_checkpoint(args.checkpoint)  # its bytes are those its run wrote, before any model loads
     records = load_prompts(args.prompts) if args.prompts else [PromptRecord(p) for p in args.prompt]
     adapter = load_model(m.model, m.model_path, preset=m.preset, seed=cfg.seed, device=device,
                          dtype=resolve_dtype(m.dtype, device))
@@ -95,15 +97,15 @@ def main(argv: list[str] | None = None) -> int:
         adapter, height=s.height, width=s.width, num_steps=s.sample_steps, sde_type=s.sde_type,
         noise_level=s.noise_level, guidance=s.guidance, cfg_scale=s.cfg_scale, seed=cfg.seed,
         num_frames=s.num_frames, sde_window=s.sde_window, quantize_timestep=s.quantize_timestep)
-    shapes.check_shapes(adapter, records, sampling, args.prompts or "--prompt")  # a bad shape fails before any work
+    resolutions.check_shapes(adapter, records, sampling, args.prompts or "--prompt")  # a bad shape fails before any work
     parts = []
-    for shape, rows in shapes.rows_by_shape(records, sampling).items():
-        traj, images = sample_images(adapter, [records[j].prompt for j in rows], shapes.sampling_for(sampling, shape),
+    for shape, rows in resolutions.rows_by_shape(records, sampling).items():
+        traj, images = sample_images(adapter, [records[j].prompt for j in rows], resolutions.sampling_for(sampling, shape),
                                      batch_size=args.batch_size, negative_prompt=s.negative_prompt, sample_ids=rows)
         if args.out_dir:
             save_images(images, args.out_dir, rows)
         parts.append((shape, rows, traj))
-        print(f"sampled {len(rows)} image(s) of {shapes.shape_name(shape)} with {sampling.num_steps} "
+        print(f"sampled {len(rows)} image(s) of {resolutions.shape_name(shape)} with {sampling.num_steps} "
               f"{sampling.sde_type} steps (noise level {sampling.noise_level})"
               + (f" -> {args.out_dir}" if args.out_dir else ""))
     if args.save_trajectory:

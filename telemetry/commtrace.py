@@ -1,4 +1,4 @@
-"""Record every communication operation a rank posts, so that telemetry/commcheck.py can replay the
+"""Record every communication operation a rank posts, so that lab/nccl/replay.py can replay the
 job under NCCL's rules offline.
 
 Why: the tests run on gloo, which buffers sends, so a rank that sends and then receives never
@@ -21,6 +21,11 @@ op is one of
                       line index (0-based) in this file. A blocking send/recv is recorded as the
                       post followed by a wait on it;
     "sync"            a device-wide synchronize: blocks until everything posted before completed;
+    "new_group"       a process group created (torch's new_group or split_group, from any caller):
+                      "ranks" its sorted global ranks, "local_sync" whether only its members took part
+                      (use_local_synchronization), "members" the ranks that must all take part (the
+                      parent's: the world for new_group), "name" the group's trace name; split_group
+                      adds "splits", every group of the split. Creating blocks the rank (no "wait" line);
     "group_start" / "group_end"
                       bracket a grouped p2p call (batch_isend_irecv, i.e. ncclGroupStart/End): the
                       ops between them are launched as one unit, so they do not queue behind each
@@ -151,6 +156,23 @@ def record(op: str, group: str, peer: int | None = None, nbytes: int = 0, name: 
         return _write_locked(_line(op, group, peer, nbytes, name, members, target, where))
 
 
+def record_creation(ranks, local_sync: bool, members, name: str, group: str = "world", splits=None,
+                    via: str = "new_group") -> int | None:
+    """Record the creation of a process group over `ranks` (a "new_group" line, see the module
+    docstring), before torch creates it: a creation that hangs is on record."""
+    directory = os.environ.get(ENV)
+    if not directory:
+        return None
+    where = _where(None)
+    with _lock:
+        _open_locked(directory)
+        entry = _line("new_group", group, None, 0, name, members, None, where)
+        entry.update(ranks=sorted(int(r) for r in ranks), local_sync=bool(local_sync), via=via)
+        if splits is not None:
+            entry["splits"] = [sorted(int(r) for r in s) for s in splits]
+        return _write_locked(entry)
+
+
 def record_batch(ops: list[dict], group: str = "", depth: int | None = None) -> list[int] | None:
     """Record a grouped p2p call (batch_isend_irecv): group_start, the ops, group_end, under one
     lock hold so no other thread's line lands inside the bracket. Each op is a dict with keys op
@@ -209,4 +231,5 @@ def reset() -> None:
         _file, _key, _count = None, None, 0
 
 
-__all__ = ["ENV", "enabled", "group_name", "name_group", "plumbing", "record", "record_batch", "reset"]
+__all__ = ["ENV", "enabled", "group_name", "name_group", "plumbing", "record", "record_batch", "record_creation",
+           "reset"]

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from runtime.launch import ROOT
+from lab.launch import ROOT
 
 
 def run_cases(table: list[dict], limit: float = 90, timeout: float = 900) -> dict[str, dict]:

@@ -11,18 +11,39 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import io
+import re
 import subprocess
+import tokenize
 from collections import deque
 from pathlib import Path
+
+from parallel import store_keys
+
+from rl import algorithms
 
 ROOT = Path(__file__).resolve().parent.parent
 ROOT_MODULES = {"train_disagg", "rollout", "trainer"}
 """the only modules at the root: the entry and the two roles (docs/architecture.md)"""
 ROLES = {"train_disagg", "rollout", "trainer"}
-LAYERS = [("train_disagg",), ("runtime",), ("rollout", "trainer"), ("config",),
+LAYERS = [("lab",), ("train_disagg",), ("runtime",), ("rollout", "trainer"), ("config",),
           ("checkpointing", "prompts", "planner"), ("parallel",), ("models", "rewards"), ("rl", "telemetry")]
-"""top to bottom: a package (or root module) imports only its own layer's or lower ones"""
+"""top to bottom: a package (or root module) imports only its own layer's or lower ones; the lab
+(offline tools) sits above the run, so nothing of the run imports it"""
+MODEL_AGNOSTIC = ("parallel", "planner", "lab.planning")
+"""packages that never reach models/, a role or runtime/ (they run without torch models)"""
 MAX_RUNTIME_FUNCTION_LINES = 80
+REGISTRY = "rl/algorithms/__init__.py"
+"""the algorithms' registry, which names every algorithm"""
+NAMED_OTHERWISE = {
+    ("rl/loss.py", "flow_grpo"): "--kl-form flow_grpo: the KL term named after Flow-GRPO's formula, a value recipes "
+                                 "and config.json files hold",
+    **{(f, "flow_grpo"): "the reward protocol of Flow-GRPO's reward servers (flow_grpo+http://HOST:PORT/NAME, "
+                         "--protocol flow_grpo), a value reward specs hold"
+       for f in ("rewards/pickle_wire.py", "rewards/remote.py", "rewards/server.py", "scripts/reward_server.py",
+                 "config/schema.py")},
+}
+"""(file, word): an algorithm's name used for something else"""
 
 # Function-level imports allowed. A key ending in ".py" exempts every function-level import in that
 # file; any other key is the top-level name of an optional dependency (modules not importable in this
@@ -30,7 +51,7 @@ MAX_RUNTIME_FUNCTION_LINES = 80
 ALLOWED_IN_FUNCTIONS = {
     "models/__init__.py": "family registry: a family is imported on first use, its import cost paid only then",
     "rewards/__init__.py": "reward registry: a reward (CLIP, OCR, ...) is imported on first use",
-    "rewards/base.py": "reward registry helpers: scorer modules and weights are loaded on first use",
+    "rewards/reward.py": "reward registry helpers: scorer modules and weights are loaded on first use",
     "flash_attn": "optional attention backend, not installed everywhere",
     "sageattention": "optional attention backend, not installed everywhere",
 }
@@ -122,7 +143,7 @@ def find_leaks(root: Path) -> list[list[str]]:
     (not walking past the first such module)."""
     graph, leaks = _graph(root), []
     bad = lambda m: _in(m, "models") or m in ROLES or _in(m, "runtime")
-    for src in sorted(m for m in graph if _in(m, "parallel") or _in(m, "planner")):
+    for src in sorted(m for m in graph if any(_in(m, p) for p in MODEL_AGNOSTIC)):
         prev = _bfs(graph, src, bad)
         for v in sorted(filter(bad, prev)):
             chain = [v]
@@ -224,6 +245,91 @@ def find_sys_path_edits(root: Path) -> list[str]:
     return hits
 
 
+def find_lab_in_the_run(root: Path, entry: str = "train_disagg") -> list[str]:
+    """Chains from the run's entry to a module of the lab (lab/) or of scripts/, through every import
+    (function-level ones included: the registries' families and rewards are part of the run)."""
+    mods = _sources(root)
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, _, _, name, dep, _ in _imports(root):
+        if dep and dep != mod:
+            graph[mod].add(dep)
+    for mod in mods:  # a package's modules named in strings of its registry ("models.flux:FluxAdapter")
+        text = (root / mods[mod]).read_text()
+        for other in mods:
+            if other.count(".") == 1 and _in(other, mod) and f'"{other}:' in text:
+                graph[mod].add(other)
+    prev = _bfs(graph, entry)
+    out = []
+    for v in sorted(m for m in prev if _in(m, "lab") or _in(m, "scripts")):
+        chain = [v]
+        while prev[chain[-1]]:
+            chain.append(prev[chain[-1]])
+        out.append(" -> ".join(chain[::-1]))
+    return out
+
+
+def find_duplicate_basenames(root: Path) -> list[str]:
+    """Tracked Python files outside tests/ that share a file name (`__init__.py` aside): a name says
+    what one file holds."""
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "*.py"], capture_output=True, text=True, check=True)
+    seen: dict[str, list[str]] = {}
+    for rel in out.stdout.split():
+        path = Path(rel)
+        if path.parts[0] != "tests" and path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(rel)
+    return sorted(", ".join(sorted(paths)) for paths in seen.values() if len(paths) > 1)
+
+
+def own_algorithm_files(registry=algorithms) -> dict[str, set[str]]:
+    """File -> the algorithm names (and old spellings) it may hold: each algorithm's own file, the registry all."""
+    out: dict[str, set[str]] = {REGISTRY: set(registry.ALGORITHMS) | set(registry.ALIASES)}
+    for name, a in registry.ALGORITHMS.items():
+        path = type(a).__module__.replace(".", "/") + ".py"
+        out.setdefault(path, set()).update({name} | {old for old, new in registry.ALIASES.items() if new == name})
+    return out
+
+
+def find_algorithm_names(root: Path, names, aliases, own: dict[str, set[str]],
+                         otherwise=NAMED_OTHERWISE) -> list[str]:
+    """An algorithm's name outside its own file, the registry and tests/: as an identifier, or as a
+    word of a string (a path's component aside: the recipes' folders, a peer's OWNER/REPOSITORY). An
+    old spelling that is an ordinary word ("window") counts where a string names it as the algorithm
+    (`--algorithm window`, `algorithm = "window"`). Docs and recipes are not Python: they may name them."""
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "*.py"], capture_output=True, text=True, check=True)
+    words = {n: re.compile(rf"(?<![\w/]){re.escape(n)}(?![\w/])") for n in names}
+    as_algorithm = {a: re.compile(rf"algorithm\W{{1,4}}{re.escape(a)}(?!\w)") for a in aliases}
+    strings = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+    hits = []
+    for rel in out.stdout.split():
+        if rel.startswith("tests/") or not (root / rel).is_file():
+            continue
+        mine = own.get(rel, set())
+        for tok in tokenize.generate_tokens(io.StringIO((root / rel).read_text()).readline):
+            if tok.type == tokenize.NAME:
+                found = {tok.string} & set(names)
+            elif tok.type in strings:
+                found = {n for n, w in words.items() if w.search(tok.string)}
+                found |= {a for a, w in as_algorithm.items() if w.search(tok.string)}
+            else:
+                continue
+            hits += [f"{rel}:{tok.start[0]} {n}" for n in sorted(found - mine) if (rel, n) not in otherwise]
+    return list(dict.fromkeys(hits))
+
+
+def find_store_key_literals(root: Path, families=store_keys.FAMILIES) -> list[str]:
+    """String constants of the run's code that start like a store key (`FAMILY/`) outside the
+    registry of keys (parallel/store_keys.py): a key written around the registry."""
+    pattern = re.compile(rf"^({'|'.join(families)})/")
+    out = []
+    for mod, path in sorted(_sources(root).items()):
+        if _in(mod, "lab") or path.as_posix() == "parallel/store_keys.py":
+            continue
+        for node in ast.walk(ast.parse((root / path).read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.match(node.value):
+                out.append(f"{path}:{node.lineno} {node.value!r}")
+    return out
+
+
 def _lines(items) -> str:
     return "\n  " + "\n  ".join(items)
 
@@ -278,6 +384,28 @@ def test_nothing_patches_sys_path():
     assert not hits, "sys.path used (run scripts with python -m scripts.NAME):" + _lines(hits)
 
 
+def test_the_run_never_imports_the_lab():
+    chains = find_lab_in_the_run(ROOT)
+    assert not chains, "the run imports the lab or a script:" + _lines(chains)
+
+
+def test_no_two_files_share_a_name():
+    dups = find_duplicate_basenames(ROOT)
+    assert not dups, "files with the same name (rename one to say what it holds):" + _lines(dups)
+
+
+def test_no_algorithm_name_outside_its_file():
+    """Roles and mechanisms call an algorithm's methods (rl/algorithms/algorithm.py); none asks which
+    algorithm runs, so a new algorithm is its file and one line of the registry."""
+    hits = find_algorithm_names(ROOT, list(algorithms.ALGORITHMS), list(algorithms.ALIASES), own_algorithm_files())
+    assert not hits, "an algorithm named outside its own file (rl/algorithms/NAME.py) and the registry:" + _lines(hits)
+
+
+def test_store_keys_come_from_their_registry():
+    bad = find_store_key_literals(ROOT)
+    assert not bad, "store keys written outside parallel/store_keys.py:" + _lines(bad)
+
+
 def test_checker_can_fail(tmp_path):
     files = {
         "parallel/__init__.py": "",
@@ -294,27 +422,47 @@ def test_checker_can_fail(tmp_path):
         "rewards/r.py": "import trainer\n\ndef f():\n    import json\n    import flash_attn\n"
                         "    import no_such_module_xyz\n    class K:\n        import os\n",  # class scope: allowed
         "scripts/s.py": "def f():\n    import x\n",
+        "train_disagg.py": "import runtime.r\n",
+        "runtime/r.py": "def f():\n    import lab.tool\n",
+        "lab/tool.py": "",
+        "lab/planning/x.py": "import trainer\n",
+        "lab/r.py": "",
+        "rl/algorithms/alpha.py": "NAME = 'alpha'  # its own file\nOTHER = 'beta'\n",
+        "rl/sampler.py": "def f(alpha):\n    return alpha_beta, 'recipes/alpha/x.toml', \"use --algorithm old\"\n",
+        "rl/loss.py": "FORMS = ('alpha', 'old')  # a value named after it, and an ordinary word\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+    assert find_lab_in_the_run(tmp_path) == ["train_disagg -> runtime.r -> lab.tool"]
+    (tmp_path / "runtime/k.py").write_text("def f(store, s):\n    store.put(f'claim/{s}', 1)\n    store.put('claim/x', 1)\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+    assert find_store_key_literals(tmp_path, ("claim",)) == ["runtime/k.py:3 'claim/x'", "runtime/k.py:2 'claim/'"]
+    (tmp_path / "runtime/k.py").unlink()
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+    own = {"rl/algorithms/alpha.py": {"alpha", "old"}}
+    assert find_algorithm_names(tmp_path, ["alpha", "beta"], ["old"], own, {("rl/loss.py", "alpha"): ""}) == [
+        "rl/algorithms/alpha.py:2 beta", "rl/sampler.py:1 alpha", "rl/sampler.py:2 old"]
+    assert find_duplicate_basenames(tmp_path) == ["lab/planning/x.py, x.py", "lab/r.py, rewards/r.py, runtime/r.py"]
     assert find_cycles(tmp_path) == [["x", "y"]]
-    assert find_leaks(tmp_path) == [["parallel.a", "models.b"], ["planner.p", "planner.q", "models.m"],
-                                    ["planner.q", "models.m"]]
+    assert find_leaks(tmp_path) == [["lab.planning.x", "trainer"], ["parallel.a", "models.b"],
+                                    ["planner.p", "planner.q", "models.m"], ["planner.q", "models.m"]]
     assert find_bad_imports(tmp_path, "models") == ["models/m.py:1 models.m -> torch.distributed",
                                                     "models/n.py:1 models.n -> torch.distributed"]
     assert find_bad_imports(tmp_path, "rewards") == ["rewards/r.py:1 rewards.r -> trainer"]
-    assert find_function_imports(tmp_path) == ["rewards/r.py:4 import json"]
+    assert find_function_imports(tmp_path) == ["rewards/r.py:4 import json", "runtime/r.py:2 import lab.tool"]
     assert find_folder_cycles(tmp_path) == [["x", "y"]]
     assert find_root_modules(tmp_path) == ["x.py", "y.py"]
-    assert find_layer_breaks(tmp_path, [("trainer",), ("rewards", "models"), ("parallel",), ("planner",)]) == [
+    assert find_layer_breaks(tmp_path, [("lab",), ("train_disagg",), ("runtime",), ("trainer",),
+                                                  ("rewards", "models"), ("parallel",), ("planner",)]) == [
         "parallel/a.py:1 parallel.a -> models.b: imports a higher layer",
         "planner/q.py:4 planner.q -> models.m: imports a higher layer",
         "rewards/r.py:1 rewards.r -> trainer: imports a higher layer",
+        "runtime/r.py:2 runtime.r -> lab.tool: imports a higher layer",
         "x.py:1 x -> y: x is in no layer", "y.py:1 y -> x: y is in no layer"]
-    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime").mkdir(exist_ok=True)
     (tmp_path / "runtime/loop.py").write_text("import sys\nsys.path.insert(0, '.')\n\ndef run():\n"
                                                + "    x = 1\n" * 80)
     subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)

@@ -10,14 +10,16 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 
 import pytest
 import torch
 
-from checkpointing import files as checkpoint_files
+from checkpointing import manifest as checkpoint_files
+from checkpointing.digests import folder_digest
 from checkpointing.folder import RUN_ENTRIES
 from checkpointing.lock import LOCK, _start_ticks
-from runtime.launch import ROOT, TINY
+from lab.launch import ROOT, TINY
 from forked import run_cases
 
 BOUND_S = 20.0  # every rank exits within this (it reads flags and files, or loads a tiny model)
@@ -128,6 +130,7 @@ def _cases(tmp_path):
         (d / "transformer" / "config.json").read_text().replace('"num_attention_heads": 4', '"num_attention_heads": 2')))
     flux = ["--output-dir", out]
     tiny = [*TINY, "--output-dir", out]
+    issue39 = _issue_39_cases(tmp_path, lora4, out, tiny)
     cases = [  # (name, argv, env, text the message must hold)
         ("lr nan", [*tiny, "--lr", "nan"], {}, "--lr must be a finite number > 0, got nan"),
         ("noise nan", [*tiny, "--noise-level", "nan"], {}, "--noise-level must be a finite number >= 0, got nan"),
@@ -197,6 +200,9 @@ def _cases(tmp_path):
         ("jsonl height 17", [*tiny, "--prompts", str(jsonl17)], {}, f"{jsonl17}:2: prompt shape 17x16: height 17"),
         ("reward model folder", [*tiny, "--reward", "clip_score", "--reward-model", "clip_score=/no/such/clip"], {},
          "--reward-model clip_score=/no/such/clip: no such folder"),
+        ("reward service token file", [*tiny, "--reward", "http://127.0.0.1:9/rule_aesthetic"],
+         {"DIGENRL_REWARD_TOKEN_FILE": "/no/such/token"},
+         "DIGENRL_REWARD_TOKEN_FILE='/no/such/token': cannot read the reward service token"),
         # what a resume continues from
         ("resume mislabelled", [*TINY, "--steps", "6", "--resume", str(tmp_path / "mislabelled"), "--output-dir", out],
          {}, "step-4 (its manifest.json records step 2, not 4"),
@@ -217,7 +223,62 @@ def _cases(tmp_path):
     ]
     if not torch.cuda.is_available():
         cases.append(("cuda on a CPU build", [*tiny, "--device", "cuda"], {}, "--device cuda, but this torch"))
-    return cases
+    return cases + issue39
+
+
+def _issue_39_cases(tmp_path, lora4, out, tiny):
+    """Files that block or lie (issue 39): a FIFO for prompts, a prompt whose timestep shift
+    overflows, a resume over a metrics.jsonl that is not UTF-8, over changed model bytes, from a
+    live run's unpinned checkpoint and through a bind mount with --overwrite, prompt embeddings of
+    another model of the family (other dimensions; the same dimensions, other weights)."""
+    from scripts import encode_prompts
+    from test_model_bytes import ENCODER, TRANSFORMER, noise
+
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text('{"prompt": "a red circle"}\n{"prompt": "a blue square", "height": 65536, "width": 65536}\n')
+    latin = tmp_path / "latin_metrics"
+    _fake_run(str(latin), 2, lora4)
+    (latin / "metrics.jsonl").write_bytes(b'{"step": 0}\n{"step": 1, "note": "caf\xe9"}\n')
+    changed = _model_copy(tmp_path, "changed_model", lambda d: None)
+    _fake_run(str(tmp_path / "run_m"), 2, {**lora4, "model": {**lora4["model"], "model_path": changed},
+                                           "run": {"id": "run-m", "model_digest": folder_digest(changed)}})
+    noise(os.path.join(changed, TRANSFORMER))
+    source = tmp_path / "live_source"
+    _fake_run(str(source), 2, lora4)
+    (source / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": "another job",
+                                           "since": "now", "start_ticks": _start_ticks(os.getpid())}))
+    alias = tmp_path / "alias"  # a bind mount of run4 (a symlink where mounting is refused)
+    alias.mkdir()
+    if subprocess.run(["mount", "--bind", str(tmp_path / "run4"), str(alias)], capture_output=True).returncode:
+        alias.rmdir()
+        alias.symlink_to(tmp_path / "run4")
+    prompts = tmp_path / "one_prompt.txt"
+    prompts.write_text("a red circle\n")
+    embeds_file = str(tmp_path / "shipped.safetensors")
+    encode_prompts.main(["--model-path", SHIPPED, "--prompts", str(prompts), "--out", embeds_file])
+    other_encoder = _model_copy(tmp_path, "other_encoder", lambda d: noise(str(d / ENCODER)))
+    return [
+        ("prompts a FIFO", [*tiny, "--prompts", str(fifo)], {}, f"prompt file {str(fifo)!r} is a FIFO (named pipe), "
+                                                                f"not a regular file"),
+        ("jsonl shift overflows", [*tiny, "--prompts", str(huge)], {},
+         f"{huge}:2: prompt shape 65536x65536: its timestep shift overflows at 268435456 image tokens"),
+        ("metrics not utf-8", [*TINY, "--steps", "4", "--resume", str(latin), "--output-dir", str(latin)], {},
+         f"{latin}/metrics.jsonl: line 2 holds the byte 0xe9, not UTF-8"),
+        ("resume over changed model bytes", ["--model-path", changed, "--steps", "4", "--resume", str(tmp_path / "run_m"),
+                                             "--output-dir", out], {},
+         f"other base model bytes: {TRANSFORMER} changed in --model-path {changed} since the checkpoint"),
+        ("resume a live run's unpinned checkpoint", [*TINY, "--steps", "4", "--resume", str(source), "--output-dir",
+                                                    out], {}, f"is the folder of a live run, pid {os.getpid()} on host"),
+        ("overwrite through an alias", [*TINY, "--steps", "4", "--resume", str(alias), "--overwrite", "--output-dir",
+                                        str(tmp_path / "run4")], {},
+         f"--overwrite would delete the checkpoints --resume {str(alias)!r} continues from"),
+        ("prompt embeds, other dimensions", [*tiny, "--prompt-embeds", embeds_file], {},
+         f"was encoded by the text encoders of {SHIPPED} (prompt_embeds 64x64, pooled 32), not by the tiny preset"),
+        ("prompt embeds, other weights", ["--model-path", other_encoder, "--output-dir", out, "--prompt-embeds",
+                                          embeds_file], {}, f"the run's; {ENCODER} changed"),
+    ]
 
 
 WORLDS = {"gap stages above blocks": 6,  # 5 generators as one 5-stage replica: more stages than 4 blocks
@@ -228,8 +289,13 @@ WORLDS = {"gap stages above blocks": 6,  # 5 generators as one 5-stage replica: 
 def results(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bad")
     cases = _cases(tmp_path)
-    others = {p: _digest(p) for p in (tmp_path / "held", tmp_path / "held_b", tmp_path / "live")}
-    got = run_cases([{"name": n, "argv": argv, "env": env, "world": WORLDS.get(n, 2)} for n, argv, env, _ in cases])
+    others = {p: _digest(p) for p in (tmp_path / "held", tmp_path / "held_b", tmp_path / "live", tmp_path / "run4",
+                                      tmp_path / "live_source", tmp_path / "latin_metrics")}
+    try:
+        got = run_cases([{"name": n, "argv": argv, "env": env, "world": WORLDS.get(n, 2)} for n, argv, env, _ in cases])
+    finally:
+        if not (tmp_path / "alias").is_symlink():  # a bind mount (os.path.ismount cannot tell one of a folder)
+            subprocess.run(["umount", str(tmp_path / "alias")], check=True)
     changed = [str(p) for p, digest in others.items() if _digest(p) != digest]
     left = {n: sorted(os.listdir(tmp_path / f"after{i}")) for i, n in enumerate(AFTER_LOAD, 1)
             if (tmp_path / f"after{i}").is_dir()}

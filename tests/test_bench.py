@@ -1,4 +1,4 @@
-"""scripts/bench.py end to end: two quick modes on the tiny preset, and the unknown-mode error."""
+"""lab/bench.py end to end: two quick modes on the tiny preset, and the unknown-mode error."""
 import json
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = ["-m", "scripts.bench"]
+BENCH = ["-m", "lab.bench"]
 QUICK = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--prompts-per-step", "2", "--group-size", "2",
          "--micro-batch", "2", "--sample-steps", "3", "--height", "16", "--width", "16", "--timeout", "120"]
 

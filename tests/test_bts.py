@@ -8,7 +8,7 @@ import random
 import pytest
 
 from parallel import bts
-from planner.simulator import MODES, Costs, StepState, predict_makespan, simulate_run, simulate_step
+from lab.planning.simulator import MODES, Costs, StepState, predict_makespan, simulate_run, simulate_step
 from telemetry.tracing import CATEGORIES
 
 

@@ -9,7 +9,7 @@ import shutil
 import torch
 from safetensors import safe_open
 
-from runtime.launch import TINY, torchrun, trained_weights
+from lab.launch import TINY, torchrun, trained_weights
 
 from checkpointing import checkpoint
 

@@ -1,4 +1,4 @@
-"""telemetry/commcheck.py replays recorded communication under NCCL's rules (no buffering, one FIFO
+"""lab/nccl/replay.py replays recorded communication under NCCL's rules (no buffering, one FIFO
 stream per communicator and rank): each hand-reduced pattern below runs on gloo yet hangs on NCCL,
 and must be reported as a deadlock naming the right ranks, while its fixed form must pass."""
 import json
@@ -9,7 +9,8 @@ import time
 from datetime import timedelta
 
 from parallel import p2p
-from telemetry import commcheck, commtrace
+from telemetry import commtrace
+from lab.nccl import replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,7 +62,7 @@ class Trace:
         return out
 
     def check(self):
-        return commcheck.check(self.lines)
+        return replay.check(self.lines)
 
 
 def assert_deadlock(result, ranks, *wheres):
@@ -238,7 +239,7 @@ def test_wait_inside_a_group_bracket_is_malformed():
     t._add(0, "group_end", "")
     try:
         t.check()
-    except commcheck.TraceError as e:
+    except replay.TraceError as e:
         assert "inside a group_start/group_end bracket" in str(e)
     else:
         raise AssertionError("accepted a wait inside a grouped call")
@@ -376,10 +377,10 @@ def test_recorder_writes_the_trace_format(tmp_path, monkeypatch):
                         "where": lines[0]["where"]}
     assert lines[0]["where"].startswith("tests/test_comm_check.py:")
     assert lines[2]["target"] == 0 and lines[3]["members"] == [3]
-    traces = commcheck.load(str(tmp_path))
+    traces = replay.load(str(tmp_path))
     assert list(traces) == [3]
     # a self send posted before its receive on one communicator is stuck at the head of the stream
-    r = commcheck.check(traces)
+    r = replay.check(traces)
     assert r.deadlock and r.cycles == [[3]], r.message
     # reopening appends and continues the line numbering
     monkeypatch.setenv(commtrace.ENV, str(tmp_path))

@@ -8,7 +8,7 @@ import torch
 
 from checkpointing.checkpoint import RESIDUAL, read_state
 
-from runtime.launch import TINY, torchrun
+from lab.launch import TINY, torchrun
 from telemetry.metrics import read_metrics
 from traced import assert_nccl_ok, traced
 from parallel import compress
@@ -103,7 +103,7 @@ def test_codecs_keep_placement_invariance_and_resume_with_their_residual(tmp_pat
     the weights the generator samples with. A run resumed from step 2
     (another placement) goes on from the checkpoint's residual to the same step-3 weights. And the
     codec is active: the two codecs train different weights."""
-    from runtime.launch import trained_weights
+    from lab.launch import trained_weights
 
     args = [*TINY, "--steps", "3", "--log-images-every", "0", "--save-every", "1"]
     disagg = ["--generators", "1", "--trainers", "1", "--fragment-groups", "0"]

@@ -1,6 +1,6 @@
 """The README's main command, shortened: the embedded default (shipped model, shapes prompts and
 reward, disaggregated with fragment streaming) for 2 steps with evaluation."""
-from runtime.launch import torchrun
+from lab.launch import torchrun
 from telemetry.metrics import read_metrics
 
 

@@ -16,7 +16,7 @@ ALLOWED = {
     ("parallel/commhooks.py", "synchronize"): "the one device-wide synchronize, recorded in the trace",
     ("runtime/probe.py", "_timed"): "the start-up speed probe, before any rank posts a send",
     ("parallel/gap.py", "measure_block_costs"): "GAP's start-up block costs, before any rank posts a send",
-    ("scripts/calibrate.py", "_sync"): "a calibration script timing kernels alone, not a training run",
+    ("lab/calibrate.py", "_sync"): "a calibration script timing kernels alone, not a training run",
 }
 """(file, function) -> why a device-wide synchronize is allowed there"""
 

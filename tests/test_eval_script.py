@@ -21,6 +21,7 @@ def _eval(out, *extra):
 
 def test_eval_base_and_checkpoint(tmp_path):
     from checkpointing.checkpoint import export_weights
+    from checkpointing.manifest import write_atomic
     from models import load_model
     from models.lora import apply_lora
 
@@ -32,8 +33,9 @@ def test_eval_base_and_checkpoint(tmp_path):
     adapter = load_model("flux")
     apply_lora(adapter.transformer, 4, None)
     weights = {n: torch.randn_like(p) * 0.5 for n, p in adapter.transformer.named_parameters() if p.requires_grad}
-    export_weights(str(tmp_path / "ckpt"), adapter, weights, lora=True, dtype=torch.bfloat16,
-                   lora_config=adapter.transformer.peft_config["default"])
+    write_atomic(str(tmp_path / "ckpt"), lambda tmp: export_weights(  # a checkpoint with its manifest, as a run writes it
+        tmp, adapter, weights, lora=True, dtype=torch.bfloat16, lora_config=adapter.transformer.peft_config["default"]),
+        {"step": 1})
     trained = _eval(tmp_path / "trained", "--checkpoint", str(tmp_path / "ckpt"))
     assert trained["per_prompt"] != base["per_prompt"]
 

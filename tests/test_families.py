@@ -10,7 +10,7 @@ import sys
 import pytest
 from PIL import Image
 
-from runtime.launch import ROOT
+from lab.launch import ROOT
 from telemetry.metrics import read_metrics
 
 FAMILIES = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
@@ -87,7 +87,7 @@ def test_step_scalars_flag_steps_whose_groups_all_have_zero_std():
 
 
 def test_a_size_the_model_cannot_take_fails_on_every_rank_with_a_clear_message(tmp_path):
-    from runtime.launch import torchrun
+    from lab.launch import torchrun
 
     proc = torchrun(2, ["--model", "wan", "--preset", "tiny", "--height", "480", "--steps", "1", "--eval-every", "0",
                         "--output-dir", str(tmp_path / "run")], check=False, timeout=300)

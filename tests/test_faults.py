@@ -1,11 +1,15 @@
 """Faults injected into runs under torchrun, and exact resume in every mode.
 
-- kill -9 of a generator, of a trainer or of torchrun itself: every other process exits within
-  60 s, naming the dead one by role (torchrun: in one line per worker, with no traceback);
+- kill -9 of a generator, of a trainer, of a scorer or of torchrun itself: every other process
+  exits within 60 s, naming the dead one by role (torchrun: in one line per worker, with no
+  traceback);
 - an exception raised by a generator, a trainer or a scorer: every rank's line names that rank
   and its exception, and no rank is blamed as silent;
-- --overwrite of a live run is refused on every rank, naming the host and pid that hold it, and
-  the live run goes on untouched (the second-signal rule: tests/test_reliability.py);
+- --overwrite of a live run is refused to a launch with the same rdzv id, through a bind mount of
+  its folder, naming the host and pid that hold it, and the live run goes on untouched (the
+  second-signal rule: tests/test_reliability.py);
+- a disk that fills during a checkpoint is named (ENOSPC, the folder, its free space), and the run
+  continues from the previous checkpoint once there is room;
 - SIGTERM on one rank: every rank finishes the same steps, a checkpoint is written, the run exits
   within --stop-grace-s, and resuming from it is bitwise equal to an uninterrupted run (disagg +
   TSP);
@@ -20,16 +24,17 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import time
 
 import pytest
 import torch
 
-from checkpointing import files as checkpoint_files
+from checkpointing import manifest as checkpoint_files
 from checkpointing.checkpoint import KILL_ENV
 from checkpointing.lock import LOCK
 from forked import run_cases
-from runtime.launch import TINY, alive, torchrun, torchrun_background, trained_weights, worker_pids
+from lab.launch import TINY, alive, rendezvous, torchrun, torchrun_background, trained_weights, worker_pids
 from telemetry.metrics import read_metrics
 from traced import assert_nccl_ok, traced
 
@@ -67,16 +72,20 @@ def _end(proc):
 
 @pytest.mark.parametrize("victim,named", [(0, "generator rank 0 (replica 0) stopped answering"),
                                           (1, "trainer rank 1 stopped answering"),
+                                          (2, "scorer rank 2 stopped answering"),
                                           ("torchrun", "is gone, and the rendezvous store with it")],
-                         ids=["generator", "trainer", "torchrun"])
+                         ids=["generator", "trainer", "scorer", "torchrun"])
 def test_kill_9_is_named_by_every_rank_and_all_exit_within_60_s(tmp_path, victim, named):
+    """The scorer (1 + 1 + 1 ranks): torchrun SIGTERMs the survivors at once, and the generator,
+    whose receive from it broke, diagnoses while the trainer watches with a stop's 5 s limit."""
     run, log = tmp_path / "run", tmp_path / "log"
-    proc = torchrun_background(2, [*BASE, "--steps", "500", "--save-every", "1000", "--output-dir", str(run)],
-                               str(log))
+    world, extra = (3, ["--scorers", "1"]) if victim == 2 else (2, [])
+    proc = torchrun_background(world, [*BASE, *extra, "--steps", "500", "--save-every", "1000", "--output-dir",
+                                       str(run)], str(log))
     try:
-        _wait_rows(run, 1, proc, log)
+        _wait_rows(run, 2 if victim == 2 else 1, proc, log)
         pids = worker_pids(proc.pid)
-        assert set(pids) == {0, 1}, pids
+        assert set(pids) == set(range(world)), pids
         start = time.monotonic()
         os.kill(proc.pid if victim == "torchrun" else pids[victim], signal.SIGKILL)
         survivors = [p for r, p in pids.items() if r != victim]
@@ -95,6 +104,9 @@ def test_kill_9_is_named_by_every_rank_and_all_exit_within_60_s(tmp_path, victim
             {line.split(": ", 2)[2].split(" at step")[0] for line in lines}, lines
         assert "Traceback" not in text, text[-3000:]  # (torch's C++ store client may log a receive it had in flight)
         assert not (run / LOCK).exists()  # rank 0 released the folder on its way out
+    elif victim == 2:  # every survivor names the scorer, none another rank
+        lines = [line[line.index("error: "):] for line in text.splitlines() if "error: " in line]
+        assert len(lines) >= 2 and all(line.startswith(f"error: {named}") for line in lines), text[-3000:]
     else:
         assert named in text and f"rank {1 - victim}" in text, text[-3000:]
     assert proc.returncode != 0
@@ -129,33 +141,47 @@ def test_an_exception_on_any_role_is_that_ranks_on_every_rank(injected, role):
         assert r["seconds"] < 60
 
 
-def test_a_live_runs_folder_is_refused_on_every_rank_and_the_run_goes_on(tmp_path):
-    """While a run trains, --overwrite into its folder is refused on every rank of the second
-    launch, naming the host and pid holding it, and the live run goes on with every byte it wrote;
-    stopped by SIGTERM to torchrun, it saves a checkpoint and its lock leaves with it."""
-    run, log = tmp_path / "run", tmp_path / "log"
+def test_a_live_runs_folder_is_refused_to_a_launch_of_the_same_rdzv_id_and_the_run_goes_on(tmp_path):
+    """While a run trains, a second torchrun with the same c10d rdzv id (every launch of a SLURM
+    allocation has one: scripts/slurm/launch.sh) and --overwrite into the run's folder through
+    another name of it (a bind mount; a symlink where mounting is refused) is refused, naming the
+    host and pid holding it, and the live run goes on with every byte it wrote; stopped by SIGTERM
+    to torchrun, it saves a checkpoint and its lock leaves with it."""
+    run, log, alias = tmp_path / "run", tmp_path / "log", tmp_path / "alias"
     proc = torchrun_background(2, [*BASE, "--steps", "500", "--save-every", "1", "--keep-checkpoints", "0",
-                                   "--output-dir", str(run)], str(log))
+                                   "--output-dir", str(run)], str(log), rdzv=rendezvous("samejob"))
+    mounted = False
     try:
         _wait_rows(run, 2, proc, log)
+        alias.mkdir()
+        mounted = subprocess.run(["mount", "--bind", str(run), str(alias)], capture_output=True).returncode == 0
+        if not mounted:
+            alias.rmdir()
+            alias.symlink_to(run)
         pids = worker_pids(proc.pid)
         rows = (run / "metrics.jsonl").read_text()
         saved = checkpoint_files.find_valid(str(run / "checkpoints"))
-        second = run_cases([{"name": "overwrite", "world": 2, "env": {},
-                             "argv": [*BASE, "--overwrite", "--output-dir", str(run)]}])["overwrite"]
+        began = time.monotonic()
+        second = torchrun(2, [*BASE, "--overwrite", "--output-dir", str(alias)], check=False, timeout=240,
+                          rdzv=rendezvous("samejob"))
+        second_s = time.monotonic() - began
         _wait_rows(run, len(rows.splitlines()) + 1, proc, log)  # the live run goes on
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
         _end(proc)
+        if mounted:
+            subprocess.run(["umount", str(alias)], check=True)
     holder = f"pid {pids[0]} on host {socket.gethostname()}"
-    for r in second["ranks"]:
-        assert r["code"] == 2 and f"--overwrite would delete the files of a live run: {run / LOCK} is held by " \
-            f"{holder}" in r["stderr"], r["stderr"][-2000:]
+    said = second.stdout + second.stderr
+    assert second.returncode != 0 and f"error: --overwrite would delete the files of a live run: {alias / LOCK} is " \
+        f"held by {holder}" in said, said[-3000:]
     assert (run / "metrics.jsonl").read_text().startswith(rows)
     checkpoint_files._VERIFIED.clear()
     assert checkpoint_files.read_manifest(saved.path)["step"] == saved.step  # every byte of it
     assert "stopped on a signal after step" in log.read_text() and not (run / LOCK).exists()
+    print(f"\nthe second launch (same rdzv id, --overwrite through {'a bind mount' if mounted else 'a symlink'}) "
+          f"was refused and its torchrun gone in {second_s:.1f} s")
 
 
 def test_sigterm_on_one_rank_writes_a_checkpoint_and_resume_is_bitwise(tmp_path):
@@ -232,3 +258,34 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(tmp_path, mode):
     assert [[r[k] for k in keys] for r in _rows(run)] == [[r[k] for k in keys] for r in _rows(straight)]
     if mode == "tcss":
         assert [r["train/staleness_mean"] for r in _rows(run)] == [0.0, 1.0, 1.0]
+
+
+def test_a_disk_that_fills_during_a_checkpoint_is_named_and_nothing_is_lost(tmp_path):
+    """The output folder on a 200 KiB file system: step-1 fits, step-2 does not. Every rank stops
+    (exit 3) with one line naming ENOSPC, the folder and its free space; once there is room the
+    run continues from step-1 with --resume DIR --output-dir DIR."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs CAP_SYS_ADMIN")
+    try:
+        run = disk / "run"
+        args = [*BASE, "--steps", "3", "--save-every", "1", "--keep-checkpoints", "0", "--output-dir", str(run)]
+        full = run_cases([{"name": "full", "world": 2, "env": {}, "argv": args}], limit=120)["full"]
+        subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)  # room again
+        resumed = run_cases([{"name": "resumed", "world": 2, "env": {},
+                              "argv": ["--resume", str(run), "--output-dir", str(run)]}], limit=120)["resumed"]
+        rows = _rows(run)
+    finally:
+        subprocess.run(["umount", str(disk)])
+    said = (f"checkpoint step-2: no space left on device (ENOSPC) writing into {run / 'checkpoints'}, 0 bytes free of "
+            f"200.0 KiB on its file system: free space (the unfinished step-2.tmp can go), then continue from step-1")
+    for r in full["ranks"]:
+        lines = [line for line in r["stderr"].splitlines() if line.startswith("error:")]
+        assert r["code"] == 3 and len(lines) == 1 and said in lines[0], (r["code"], r["stderr"][-3000:])
+        assert "Traceback" not in r["stderr"] and "CheckpointException" not in lines[0]
+    assert [r["code"] for r in resumed["ranks"]] == [0, 0], resumed["ranks"][1]["stderr"][-3000:]
+    assert f"continuing from {run / 'checkpoints' / 'step-1'} (step 1)" in resumed["ranks"][0]["stderr"]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    print(f"\nENOSPC: every rank gone {max(r['seconds'] for r in full['ranks']):.1f} s after its start "
+          f"(2 steps, one checkpoint)")

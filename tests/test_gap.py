@@ -149,7 +149,7 @@ def test_pipelined_replica_equals_one_stage(tmp_path, stages):
 def test_placement_invariance_across_fragments_and_stages(tmp_path):
     """Fragment streaming and block pipelines train on the same data as the colocated baseline."""
 
-    from runtime.launch import TINY, torchrun, trained_weights
+    from lab.launch import TINY, torchrun, trained_weights
     from weights import assert_same_weights
 
     runs = {"colocated": (2, ["--mode", "colocated"]),
@@ -174,7 +174,7 @@ def test_trainers_start_before_generation_ends(tmp_path):
     """Fragment streaming: in every step the trainer's first train span starts before the
     generator's last generate span of that step ends (8 fragments: 7 fragments' time of slack,
     so a loaded machine does not decide it)."""
-    from runtime.launch import TINY, torchrun
+    from lab.launch import TINY, torchrun
 
     out = tmp_path / "run"
     args = [a if a != "2" or i != TINY.index("--prompts-per-step") + 1 else "8" for i, a in enumerate(TINY)]

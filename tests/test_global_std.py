@@ -10,7 +10,7 @@ from config.cli import parse_config
 from config.validate import validate
 from rl import advantages
 from rl.advantages import AdvantageRule, best_of_n, fragment_advantages, readmitted, step_end
-from runtime.launch import TINY, torchrun, trained_weights
+from lab.launch import TINY, torchrun, trained_weights
 from telemetry.metrics import read_metrics
 from weights import assert_same_weights
 
@@ -119,7 +119,7 @@ def _trainer(beta: float, clip: float):
     generating policy (ratios != 1, some clipped), and the chunks of 3 groups of 2 (one per fragment)."""
     from config.schema import RunConfig
     from models import load_model
-    from parallel.intake import TrainChunk
+    from parallel.trainer_intake import TrainChunk
     from rl import sampler
     from rollout import encode_batch
     from trainer import Trainer

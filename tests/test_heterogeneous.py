@@ -10,8 +10,8 @@ from config.cli import parse_config
 from config.validate import validate
 from models import load_model
 from planner.memory import peak
-from runtime.memory import check_budget, predict
-from runtime.launch import TINY, torchrun, trained_weights
+from runtime.budget import check_budget, predict
+from lab.launch import TINY, torchrun, trained_weights
 from traced import assert_nccl_ok, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics

@@ -16,7 +16,7 @@ from parallel.topology import ProcessGroups
 from prompts import embeds
 from rl import sampler
 from runtime import context, probe
-from runtime.launch import torchrun_module
+from lab.launch import torchrun_module
 from telemetry.tracing import Slowdown
 
 
@@ -221,7 +221,7 @@ def test_bf16_modes_train_the_colocated_weights(tmp_path):
     the update after 2 steps here (Adam turns the sign of a near-zero gradient entry into a whole
     step)."""
     from models.lora import apply_lora
-    from runtime.launch import TINY, torchrun, trained_weights
+    from lab.launch import TINY, torchrun, trained_weights
     from scripts import encode_prompts
     from telemetry.metrics import read_metrics
     from weights import assert_same_weights

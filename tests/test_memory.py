@@ -1,7 +1,7 @@
 """GPU memory: the one memory model (planner/memory.py) against the measurements of the roles' own
-code at the released sizes (docs/memory/*.json, written by scripts/measure_recipes.py), a measurement
-at released size run again, the trackers' mechanics on small modules (runtime/fakemem.py,
-runtime/memtrack.py), the recipes' GPUs and the recipe check script."""
+code at the released sizes (docs/memory/*.json, written by lab/measure_recipes.py), a measurement
+at released size run again, the trackers' mechanics on small modules (lab/memory/fake_run.py,
+lab/memory/trackers.py), the recipes' GPUs and the recipe check script."""
 import glob
 import json
 import os
@@ -17,10 +17,10 @@ from config.validate import validate
 from models.released import meta_adapter, parameter_counts
 from planner import hardware
 from planner import memory as model
-from runtime import fakemem, measure
-from runtime.memory import GiB, load_recipe, predict
-from runtime.memtrack import FSDPTracker, Replay, Tracker
-from scripts import measure_recipes
+from lab.memory import fake_run, measure
+from runtime.budget import GiB, load_recipe, predict
+from lab.memory.trackers import FSDPTracker, Replay, Tracker
+from lab import measure_recipes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*_grpo", "*.toml")))
@@ -160,13 +160,13 @@ def test_the_model_names_what_does_not_fit(adapters):
 def _linear(run, n=256):
     with torch.device("meta"):
         m = torch.nn.Sequential(torch.nn.Linear(n, n, bias=False), torch.nn.Linear(n, n, bias=False))
-    return fakemem.fake_module(m, run.mode)
+    return fake_run.fake_module(m, run.mode)
 
 
 def test_trackers_book_parameters_gradients_optimizer_and_activations_exactly():
     n, rows = 256, 64
     w = n * n * 4  # one float32 weight matrix
-    with fakemem.FakeRun() as run:
+    with fake_run.FakeRun() as run:
         m = _linear(run)
         opt = torch.optim.AdamW(m.parameters(), fused=True)  # as trainer.adamw makes it
         x = torch.empty(rows, n)
@@ -188,9 +188,9 @@ def test_trackers_book_parameters_gradients_optimizer_and_activations_exactly():
 
 def test_fsdp_tracker_books_a_quarter_of_the_weights_on_four_ranks():
     n = 256
-    with fakemem.fake_world(4, 1):
+    with fake_run.fake_world(4, 1):
         mesh = DeviceMesh("cpu", list(range(4)))  # outside the fake run, as torchtitan builds it
-        with fakemem.FakeRun() as run:
+        with fake_run.FakeRun() as run:
             m = _linear(run, n)
             for unit in m:
                 fully_shard(unit, mesh=mesh)
@@ -205,9 +205,9 @@ def test_fsdp_tracker_books_a_quarter_of_the_weights_on_four_ranks():
 
 
 def test_fake_run_computes_like_cuda_and_keeps_small_values():
-    with fakemem.FakeRun() as run:
+    with fake_run.FakeRun() as run:
         x = torch.empty(4, 8)
-        with fakemem.gpu_autocast(torch.device("cpu"), "auto"):
+        with fake_run.gpu_autocast(torch.device("cpu"), "auto"):
             y = torch.nn.functional.linear(x, torch.empty(8, 8))
             z = torch.nn.functional.layer_norm(y, (8,))
         sigma = torch.tensor([0.5, 0.25]) * torch.ones(2)
@@ -232,7 +232,7 @@ def test_a_fake_run_reads_lazy_modules_without_importing(monkeypatch):
     lazy.__getattr__ = missing
     lazy.autocast = original = models.autocast
     monkeypatch.setitem(sys.modules, "lazy_stand_in", lazy)
-    with fakemem.FakeRun():
+    with fake_run.FakeRun():
         assert lazy.autocast is not original  # as on a GPU: patched where it was imported
     assert lazy.autocast is original
 
@@ -252,18 +252,18 @@ def test_a_fake_run_that_fails_to_start_leaves_nothing_behind(monkeypatch):
     limit = fake_tensor.CONSTANT_NUMEL_LIMIT
     monkeypatch.setattr(fakemem, "uncounted_propagation", fail)  # entered after the kernels
     with pytest.raises(RuntimeError, match="injected"):
-        with fakemem.FakeRun():
+        with fake_run.FakeRun():
             pass
     monkeypatch.undo()
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::exp", "AutocastCPU")
     assert exp_dtype() == torch.bfloat16 and fake_tensor.CONSTANT_NUMEL_LIMIT == limit  # CPU autocast's own policy
-    with fakemem.FakeRun():
+    with fake_run.FakeRun():
         assert exp_dtype() == torch.float32  # CUDA's policy: exp in float32
     assert exp_dtype() == torch.bfloat16
 
 
 def test_replayed_calls_book_the_first_calls_working_set():
-    with fakemem.FakeRun() as run:
+    with fake_run.FakeRun() as run:
         m = _linear(run)
         tracker = Tracker()
         tracker.hold(run.mode)
@@ -319,3 +319,17 @@ def test_tcss_generators_hold_an_idle_copy_of_the_version(adapters):
         assert tcss[phase].tensors - plain[phase].tensors == pytest.approx(copy, rel=1e-6), phase
     assert tcss["start-up probe"].tensors == plain["start-up probe"].tensors
     assert tcss["fragment"].tensors / GiB == pytest.approx(58.2, rel=0.02)
+
+
+def test_the_measured_training_batch_carries_the_fields_the_rollout_records():
+    """An algorithm whose loss reads a recorded step field (Flow-DPPO: the rollout's means) is measured
+    on a batch that carries it, latent-shaped, and nothing else is added for one that records none."""
+    from lab.memory.fake_parts import Sent, transition_batch
+    from rl import sampler
+
+    sent = Sent({"prompt_embeds": ((7, 16), torch.float32)}, None, (4, 2, 2))
+    sigmas = torch.linspace(1, 0, 5)
+    for record, want in (((), {}), (("mean", "std"), {"mean": (4, 4, 2, 2), "std": (4,)})):
+        cfg = sampler.SamplingConfig(16, 16, 4, record=record)
+        batch = transition_batch(sent, cfg, sigmas, 1, rows=4)
+        assert {k: tuple(v.shape) for k, v in batch.steps.items()} == want

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from prompts import shapes
-from runtime.launch import TINY, torchrun, trained_weights
+from prompts import resolutions
+from lab.launch import TINY, torchrun, trained_weights
 from traced import assert_nccl_ok, traced
 from weights import assert_same_weights
 from telemetry.metrics import image_grid, pad_to_largest, read_metrics
@@ -43,35 +43,35 @@ def test_shapes_are_checked_against_the_model_naming_file_and_line(tmp_path):
     good = _jsonl(tmp_path / "good.jsonl", [{"prompt": "a", "height": 24}, {"prompt": "b"},
                                             {"prompt": "c", "height": 32, "width": 48}])
     records = load_prompts(good)
-    tokens = shapes.check_shapes(adapter, records, sampling, good)
+    tokens = resolutions.check_shapes(adapter, records, sampling, good)
     assert tokens == {(24, 16, None): 24, S16: 16, (32, 48, None): 96}
-    table = shapes.shape_table(adapter, records, sampling, good)
+    table = resolutions.shape_table(adapter, records, sampling, good)
     assert table.keys == ((24, 16, None), S16, (32, 48, None))
     assert table.costs[(32, 48, None)] > table.costs[(24, 16, None)] > table.costs[S16]
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, {"prompt": "b", "height": 32}, {"prompt": "c", "height": 18}])
     with pytest.raises(ValueError, match=r"bad.jsonl:3: prompt shape 18x16: height 18 must be a positive multiple of 4"):
-        shapes.check_shapes(adapter, load_prompts(bad), sampling, bad)
+        resolutions.check_shapes(adapter, load_prompts(bad), sampling, bad)
     video = _jsonl(tmp_path / "video.jsonl", [{"prompt": "a", "frames": 9}])
     with pytest.raises(ValueError, match=r"video.jsonl:1: 'frames' 9 given for 'flux', an image model"):
-        shapes.check_shapes(adapter, load_prompts(video), sampling, video)
+        resolutions.check_shapes(adapter, load_prompts(video), sampling, video)
     plain = _jsonl(tmp_path / "plain.jsonl", [{"prompt": "a", "height": 16}, {"prompt": "b"}])
-    assert shapes.shape_table(adapter, load_prompts(plain), sampling, plain) is None  # one shape: plans as before
+    assert resolutions.shape_table(adapter, load_prompts(plain), sampling, plain) is None  # one shape: plans as before
 
 
 def test_measured_costs_calibrate_the_model():
     table = ShapeTable((S16, S48, S16, S32), {S16: 17.0, S32: 70.0, S48: 252.0})  # FLOPs: 48x48 costs 15x 16x16
     seconds = [{"16x16": 0.04, "32x32": 0.05, "48x48": 0.06}, {"16x16": 0.06, "32x32": 0.06, "48x48": 0.06}]
-    got = shapes.measured_table(table, seconds)  # measured: 1.2x, a fixed cost per forward dominates
+    got = resolutions.measured_table(table, seconds)  # measured: 1.2x, a fixed cost per forward dominates
     assert got.keys == table.keys
     assert got.costs[S48] == 1.0 and 0.8 < got.costs[S16] < got.costs[S32] < 0.9  # the model's order, measured scale
     noisy = [{"16x16": 0.05, "32x32": 0.045, "48x48": 0.06}]  # noise inverts two shapes: the order stays the model's
-    assert sorted(table.costs, key=shapes.measured_table(table, noisy).costs.get) == [S16, S32, S48]
+    assert sorted(table.costs, key=resolutions.measured_table(table, noisy).costs.get) == [S16, S32, S48]
     falling = [{"16x16": 0.06, "32x32": 0.05, "48x48": 0.04}]  # no positive slope: about equal, in the model's order
-    flat = shapes.measured_table(table, falling).costs
+    flat = resolutions.measured_table(table, falling).costs
     assert flat[S48] == 1.0 and 1 - 1e-5 < flat[S16] < flat[S32] < 1.0
-    assert shapes.measured_table(None, []) is None
+    assert resolutions.measured_table(None, []) is None
     with pytest.raises(ValueError, match=r"must measure the shapes \['16x16', '32x32', '48x48'\]"):
-        shapes.measured_table(table, [{"16x16": 0.04}])
+        resolutions.measured_table(table, [{"16x16": 0.04}])
 
 
 def test_bad_shape_fails_every_rank_before_any_wait(tmp_path):
@@ -183,13 +183,13 @@ def test_dispatch_flag_is_validated_and_reaches_the_plan():
 
 def test_evaluation_shares_every_shape_evenly():
     keys = ["16x16", "32x32", "16x16", "48x48", "16x16", "32x32", "16x16"]
-    shares = [shapes.evaluation_share(keys, 3, me) for me in range(3)]
+    shares = [resolutions.evaluation_share(keys, 3, me) for me in range(3)]
     assert sorted(j for s in shares for j, real in s if real) == list(range(len(keys)))
     for name in set(keys):
         counts = [sum(keys[j] == name for j, _ in s) for s in shares]
         assert len(set(counts)) == 1, (name, counts)  # equal forwards of every shape on every evaluator
     one = ["a"] * 5
-    assert shapes.evaluation_share(one, 2, 1) == [(3, True), (4, True), (4, False)]
+    assert resolutions.evaluation_share(one, 2, 1) == [(3, True), (4, True), (4, False)]
 
 
 def test_grid_pads_mixed_sizes_to_the_largest():
@@ -205,7 +205,7 @@ def test_mixed_shape_gradients_equal_the_per_sample_loop():
     from rl import sampler
     from config.schema import RunConfig
     from models import load_model
-    from parallel.intake import TrainChunk, TransitionBatch, TransitionIntake
+    from parallel.trainer_intake import TrainChunk, TransitionBatch, TransitionIntake
     from prompts.sets import PromptRecord
     from rewards import RewardSet
     from rollout import Generator
@@ -219,7 +219,7 @@ def test_mixed_shape_gradients_equal_the_per_sample_loop():
     sampling = sampler.SamplingConfig.for_adapter(adapter, height=16, width=16, num_steps=4)
     records = [PromptRecord("a red circle", {"height": 24}), PromptRecord("two blue squares"),
                PromptRecord("a green triangle", {"height": 24, "width": 32})]
-    table = shapes.shape_table(adapter, records, sampling, "mem")
+    table = resolutions.shape_table(adapter, records, sampling, "mem")
     plan = plan_step(0, seed=0, num_prompts=3, prompts_per_step=3, group_size=2, micro_batch=2, num_replicas=1,
                      num_trainers=1, fragment_groups=2, shapes=table)
     assert len({f.shape for f in plan.fragments}) == 3
@@ -229,7 +229,7 @@ def test_mixed_shape_gradients_equal_the_per_sample_loop():
         result = gen.complete(plan, gen.submit(plan, gen.denoise(plan, f), 0), None)
         h, w, _ = f.shape
         assert all(c.latents.shape[-2:] == (h // 2, w // 2) for c in result.chunks)  # denoised at its shape
-        assert torch.equal(result.chunks[0].sigmas, sampler.sigmas_for(adapter, shapes.sampling_for(sampling, f.shape)))
+        assert torch.equal(result.chunks[0].sigmas, sampler.sigmas_for(adapter, resolutions.sampling_for(sampling, f.shape)))
         chunks[f.index] = result.chunks
     sigmas = [chunks[f.index][0].sigmas for f in plan.fragments]
     assert not torch.equal(sigmas[0], sigmas[-1])  # the dynamic shift follows the sequence length

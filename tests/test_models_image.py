@@ -8,7 +8,7 @@ import torch
 
 import models
 from rl import sampler
-from models.base import Conditioning
+from models.adapter import Conditioning
 
 FAMILIES = ["qwen_image", "sd3"]
 PROMPTS = ["a red cube", "a small dog on a long wooden bench"]  # different lengths: Qwen pads the first

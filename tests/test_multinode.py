@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from runtime.launch import ROOT, TINY, torchrun, trained_weights
+from lab.launch import ROOT, TINY, torchrun, trained_weights
 
 
 def _free_port() -> int:

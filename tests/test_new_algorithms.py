@@ -1,19 +1,19 @@
-"""DiffusionNFT, MixGRPO's sliding window and the DPM-Solver++ ODE steps (docs/ALGORITHMS.md): the
-formulas against the peers' recorded outputs (tests/fixtures/peers, produced by the peers' own code)
-and diffusers, and the trainer's forward-process path against its own per-timestep loop. The
-placement-invariance runs through torchrun are in tests/test_new_algorithms_runs.py."""
+"""DiffusionNFT, MixGRPO's sliding window, Flow-DPPO and the DPM-Solver++ ODE steps
+(docs/ALGORITHMS.md): the formulas against the peers' recorded outputs (tests/fixtures/peers,
+produced by the peers' own code) and diffusers, and the trainer's paths (the forward process, the
+rollout's means) against its own per-timestep loop. The placement-invariance runs through torchrun
+are in tests/test_new_algorithms_runs.py."""
 import json
 import os
 
 import pytest
 import torch
 
-from rl import sampler
+from rl import algorithms, sampler
 from rl.advantages import group_advantages
-from rl.nft import NFTLoss, optimality
-from rl.old_policy import SCHEDULES, OldPolicy, schedule
-from rl.timesteps import trained_timesteps
-from rl.window import WindowSchedule
+from rl.algorithms.mixgrpo import WindowSchedule
+from rl.algorithms.nft import NFTLoss, optimality
+from rl.algorithms.old_policy import SCHEDULES, OldPolicy, schedule
 
 PEERS = os.path.join(os.path.dirname(__file__), "fixtures", "peers")
 
@@ -98,12 +98,13 @@ def test_old_policy_soft_update_and_swap():
 def test_nft_trains_a_seeded_subset_of_every_sigma():
     """int(K x fraction) distinct sigma indices of all K (the first, sigma = 1, included), per sample,
     a function of (seed, step, sample) alone."""
-    picks = [trained_timesteps("subset", 10, 0.99, seed=0, step=3, sample_id=i) for i in range(40)]
+    nft = algorithms.algorithm("nft")
+    picks = [nft.timesteps(10, 0.99, seed=0, step=3, sample_id=i) for i in range(40)]
     assert all(len(p) == 9 and len(set(p)) == 9 and set(p) <= set(range(10)) for p in picks)
     assert len(set(picks)) > 1 and any(0 in p for p in picks) and any(9 in p for p in picks)
-    assert picks[5] == trained_timesteps("subset", 10, 0.99, seed=0, step=3, sample_id=5)
-    assert picks[5] != trained_timesteps("subset", 10, 0.99, seed=0, step=4, sample_id=5) or \
-        picks[6] != trained_timesteps("subset", 10, 0.99, seed=0, step=4, sample_id=6)
+    assert picks[5] == nft.timesteps(10, 0.99, seed=0, step=3, sample_id=5)
+    assert picks[5] != nft.timesteps(10, 0.99, seed=0, step=4, sample_id=5) or \
+        picks[6] != nft.timesteps(10, 0.99, seed=0, step=4, sample_id=6)
 
 
 @pytest.mark.parametrize("key,interval,stride", [("mixgrpo_default_windows", 25, 1), ("mixgrpo_flash_windows", 20, 1),
@@ -196,7 +197,7 @@ def _nft_rollout(cfg_scale=1.0, lora=True):
     from config.schema import RunConfig
     from models import load_model
     from models.lora import apply_lora
-    from parallel.intake import TrainChunk
+    from parallel.trainer_intake import TrainChunk
     from parallel.stepplan import plan_step
     from rollout import encode_batch
     from trainer import Trainer
@@ -234,7 +235,7 @@ def _grads(trainer):
 def test_nft_packed_gradients_equal_the_per_timestep_loop(lora, cfg_scale):
     """Clean records through the wire format and TSP's packing over 1 and 2 trainers give the
     per-timestep loop's gradient and statistics; the records carry one latent per sample."""
-    from parallel.intake import TransitionBatch, TransitionIntake
+    from parallel.trainer_intake import TransitionBatch, TransitionIntake
 
     trainer, plan, chunks = _nft_rollout(cfg_scale, lora)
     assert chunks[0].clean and chunks[0].latents.shape[1] == 1
@@ -269,9 +270,9 @@ def test_nft_update_moves_the_old_policy_and_generation_uses_it():
     trainer.current_step = 0
     stats = trainer.finish_step()
     assert stats["train/old_deviation"] == 0.0  # step 0: the old policy is the initial weights
-    for o, b, p in zip(trainer.old.tensors, before, trainer.params):
+    for o, b, p in zip(trainer.state.tensors, before, trainer.params):
         torch.testing.assert_close(o, 0.5 * b + 0.5 * p.detach(), rtol=0, atol=1e-7)
-    theta, old = [p.detach().clone() for p in trainer.params], [o.clone() for o in trainer.old.tensors]
+    theta, old = [p.detach().clone() for p in trainer.params], [o.clone() for o in trainer.state.tensors]
     gen = Generator(trainer.adapter, trainer.sampling, LocalScorer(None), [], seed=0,
                     policy=trainer.sampling_policy)  # a scorer stand-in: nothing is scored here
     cond = trainer.adapter.encode_prompts(["a red circle"])
@@ -281,9 +282,82 @@ def test_nft_update_moves_the_old_policy_and_generation_uses_it():
         assert all(torch.equal(p.detach(), o) for p, o in zip(trainer.params, old))
     assert not torch.equal(live, sampled_old)
     assert all(torch.equal(p.detach(), q) for p, q in zip(trainer.params, theta))
-    assert all(torch.equal(o, q) for o, q in zip(trainer.old.tensors, old))
+    assert all(torch.equal(o, q) for o, q in zip(trainer.state.tensors, old))
     held = trainer.sampling_tensors(trainer.names)  # what a publication sends the generators
     assert all(torch.equal(held[n].detach(), o) for n, o in zip(trainer.names, old))
+
+
+# ----- Flow-DPPO: the rollout's means travel with the fragment, the mask in the trainer -------------------
+def _dppo_rollout(threshold=1e-12):
+    """A tiny FLUX Flow-DPPO trainer and the chunks of one fragment of 2 groups, sampled with the
+    algorithm's sampler (it records every step's transition mean)."""
+    from config.schema import RunConfig
+    from models import load_model
+    from models.lora import apply_lora
+    from parallel.trainer_intake import TrainChunk
+    from parallel.stepplan import plan_step
+    from rollout import encode_batch
+    from trainer import Trainer
+
+    torch.manual_seed(0)
+    adapter = load_model("flux", preset="tiny", seed=0)
+    cfg = RunConfig()
+    cfg.rl.algorithm, cfg.rl.micro_batch, cfg.rl.kl_mask_threshold, cfg.optim.lora_rank = "flow_dppo", 2, threshold, 4
+    apply_lora(adapter.transformer, 4, None, "attn", 0)
+    algorithm = algorithms.algorithm("flow_dppo")
+    sampling = algorithm.sampling(cfg, sampler.SamplingConfig.for_adapter(adapter, height=16, width=16, num_steps=4))
+    trainer = Trainer(cfg, adapter, sampling)
+    plan = plan_step(0, seed=0, num_prompts=4, prompts_per_step=2, group_size=2, micro_batch=2, num_replicas=1,
+                     num_trainers=1)
+    chunks, adv = [], torch.tensor([1.0, -0.5, 0.3, -0.8])
+    for c in plan.fragments[0].chunks:
+        cond, neg = encode_batch(adapter, ["a red circle", "a blue square"], "", sampling)
+        traj = sampler.denoise(adapter, cond, neg, list(c.sample_ids), 0, sampling)
+        ids = torch.tensor(c.sample_ids)
+        kept = algorithm.carried(traj)
+        chunks.append(TrainChunk(0, 0, c.index, 0, ids, kept.latents, kept.log_probs, adv[ids].clone(),
+                                 torch.ones(2, dtype=torch.bool), traj.sigmas, cond, neg, kept.steps))
+    return trainer, plan, chunks
+
+
+def test_flow_dppo_records_the_means_and_packs_them_like_the_path():
+    """The rollout records each step's transition mean (what the SDE step drew around); TSP's wire
+    format carries it with each transition. On-policy the divergence is 0 and nothing is dropped;
+    once the weights moved, the mask drops some updates, alike in the per-timestep loop and packed."""
+    from parallel.trainer_intake import TransitionBatch, TransitionIntake
+
+    trainer, plan, chunks = _dppo_rollout()
+    mean = chunks[0].steps["mean"]
+    assert mean.shape == (2, 4, *chunks[0].latents.shape[2:])
+    x, t = chunks[0].latents[:, 1], 1
+    v = sampler.guided_velocity(trainer.adapter, x, chunks[0].sigmas[t].expand(2), chunks[0].cond, None,
+                                trainer.sampling)
+    step = sampler.sde_step(x, v, chunks[0].sigmas[t], chunks[0].sigmas[t + 1], sde_type="sde",
+                            noise_level=trainer.sampling.noise_level, x_next=chunks[0].latents[:, 2])
+    torch.testing.assert_close(mean[:, t], step.mean, rtol=1e-5, atol=1e-6)
+    for moved in (False, True):
+        if moved:
+            with torch.no_grad():
+                for p in trainer.params:
+                    p.add_(0.05 * torch.randn_like(p))
+        trainer.reset_stats()
+        for chunk in chunks:
+            trainer.train_chunk(chunk)
+        ref, sums = _grads(trainer), dict(trainer.sums)
+        n = trainer.num_transitions
+        if moved:
+            assert sums["divergence"] > 0 and 0 < sums["masked"] < n and sums["divergence_high"] == n
+        else:
+            assert sums["divergence"] < 1e-12 and sums["masked"] == 0 and sums["ratio"] == pytest.approx(n)
+        trainer.reset_stats()
+        intake = TransitionIntake(trainer.spec, (0, 1), lambda r: 0, 3)
+        for _, batch in intake.batches(plan, chunks):
+            assert batch.steps["mean"].shape == batch.x_t.shape
+            trainer.train_transitions(TransitionBatch.from_payload(*batch.to_payload()))
+        got = _grads(trainer)
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, moved
+        for k in sums:
+            assert trainer.sums[k] == pytest.approx(sums[k], rel=1e-5, abs=1e-6), k
 
 
 # ----- CFG-free training ------------------------------------------------------------------------------
@@ -325,6 +399,7 @@ NEW_RECIPES = {  # algorithm, K, CFG scale (None: the family's guidance embeddin
     "diffusion_nft/qwen_image.toml": ("nft", 10, 1.0, "euler", 64, 3e-4, 1e-4),
     "mixgrpo/flux_dev.toml": ("mixgrpo", 25, None, "euler", 0, 1e-5, 0.0),
     "mixgrpo/flux_dev_flash.toml": ("mixgrpo", 25, None, "dpm2", 0, 1e-5, 0.0),
+    "flow_dppo/qwen_image.toml": ("flow_dppo", 10, 4.0, "euler", 64, 3e-4, 0.0),
 }
 
 
@@ -336,7 +411,7 @@ def test_new_recipes_carry_the_published_settings_and_fit():
     from models.released import meta_adapter
     from planner import hardware
     from planner.memory import peak
-    from runtime.memory import GiB, predict
+    from runtime.budget import GiB, predict
 
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
     prompts = os.path.join(os.path.dirname(root), "data", "shapes_train.txt")
@@ -350,6 +425,9 @@ def test_new_recipes_carry_the_published_settings_and_fit():
         if algorithm == "mixgrpo":
             assert (s.window_size, s.window_stride, s.same_group_noise) == (4, 1, True)
             assert s.window_interval == (20 if "flash" in rel else 25)
+        if algorithm == "flow_dppo":  # VeRL-Omni's run: threshold 1e-5, add_kl_coefficient, a window of 2
+            assert (rl.kl_mask_threshold, rl.add_kl_coefficient) == (1e-5, True)
+            assert (s.sde_window, s.noise_level) == ((0, 2), 1.2)
         cfg.rl.reward_model = [f"{spec.split(':')[0]}=/weights/reward" for spec in rl.reward]
         cfg.rl.prompts = cfg.output.eval_prompts = prompts
         cfg.resolve_defaults()
@@ -364,7 +442,9 @@ def test_new_recipes_carry_the_published_settings_and_fit():
 
 # ----- bad inputs: each a ValueError naming the value, before anything loads -------------------------
 @pytest.mark.parametrize("argv,message", [
-    (["--algorithm", "mixgrpo", "--sde-window", "0:2"], "--algorithm mixgrpo slides its own window"),
+    (["--algorithm", "mixgrpo", "--sde-window", "0:2"], "--sde-window 0:2 is read by --algorithm flow_grpo_fast"),
+    (["--window-size", "3"], "--window-size 3 is read by --algorithm mixgrpo only: use --algorithm mixgrpo (got "),
+    (["--nft-beta", "0.5"], "--nft-beta 0.5 is read by --algorithm nft only"),
     (["--algorithm", "mixgrpo", "--sample-steps", "5", "--window-interval", "2", "--steps", "10"],
      "the MixGRPO window is empty at step 6"),
     (["--algorithm", "mixgrpo", "--sample-steps", "2"], "at least 3 sampling steps"),
@@ -375,6 +455,9 @@ def test_new_recipes_carry_the_published_settings_and_fit():
     (["--nft-beta", "0"], "--nft-beta must be a finite number > 0, got 0.0"),
     (["--old-policy-decay", "ema"], "unknown --old-policy-decay 'ema'"),
     (["--old-policy-interval", "0"], "--old-policy-interval must be >= 1, got 0"),
+    (["--kl-mask-threshold", "0"], "--kl-mask-threshold must be a finite number > 0, got 0.0"),
+    (["--kl-mask-threshold", "1e-3"], "--kl-mask-threshold 0.001 is read by --algorithm flow_dppo only"),
+    (["--no-add-kl-coefficient"], "--add-kl-coefficient False is read by --algorithm flow_dppo only"),
 ])
 def test_new_flags_name_their_bad_values(argv, message):
     from config.cli import parse_config

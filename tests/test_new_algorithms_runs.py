@@ -1,14 +1,15 @@
-"""DiffusionNFT and MixGRPO through torchrun: every placement trains the colocated run's weights
-(disaggregated, TSP, TAG, GAP stages, FSDP2, LoRA and full fine-tuning), a resumed NFT run repeats
-the uninterrupted one bitwise (the old policy is in the checkpoint), TCSS stays within staleness 1,
-and MixGRPO's window moves with the step in every placement."""
+"""DiffusionNFT, MixGRPO and Flow-DPPO through torchrun: every placement trains the colocated run's
+weights (disaggregated, TSP, TAG, GAP stages, FSDP2, LoRA and full fine-tuning), a resumed NFT run
+repeats the uninterrupted one bitwise (the old policy is in the checkpoint), TCSS stays within
+staleness 1, MixGRPO's window moves with the step in every placement, and Flow-DPPO's mask drops
+updates once the policy has moved from the rollout's (TCSS)."""
 import shutil
 
 import pytest
 import torch
 
-from checkpointing.checkpoint import OLD, checkpoint_dir, read_state
-from runtime.launch import TINY, torchrun, trained_weights
+from checkpointing.checkpoint import SAMPLED, checkpoint_dir, read_state
+from lab.launch import TINY, torchrun, trained_weights
 from telemetry.metrics import read_metrics
 from weights import assert_same_weights
 
@@ -21,11 +22,14 @@ NFT = [*BASE, "--algorithm", "nft", "--old-policy-decay", "0:0.5:0.5", "--ode-so
 # K = 5: windows of 2 moving every step: [0, 1], [1, 2], then [2] (MixGRPO trains before K - 2 = 3)
 MIX = [*BASE, "--algorithm", "mixgrpo", "--sample-steps", "5", "--window-size", "2", "--window-interval", "1",
        "--same-group-noise", "--ode-solver", "dpm2"]
+# Flow-DPPO: Flow-GRPO's rollout, whose fragments carry every step's transition mean; a threshold
+# below any divergence of a moved policy, so every update that moves away from the rollout is dropped.
+DPPO = [*BASE, "--algorithm", "flow_dppo", "--kl-mask-threshold", "1e-12"]
 SLOW_GENERATOR = ["--debug-slow-rank", "0:5"]  # idle trainers claim fragments (TAG)
 
 
 def _old(run, step):
-    return read_state(checkpoint_dir(str(run), step), OLD)
+    return read_state(checkpoint_dir(str(run), step), SAMPLED)
 
 
 def _rows(run):
@@ -115,3 +119,40 @@ def test_mixgrpo_placements_train_the_colocated_weights(tmp_path, mix_colocated,
         assert [r["train/num_transitions"] for r in rows] == [16.0, 16.0, 8.0]
         for r in rows:
             assert r["train/approx_kl"] < 1e-12 and r["train/clipfrac"] == 0.0, r
+
+
+@pytest.fixture(scope="module")
+def dppo_colocated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dppo-colocated")
+    torchrun(2, [*DPPO, "--lora-rank", "4", "--steps", "3", "--mode", "colocated", "--output-dir", str(out)])
+    return out
+
+
+@pytest.mark.parametrize("nproc,placement", [
+    (3, ["--generators", "1", "--trainers", "2", "--tsp", "--train-micro-batch", "3", "--tag", *SLOW_GENERATOR]),
+    (3, ["--generators", "2", "--gap-stages", "2", "--trainers", "1"]),
+], ids=["tsp-tag", "gap-stages"])
+def test_flow_dppo_placements_train_the_colocated_weights(tmp_path, dppo_colocated, nproc, placement):
+    """The rollout's transition means reach the trainers alike in every placement (TSP's packed rows,
+    the last GAP stage's record): the weights are the colocated run's, and every on-policy update
+    finds the divergence to the rollout 0 and drops nothing."""
+    out = tmp_path / "run"
+    torchrun(nproc, [*DPPO, "--lora-rank", "4", "--steps", "3", "--output-dir", str(out), *placement])
+    assert_same_weights(trained_weights(str(dppo_colocated), 3), trained_weights(str(out), 3), "flow_dppo")
+    ref, rows = _rows(dppo_colocated), _rows(out)
+    assert len(rows) == len(ref) == 3
+    for r, c in zip(rows, ref):
+        assert r["train/num_transitions"] == c["train/num_transitions"]
+        assert r["train/divergence"] < 1e-12 and r["train/masked"] == 0.0 and r["train/ratio"] == pytest.approx(1.0)
+
+
+def test_flow_dppo_drops_updates_that_move_away_from_a_stale_rollout(tmp_path):
+    """With TCSS a step trains the transitions of the version before (staleness 1): the divergence to
+    the rollout's means is positive and the mask drops the updates that move further away."""
+    out = tmp_path / "run"
+    torchrun(2, [*DPPO, "--lora-rank", "4", "--steps", "3", "--tcss", "--output-dir", str(out)])
+    rows = _rows(out)
+    assert len(rows) == 3 and rows[0]["train/divergence"] < 1e-12 and rows[0]["train/masked"] == 0.0
+    stale = [r for r in rows[1:] if r["train/staleness_frac_1"] > 0]
+    assert stale and all(r["train/divergence"] > 0 and r["train/divergence_high"] > 0 for r in stale)
+    assert any(0 < r["train/masked"] < 1 for r in stale), stale

@@ -13,8 +13,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from config.cli import load_config_files
 from rl import advantages, algorithms, sampler
+from rl.algorithms import flow_dppo
 from rl.loss import ClippedPolicyLoss, clipped_policy_loss, kl_to_reference
-from rl.timesteps import trained_timesteps
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "peers")
 F32 = dict(rtol=4 * torch.finfo(torch.float32).eps, atol=1e-7)  # a few ulp of float32: reductions
@@ -52,10 +52,10 @@ def test_dance_grpo_schedule_timesteps_and_trained_count(case):
     # HunyuanVideo takes the integer; its adapter's 1000 x sigma is that integer exactly on these schedules
     assert (cfg.model_sigma(sigmas[:-1]) * 1000).tolist() == [float(i) for i in s["hunyuan_model_timestep_input"]]
     assert torch.equal(sampler.SamplingConfig(16, 16, s["K"]).model_sigma(sigmas), sigmas)  # off: exact sigma
-    rule = algorithms.algorithm("dance_grpo").timesteps
+    dance = algorithms.algorithm("dance_grpo")
     for fraction, count in s["train_timesteps_line570"].items():
         for sample in range(6):
-            ts = trained_timesteps(rule, s["K"], float(fraction), seed=0, step=3, sample_id=sample)
+            ts = dance.timesteps(s["K"], float(fraction), seed=0, step=3, sample_id=sample)
             assert len(ts) == count and len(set(ts)) == count
             assert set(ts) <= set(range(s["candidate_train_steps_after_drop_last_line512"]))
 
@@ -66,15 +66,17 @@ def test_dance_grpo_subsets_are_keyed_by_the_sample_not_a_global_rng():
     sample trains depends on the process and the order of draws; ours come from (seed, step,
     sample), so every placement trains the same transitions. The counts agree."""
     example = fixture("dance_grpo_schedule.json")["outputs"]["random_step_selection_example"]
-    ours = [trained_timesteps("random", 16, 0.6, seed=0, step=0, sample_id=i) for i in range(4)]
+    dance = algorithms.algorithm("dance_grpo")
+    ours = [dance.timesteps(16, 0.6, seed=0, step=0, sample_id=i) for i in range(4)]
     assert [len(t) for t in ours] == [len(t) for t in example["trained_step_indices_per_sample"]] == [9] * 4
-    assert ours == [trained_timesteps("random", 16, 0.6, seed=0, step=0, sample_id=i) for i in range(4)]
+    assert ours == [dance.timesteps(16, 0.6, seed=0, step=0, sample_id=i) for i in range(4)]
     assert len(set(ours)) > 1
 
 
 def test_flow_grpo_trains_the_first_int_k_fraction_steps():
-    assert trained_timesteps("first", 10, 0.99, seed=0, step=0, sample_id=0) == tuple(range(9))  # train_sd3.py:345
-    assert trained_timesteps("first", 10, 1.0, seed=0, step=0, sample_id=0) == tuple(range(10))  # base.py's 1.0
+    flow = algorithms.algorithm("flow_grpo")
+    assert flow.timesteps(10, 0.99, seed=0, step=0, sample_id=0) == tuple(range(9))  # train_sd3.py:345
+    assert flow.timesteps(10, 1.0, seed=0, step=0, sample_id=0) == tuple(range(10))  # base.py's 1.0
 
 
 # ----- the steps and their log-probabilities ---------------------------------------------------------
@@ -334,6 +336,55 @@ def test_dance_grpo_losses_and_their_gradients(coefs):
     torch.testing.assert_close((per / div).detach(), want_loss, rtol=2e-6, atol=1e-9)
     torch.testing.assert_close(new.grad, torch.tensor([r["grad_wrt_new_log_prob"] for r in rows]), rtol=2e-6,
                                atol=1e-9)
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_flow_dppo_masked_loss_gradient_and_statistics(case):
+    """VeRL-Omni's FlowDPPOLoss.compute_loss (diffusion_algos.py:361-443 @ a1139baf, run outside the
+    project on the fixture's inputs): the divergence to the rollout's transition mean, the asymmetric
+    mask, the mean of the kept -A r over the micro-batch and its gradient with respect to the log-prob,
+    and the peer's fractions, for two thresholds with and without add_kl_coefficient."""
+    fx = fixture("flow_dppo_loss.json")
+    inp, want = fx["inputs"], fx["outputs"]["cases"][case]
+    old, adv = T(inp["old_log_prob"]), T(inp["advantages"])
+    new = T(inp["log_prob"]).requires_grad_(True)
+    mean, rollout_mean = T(inp["prev_sample_mean"]), T(inp["old_prev_sample_mean"])
+    std_dev_t, sqrt_dt = T(inp["std_dev_t"]).flatten(), T(inp["sqrt_dt"])
+    loss = flow_dppo.MaskedPolicyLoss(want["kl_mask_threshold"], want["add_kl_coefficient"], beta=0.0)
+    policy, kl, stats = loss(new, old, adv, mean=mean, std_dev_t=std_dev_t, rollout_mean=rollout_mean,
+                             sqrt_dt=sqrt_dt)
+    n = len(adv)
+    assert kl is None and not loss.needs_reference
+    (policy / n).backward()
+    torch.testing.assert_close((policy / n).detach(), T(want["loss"]), **F32)
+    torch.testing.assert_close(new.grad, T(want["grad_log_prob"]), **F32)
+    s, m = dict(zip(loss.STATS, (stats / n).tolist())), want["metrics"]
+    for ours, theirs in (("divergence_high", "kl_mask_fraction"), ("masked_positive", "pos_rm_fraction"),
+                         ("masked_negative", "neg_rm_fraction"), ("masked", "masked_fraction")):
+        assert s[ours] == m[f"actor/{theirs}"], ours  # counts of 8: exact
+    assert s["divergence"] == pytest.approx(m["actor/kl_new_old_mean"], rel=1e-6)
+    assert s["approx_kl"] == pytest.approx(m["actor/approx_kl"], rel=1e-5)
+    assert s["ratio"] == pytest.approx(m["actor/ratio_mean"], rel=1e-6)
+    d = flow_dppo.divergence(mean, rollout_mean, std_dev_t, sqrt_dt, want["add_kl_coefficient"])
+    assert d.max().item() == pytest.approx(m["actor/kl_new_old_max"], rel=1e-6)
+
+
+def test_flow_dppo_mask_takes_every_branch_and_scales_with_the_global_std():
+    """On the fixture's rows the mask drops a positive and a negative update and keeps the corrective
+    ones; the kept terms are linear in A (the mask reads A's sign only), so the global std's scale
+    applied at the step's end gives the loss of scaled advantages."""
+    inp = fixture("flow_dppo_loss.json")["inputs"]
+    old, new, adv = T(inp["old_log_prob"]), T(inp["log_prob"]), T(inp["advantages"])
+    kl_old = flow_dppo.divergence(T(inp["prev_sample_mean"]), T(inp["old_prev_sample_mean"]),
+                                  T(inp["std_dev_t"]).flatten(), T(inp["sqrt_dt"]))
+    per, ratio, positive, negative = flow_dppo.masked_policy_loss(new, old, adv, kl_old, 1e-5)
+    high = kl_old >= 1e-5
+    assert positive.flatten().tolist() == (high & (ratio > 1) & (adv > 0)).tolist() and positive.any()
+    assert negative.flatten().tolist() == (high & (ratio < 1) & (adv < 0)).tolist() and negative.any()
+    kept_corrective = high & ~positive.flatten() & ~negative.flatten() & (adv != 0)
+    assert kept_corrective.any() and (per[kept_corrective] == -adv[kept_corrective] * ratio[kept_corrective]).all()
+    scaled, *_ = flow_dppo.masked_policy_loss(new, old, 0.37 * adv, kl_old, 1e-5)
+    torch.testing.assert_close(scaled, 0.37 * per, rtol=1e-6, atol=0)
 
 
 # ----- the recipes set their algorithm's conventions -------------------------------------------------

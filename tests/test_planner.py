@@ -8,17 +8,16 @@ import pytest
 
 from planner import hardware as hw
 from planner import phases as ph
-from planner import placements as plans, published
+from lab.planning import placements as plans, published
 from planner.memory import colocated_memory, trainer_memory, training_state
-from planner.profile import DeviceProfile, with_profile
+from lab.planning.profile import DeviceProfile, with_profile
 from planner.hardware import gpu
-from planner.released import model_spec
+from planner.released_specs import model_spec
 from planner.specs import Resolution, attention_share, forward_flops, image_tokens, lora_params
-from planner.systems import (dance_grpo, delta_sync_s, predict_system, separate_async_step_s, sync_s, verl_omni,
-                             verl_omni_best, verl_omni_separate)
+from lab.planning.peer_systems import dance_grpo_system, delta_sync_s, predict_system, separate_async_step_s, sync_s, verl_omni, verl_omni_best, verl_omni_separate
 from planner.workload import Workload
-from planner import cli as plan_cli
-from scripts import simulate as simulate_cli
+from lab.planning import plan_cli
+from lab import simulate as simulate_cli
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,7 +202,7 @@ def test_peer_systems_pay_their_switch_costs():
     assert any("offload" in n for n in names) and p.bubble > 0.05
     no_offload = verl_omni(wl, hw.gpu("h200"), 4, param_offload=False, optimizer_offload=False)
     assert no_offload.step_s < p.step_s
-    d = dance_grpo(Workload("flux", 720, 720, sampling_steps=16, trained_timesteps=9, prompts_per_step=16,
+    d = dance_grpo_system(Workload("flux", 720, 720, sampling_steps=16, trained_timesteps=9, prompts_per_step=16,
                             group_size=12, finetune="full", gradient_checkpointing=True, rewards=("hpsv2",)),
                    hw.gpu("h800"), 16)
     assert "text encoders" not in d.memory["every GPU"].items  # precomputed embeddings

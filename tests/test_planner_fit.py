@@ -1,8 +1,8 @@
-"""Out-of-sample prediction of measured runs (planner/fit.py) on committed fixtures, and the
+"""Out-of-sample prediction of measured runs (lab/planning/fit.py) on committed fixtures, and the
 calibration probe on this CPU.
 
-The fixtures (tests/fixtures/planner_runs, made by scripts/make_plan_fixtures.py) are real runs of
-this project on the tiny FLUX preset: for every target mode, one scripts/bench.py invocation ran
+The fixtures (tests/fixtures/planner_runs, made by lab/make_plan_fixtures.py) are real runs of
+this project on the tiny FLUX preset: for every target mode, one lab/bench.py invocation ran
 gap-stream and the target back to back. Per-unit costs are fitted on the gap-stream run alone and
 predict the target from its config.json; the target's traces are never read for the prediction.
 Runs of 3 ranks on 2 cores measure contention, not parallel speed."""
@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from planner import fit
-from planner.profile import DeviceProfile
+from lab.planning import fit
+from lab.planning.profile import DeviceProfile
 
-from scripts import calibrate
-from planner import cli as plan_cli
+from lab import calibrate
+from lab.planning import plan_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "planner_runs")

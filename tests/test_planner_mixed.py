@@ -11,15 +11,15 @@ import torch
 from parallel import compress
 from parallel.stepplan import ShapeTable, plan_step
 from planner import phases as ph
-from parallel.engine import Costs
+from parallel.event_engine import Costs
 from planner.hardware import gpu
-from planner.mixed import PLAN_SEED, step_plan
-from planner.placements import Pool, colocated, disagg_plan, replica_fragment_s, repredict
-from planner.simulator import simulate_run
+from lab.planning.mixed_shapes import PLAN_SEED, step_plan
+from lab.planning.placements import Pool, colocated, disagg_plan, replica_fragment_s, repredict
+from lab.planning.simulator import simulate_run
 from planner.specs import forward_flops
 from planner.workload import Workload, parse_shape_mix
 
-from planner import cli as plan_cli
+from lab.planning import plan_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

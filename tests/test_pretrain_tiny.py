@@ -1,4 +1,4 @@
-"""scripts/pretrain_tiny.py: the caption-noise and fade streams, and a two-stage run (from scratch,
+"""lab/pretrain_tiny.py: the caption-noise and fade streams, and a two-stage run (from scratch,
 then --init-from in place with caption noise and fade) whose folder loads and whose model card
 records both commands."""
 import json
@@ -10,7 +10,7 @@ import numpy as np
 
 from rewards import shapes_world
 
-from scripts import pretrain_tiny
+from lab import pretrain_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,7 @@ def _pretrain(out, *extra: str) -> None:
     args = ["--out", str(out), "--threads", "1", "--steps", "2", "--batch-size", "2", "--vae-steps", "2",
             "--vae-batch-size", "2", "--eval-every", "2", "--num-eval", "2", "--eval-steps", "2", "--width", "32",
             "--text-width", "16", "--num-double-blocks", "1", "--num-single-blocks", "1", *extra]
-    proc = subprocess.run([sys.executable, "-m", "scripts.pretrain_tiny", *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "lab.pretrain_tiny", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -12,7 +12,7 @@ import torch
 from config.schema import FULL_LR, LORA_LR, RunConfig
 from config.cli import build_parser, load_config_files, parse_config
 from models.released import meta_adapter, parameter_counts, released_names
-from planner.released import MODELS as PLANNER_MODELS
+from planner.released_specs import MODELS as PLANNER_MODELS
 from rewards import reward_url
 from rl.conditioning import Conditioning
 
@@ -169,7 +169,7 @@ def test_released_parameter_counts(counts):
 
 
 def test_the_planners_specs_count_the_released_models_parameters(counts):
-    """planner/released.py derives each spec from the same JSON with formulas, without torch: its
+    """planner/released_specs.py derives each spec from the same JSON with formulas, without torch: its
     transformer and text-encoder counts equal the meta-device modules' exactly, its VAEs (a table)
     within 0.01%, and every released config has a spec."""
     assert sorted(PLANNER_MODELS) == sorted(released_names())

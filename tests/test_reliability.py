@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpointing import files as checkpoint_files
-from runtime.launch import ROOT
+from checkpointing import manifest as checkpoint_files
+from lab.launch import ROOT
 from rl.nonfinite import RunAbort, SkipTracker
 
 
@@ -171,9 +171,30 @@ def test_size_factors_without_weights_match_the_loaded_models():
         adapter = load_model(family, preset="tiny")
         from_configs = cls.geometry(dict(adapter.transformer.config), dict(adapter.pipe.vae.config))
         assert adapter.own_geometry() == from_configs == cls.geometry_presets["tiny"], family
+        if adapter.defaults.shift == "dynamic":  # the tokens its timestep shift reads, without weights
+            for h, w in ((16, 16), (64, 32), (4096, 16)):
+                assert cls.image_tokens(from_configs, h, w) == adapter.image_seq_len(adapter.latent_shape(h, w)), family
     shipped = os.path.join(ROOT, "assets", "shapes-flux")
     configs = [json.loads(Path(shipped, c, "config.json").read_text()) for c in ("transformer", "vae")]
     assert adapter_class("flux").geometry(*configs) == load_model("flux", shipped).own_geometry()
+
+
+def test_a_timestep_shift_that_overflows_or_saturates_is_refused():
+    """FLUX's dynamic shift mu grows with the image tokens: 65536 x 65536 overflows exp(mu) in
+    diffusers (OverflowError), 4096 x 4096 of the tiny preset overflows float32 (NaN sigmas), and
+    2048 x 1024 saturates every sigma but the last at 1 (steps of zero length); 1024 x 512 is sound."""
+    from models import adapter_class
+    from rl.sampler import check_schedule
+
+    config = dict(adapter_class("flux").scheduler().config)
+    tokens = lambda h, w: adapter_class("flux").image_tokens({"vae": 2}, h, w)  # noqa: E731 - the tiny preset's
+    check_schedule(config, 3, tokens(1024, 512))
+    with pytest.raises(ValueError, match="saturates the sigmas \[1, 1, 1, 0\] in float32, so steps have zero"):
+        check_schedule(config, 3, tokens(2048, 1024))
+    with pytest.raises(ValueError, match="overflows float32 at 1048576 image tokens .*sigmas \[nan, nan, nan, 0\]"):
+        check_schedule(config, 3, tokens(4096, 4096))
+    with pytest.raises(ValueError, match="its timestep shift overflows at 268435456 image tokens \(mu = 4.544e\+04"):
+        check_schedule(config, 3, tokens(65536, 65536))
 
 
 def test_tensorboard_shows_every_step_once_after_a_resume(tmp_path):
@@ -195,8 +216,9 @@ def test_tensorboard_shows_every_step_once_after_a_resume(tmp_path):
 
 def test_timeouts_follow_the_slowest_step():
     """5 x the slowest step, at least 60 s (above --dist-timeout-s for long steps: a video step may
-    take longer), and 60 s beyond --reward-timeout-s when a reward service scores; before the first step --dist-timeout-s or 5 x the predicted step, whichever is
-    longer; when relaxed, never below --dist-timeout-s."""
+    take longer), and 60 s beyond --reward-timeout-s when a reward service scores; before the first
+    step --dist-timeout-s or 5 x the predicted step, whichever is longer, and never below that
+    reward floor; when relaxed, never below --dist-timeout-s."""
     from parallel import p2p
     from parallel.topology import Topology
     from runtime.guard import RunGuard, timeout_floor_s
@@ -231,11 +253,17 @@ def test_timeouts_follow_the_slowest_step():
         first.expect_step(300.0)
         first.set_timeouts(relaxed=False)
         assert store.timeouts[4:] == [1500.0]
-        served = RunGuard(Topology.build(2), 0, store, heartbeat_timeout_s=30, stop_grace_s=25, dist_timeout_s=600,
-                          groups=[], start_step=0, floor_s=timeout_floor_s(90.0, remote=True))
+        served = RunGuard(Topology.build(2), 0, store, heartbeat_timeout_s=30, stop_grace_s=25, dist_timeout_s=60,
+                          groups=[], start_step=0, reward_timeout_s=90.0)
+        served.set_timeouts(relaxed=False)  # before the first step too: not --dist-timeout-s 60 alone
+        assert served.timeout_s == 150.0
         served.step_done(3.0)
         served.set_timeouts(relaxed=False)  # a fragment may wait 90 s for a reward service's scores
         assert store.timeouts[5:] == [150.0] and timeout_floor_s(90.0, remote=False) == 60.0
+        short = RunGuard(Topology.build(2), 0, store, heartbeat_timeout_s=30, stop_grace_s=25, dist_timeout_s=20,
+                         groups=[], start_step=0)
+        short.set_timeouts(relaxed=False)  # no service scores: --dist-timeout-s stands before the first step
+        assert store.timeouts[6:] == []
     finally:
         p2p.configure(timeout_s=600)
 
@@ -316,3 +344,49 @@ def test_a_second_signal_within_2_s_is_the_same_request_and_later_exits_at_once(
     guard._on_signals(bytes([signal.SIGINT]))
     assert died == [(130, "error: generator rank 0 (replica 0): a second SIGINT, 2.1 s after the first: exiting now "
                           "(code 130), without a checkpoint")]
+
+
+def test_a_rank_diagnosing_a_dead_peer_keeps_beating_so_the_dead_one_is_blamed(monkeypatch):
+    """kill -9 of a scorer: torchrun SIGTERMs the survivors at once, so their watchers blame a peer
+    silent for 5 s (a stop is under way), while the generator, whose receive from the scorer broke,
+    waits out the silence window (5 s) before it reports. Its last beat came 0.8 s before the
+    scorer's: were it to stop beating while it diagnoses, the trainer would find it silent first
+    and blame it (issue 39: every survivor named "generator rank 0" 3 times in 3). It beats on."""
+    import threading
+    import time
+
+    from parallel.p2p import PeerError
+    from parallel.topology import Topology
+    from runtime.guard import RunGuard
+
+    store, topo = _Store(), Topology.build(3, scorers=1)
+    generator, trainer = (RunGuard(topo, r, store, heartbeat_timeout_s=30, stop_grace_s=25, dist_timeout_s=600,
+                                   groups=[], start_step=0) for r in (0, 1))
+    generator.step = trainer.step = 2
+    blamed, done = [], threading.Event()
+    monkeypatch.setattr(trainer, "_die", lambda code, line: blamed.append(line))
+    trainer._stop_since = time.monotonic()  # torchrun's SIGTERM: a stop is under way
+
+    def watch():  # the trainer's heartbeat thread, watching its peers
+        while not done.is_set():
+            trainer._beat()
+            trainer._watch()
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    generator._beat()  # the generator's last beat before the fault
+    watcher.start()
+    time.sleep(0.8)
+    store.put("guard/hb/2", "9 2 step")  # the scorer's last beat; kill -9 now, and the generator's receive breaks
+    beating = threading.Thread(target=generator._loop, daemon=True)  # its heartbeat thread
+    beating.start()
+    try:
+        code, line, _ = generator.explain(PeerError(2, "receive from scorer rank 2 failed: Connection closed by peer"))
+    finally:
+        done.set()
+        generator._done.set()
+        watcher.join(5)
+        beating.join(5)
+    assert all("scorer rank 2 stopped answering" in b for b in blamed), blamed
+    assert store.data["guard/fault"]["line"].startswith("scorer rank 2 stopped answering at step 2"), store.data
+    assert line.startswith("error: scorer rank 2 stopped answering at step 2") and code == 3, line

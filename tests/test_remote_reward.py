@@ -7,22 +7,27 @@ from __future__ import annotations
 
 import http.server
 import importlib.util
+import json
 import os
 import queue
+import re
+import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from prompts.sets import load_prompts
 from rewards import RewardSet, parse_reward_spec, parse_reward_specs, reward_model_paths
 from rewards.remote import HttpReward, RewardServiceError, decode_request, encode_request
-from runtime.launch import ROOT, TINY, torchrun, trained_weights
+from lab.launch import ROOT, TINY, torchrun, trained_weights
 
 needs_aiohttp = pytest.mark.skipif(importlib.util.find_spec("aiohttp") is None,
                                    reason="the reward server needs aiohttp (requirements.txt)")
@@ -30,20 +35,27 @@ PROMPTS = [r.prompt for r in load_prompts(os.path.join(ROOT, "data", "shapes_tra
 
 
 class Server:
-    """`python -m scripts.reward_server` in its own process; `url(name)` once it listens."""
+    """`python -m scripts.reward_server` in its own process; `url(name)` once it listens. `args`: more
+    flags; `nofile`: its open-file limit (ulimit -n); `env`: more environment variables."""
 
-    def __init__(self, rewards: list[str], port: int = 0):
-        cmd = [sys.executable, "-m", "scripts.reward_server", "--port", str(port), "--device", "cpu"]
+    def __init__(self, rewards: list[str], port: int = 0, args: list[str] = (), nofile: int | None = None,
+                 env: dict | None = None):
+        cmd = [sys.executable, "-m", "scripts.reward_server", "--port", str(port), "--device", "cpu", *args]
         for r in rewards:
             cmd += ["--reward", r]
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+                                     preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                            "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: queue.Queue = queue.Queue()
-        first = self.proc.stdout.readline()
-        if not first.startswith("serving "):
+        self.said = []  # what it printed before it served
+        while not (line := self.proc.stdout.readline()).startswith("serving ") and line:
+            self.said.append(line)
+        if not line:
             self.kill()
-            raise AssertionError(f"the reward server did not start: {first}{self.proc.stdout.read()}")
-        self.port = int(first.split()[1].split(":")[2].split("/")[0])
+            raise AssertionError(f"the reward server did not start: {''.join(self.said)}")
+        self.first = line
+        self.port = int(line.split()[1].split(":")[2].split("/")[0])
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -79,8 +91,11 @@ def test_url_specs_parse_and_name_their_errors():
     assert parse_reward_specs(["http://h:1/ocr", "shapes:0.1"]) == [("ocr", 1.0), ("shapes", 0.1)]
     with pytest.raises(ValueError, match="leave out --reward-model"):
         parse_reward_specs(["http://h:1/ocr"], reward_model_paths(["ocr=/w"]))
-    with pytest.raises(ValueError, match="unknown reward 'nope'"):
-        parse_reward_spec("http://h:1/nope")
+    # a service may serve a reward of any name; the scheme names a peer's protocol
+    assert parse_reward_spec("http://h:1/my_judge:2") == ("my_judge", 2.0)
+    assert parse_reward_spec("flow_grpo+http://h:1/geneval") == ("geneval", 1.0)
+    with pytest.raises(ValueError, match="unknown protocol 'grpc'"):
+        parse_reward_spec("grpc+http://h:1/ocr")
     with pytest.raises(ValueError, match="port"):
         parse_reward_spec("http://h:port/ocr")
     with pytest.raises(ValueError, match="given more than once"):
@@ -92,8 +107,43 @@ def test_the_wire_carries_float32_images_and_json_text_exactly():
     meta = [{"text": "OPEN"}, {}, {"height": 8}]
     got, prompts, metadata = decode_request(encode_request(images, ["a", "b", "ç"], meta))
     assert torch.equal(got, images) and prompts == ["a", "b", "ç"] and metadata == meta
-    with pytest.raises(ValueError, match="not a reward request|not a safetensors"):
-        decode_request(b"\x05\x00\x00\x00\x00\x00\x00\x00hello")
+    body = bytearray(encode_request(images, ["a", "b", "ç"], meta))
+    view = decode_request(body)[0]  # a writable body is not copied: the images are a view of its bytes
+    assert torch.equal(view, images) and view.data_ptr() - np.frombuffer(body, np.uint8).ctypes.data == len(body) - \
+        images.numel() * 4
+
+
+def _crafted(entry: dict, data: bytes, meta=None, extra: dict | None = None) -> bytes:
+    meta = {"prompts": '["a"]', "metadata": "[{}]"} if meta is None else meta
+    header = json.dumps({"images": entry, "__metadata__": meta, **(extra or {})}).encode()
+    return struct.pack("<Q", len(header)) + header + data
+
+
+MALFORMED = {  # a hostile or broken client's body: what the ValueError (the server's 400) says
+    "not safetensors": (b"\x05\x00\x00\x00\x00\x00\x00\x00hello", "the safetensors header is not JSON"),
+    "huge declared shape": (_crafted({"dtype": "F32", "shape": [1, 3, 1 << 40, 1 << 40], "data_offsets": [0, 48]},
+                                     bytes(48)), "images [1, 3, 1099511627776, 1099511627776] are 14507109835375"),
+    "bad offsets": (_crafted({"dtype": "F32", "shape": [1, 3, 2, 2], "data_offsets": [8, 56]}, bytes(48)),
+                    "the header says [8, 56]"),
+    "trailing bytes": (_crafted({"dtype": "F32", "shape": [1, 3, 2, 2], "data_offsets": [0, 48]}, bytes(64)),
+                       "the body holds 64 bytes after it"),
+    "header past the body": (struct.pack("<Q", 1 << 62) + b"{}", "runs past the body"),
+    "nested JSON": (struct.pack("<Q", 200000) + b"[" * 200000, "RecursionError"),
+    "float16": (_crafted({"dtype": "F16", "shape": [1, 3, 2, 2], "data_offsets": [0, 24]}, bytes(24)),
+                "images are float32"),
+    "a second tensor": (_crafted({"dtype": "F32", "shape": [1, 3, 2, 2], "data_offsets": [0, 48]}, bytes(96),
+                                 extra={"x": {"dtype": "F32", "shape": [12], "data_offsets": [48, 96]}}),
+                        "one tensor, 'images'"),
+    "prompts of another batch": (_crafted({"dtype": "F32", "shape": [2, 3, 2, 2], "data_offsets": [0, 96]}, bytes(96)),
+                                 "a request of 2 images holds 2 prompts"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_body_is_refused_before_anything_is_allocated(case):
+    body, expected = MALFORMED[case]
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        decode_request(body)
 
 
 @needs_aiohttp
@@ -122,28 +172,36 @@ def test_a_service_restarted_within_the_timeout_loses_nothing():
     images = torch.rand(4, 3, 16, 16)
     pending = HttpReward(url, "jpeg_compressibility", timeout_s=60).submit(images, ["x"] * 4)
     time.sleep(1.0)  # the client retries against a closed port meanwhile
-    assert not pending.done()
+    assert not pending.future.done()
     again = Server(["jpeg_compressibility"], port=port)
     try:
-        assert torch.equal(pending.result(timeout=60), RewardSet(["jpeg_compressibility"]).score(
+        assert torch.equal(pending.result(), RewardSet(["jpeg_compressibility"]).score(
             images, ["x"] * 4)["jpeg_compressibility"])
     finally:
         again.kill()
 
 
 class _StandIn(http.server.BaseHTTPRequestHandler):
-    """Answers every POST after `delay` seconds with `body` (status 200)."""
+    """Answers every POST after `delay` seconds with `body` and `status`; `trickle`: sends its headers
+    at once, then one byte of a 1,000-byte body every 0.5 s."""
 
-    delay, body = 0.0, b""
+    delay, body, status, trickle = 0.0, b"", 200, False
+    requests: list  # when each request arrived (time.monotonic())
 
     def do_POST(self):  # noqa: N802 - the name http.server calls
+        self.requests.append(time.monotonic())
         self.rfile.read(int(self.headers["Content-Length"]))
         time.sleep(self.delay)
         try:
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(self.body)))
+            self.send_response(self.status)
+            self.send_header("Content-Length", str(1000 if self.trickle else len(self.body)))
             self.end_headers()
-            self.wfile.write(self.body)
+            if not self.trickle:
+                self.wfile.write(self.body)
+            for _ in range(1000 if self.trickle else 0):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.5)
         except OSError:
             pass  # the client gave up
 
@@ -151,23 +209,41 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _stand_in(delay: float, body: bytes):
-    handler = type("Handler", (_StandIn,), {"delay": delay, "body": body})
+def _stand_in(delay: float, body: bytes, status: int = 200, trickle: bool = False):
+    handler = type("Handler", (_StandIn,), {"delay": delay, "body": body, "status": status, "trickle": trickle,
+                                            "requests": []})
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.requests = handler.requests
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd
 
 
-@pytest.mark.parametrize("case", ["garbage", "wrong count", "slow", "nothing listening"])
+BAD_SERVICES = {  # case: (status, body, what the error line says)
+    "garbage": (200, b"<html>502 Bad Gateway</html>", "not JSON: '<html>502 Bad Gateway</html>'"),
+    "wrong count": (200, b'{"reward": "shapes", "scores": [1.0]}', "JSON without 2 scores"),
+    "nan": (200, b'{"reward": "shapes", "protocol": 1, "scores": [NaN, 1.0]}', "non-finite scores (nan at sample 0)"),
+    "inf": (200, b'{"reward": "shapes", "protocol": 1, "scores": [0.5, 1e999]}', "non-finite scores (inf at sample 1)"),
+    "beyond float32": (200, b'{"reward": "shapes", "protocol": 1, "scores": [1e39, 0]}',
+                       "non-finite scores (inf at sample 0)"),
+    "refused": (400, b"the safetensors header runs past the body", "answered HTTP 400 'the safetensors header"),
+    "slow": (200, b"", "no complete answer within"),
+    "trickle": (200, b"", "no complete answer within"),
+    "nothing listening": (0, b"", "Cannot connect to host"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SERVICES))
 def test_a_bad_service_stops_the_run_naming_the_url_within_the_timeout(case):
+    """One deadline for the whole request, retries included: a service that sends its headers and
+    then one byte every 0.5 s is cut off like one that never answers. An answer that is not the
+    protocol (NaN or inf among the scores too) or a 4xx fails at once: no retry can help."""
     httpd = None
+    status, body, expected = BAD_SERVICES[case]
     if case == "nothing listening":
         url = f"http://127.0.0.1:{free_port()}/shapes"
     else:
-        body = {"garbage": b"<html>502 Bad Gateway</html>", "wrong count": b'{"reward": "shapes", "scores": [1.0]}',
-                "slow": b""}[case]
-        httpd = _stand_in(30.0 if case == "slow" else 0.0, body)
+        httpd = _stand_in(30.0 if case == "slow" else 0.0, body, status, trickle=case == "trickle")
         url = f"http://127.0.0.1:{httpd.server_address[1]}/shapes"
     timeout = 2.0
     start = time.monotonic()
@@ -180,11 +256,9 @@ def test_a_bad_service_stops_the_run_naming_the_url_within_the_timeout(case):
     took = time.monotonic() - start
     line = str(err.value)
     assert url in line and "\n" not in line, line
-    expected = {"garbage": "not JSON: '<html>502 Bad Gateway</html>'", "wrong count": "JSON without 2 scores",
-                "slow": "no answer within", "nothing listening": "ConnectionError"}[case]
     assert expected in line, line
     assert took < timeout + 1.5, took
-    if case in ("garbage", "wrong count"):  # not the protocol: no retry can help
+    if case not in ("slow", "trickle", "nothing listening"):
         assert took < 1.0, took
 
 
@@ -233,3 +307,31 @@ def test_a_run_scoring_over_http_through_a_server_restart_trains_the_local_runs_
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_a_run_whose_service_trickles_ends_within_the_deadline_naming_the_url(tmp_path):
+    """The service sends its headers, then a byte every 0.5 s, from the first request of the first
+    step on: every rank exits within --reward-timeout-s + 60 s of that request (code 3; the
+    generator names the service, the trainer prints its line), never blaming a rank."""
+    httpd = _stand_in(0.0, b"", trickle=True)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/jpeg_compressibility"
+    args = [a for a in TINY]
+    at = args.index("--reward")
+    del args[at:at + 2]
+    try:
+        run = torchrun(2, [*args, "--reward", url, "--reward-timeout-s", "10", "--steps", "2",
+                           "--output-dir", str(tmp_path / "run")], check=False, timeout=240)
+        ended = time.monotonic()
+    finally:
+        httpd.shutdown()
+    assert httpd.requests, run.stderr[-3000:]
+    took = ended - httpd.requests[0]
+    lines = [line[line.index("error: "):] for line in run.stderr.splitlines()  # (after a progress bar's text)
+             if "error: " in line and "traceback :" not in line]
+    said = f"error: generator rank 0 (replica 0) stopped the run at step 0: reward service {url} gave no scores " \
+           f"within 10 s"
+    assert len(lines) == 2 and all(line.startswith((said, f"error: reward service {url} gave no scores within 10 s"))
+                                   for line in lines), run.stderr[-3000:]
+    assert "stopped answering" not in run.stderr and "train_disagg.py\", line" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.count("exitcode  : 3") == 2, run.stderr[-3000:]
+    assert took < 10 + 60, took

@@ -1,10 +1,11 @@
-"""scripts/rl_probe.py: the policy gradient it probes is keyed by the batch's noise alone, and an
+"""lab/rl_probe.py: the policy gradient it probes is keyed by the batch's noise alone, and an
 update of size 0 leaves the evaluation unchanged."""
 import os
 
+import pytest
 import torch
 
-from scripts import rl_probe
+from lab import rl_probe
 
 from rl import sampler
 from models import load_model
@@ -13,6 +14,7 @@ from prompts.sets import load_prompts
 from rewards import RewardSet
 
 
+@pytest.mark.integration  # in process, but tens of seconds
 def test_gradient_depends_on_the_noise_key_only():
     adapter = load_model("flux", os.path.join(rl_probe.ROOT, "assets", "shapes-flux"), preset="auto", seed=0, device=torch.device("cpu"))
     apply_lora(adapter.transformer, 4, None, "attn", 0)
@@ -32,6 +34,7 @@ def test_gradient_depends_on_the_noise_key_only():
     assert abs(cos[1]) < 0.9 and cos[1] == cos[2]
 
 
+@pytest.mark.integration  # in process, but tens of seconds
 def test_a_step_of_size_zero_changes_nothing(capsys):
     assert rl_probe.main(["step", "--prompts-per-batch", "2", "--group-size", "2", "--batches", "1",
                           "--lora-rank", "4", "--sde-window", "0:1", "--eval-num-prompts", "4",
@@ -58,6 +61,7 @@ def _train_curve(capsys, *args) -> list[float]:
     return [float(x) for x in out.splitlines()[-1].split()[2:]]
 
 
+@pytest.mark.integration  # in process, but tens of seconds
 def test_train_probe_updates_only_with_a_learning_rate(capsys):
     before, after = _train_curve(capsys, "--loss", "grpo", "--lr", "0")
     assert before == after

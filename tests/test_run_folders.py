@@ -1,4 +1,4 @@
-"""Run folders in process (README, "Reliability"): one run per folder, the lock a live run holds,
+"""Run folders in process (docs/reliability.md): one run per folder, the lock a live run holds,
 what a resume continues from and what config.json records of it, and config files that describe a
 run, never an action. tests/test_bad_inputs.py runs the same refusals through the real entry point
 on every rank of a 2-rank world; tests/test_faults.py takes a live run's folder."""
@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from checkpointing import files as checkpoint_files
+from checkpointing import manifest as checkpoint_files
 from checkpointing import folder as run_folders
 from checkpointing import lock
 from config.cli import parse_config
 from config.schema import NOT_CARRIED, RunConfig
+from lab.launch import ROOT
 
 
 def _cfg(out, resume=None, overwrite=False, steps=5, lora_rank=4, seed=0, anyway=False) -> RunConfig:
@@ -35,7 +36,7 @@ def _checkpoint(folder, step, config, name=None):
 
 def _run_folder(folder, steps_done, saved, run_id="run-a", seed=0):
     """A run that logged `steps_done` steps and saved `saved`, with its config.json and run record."""
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     rows = [{"step": s, "time": 0, "reward/mean": s} for s in range(steps_done)]
     rows += [{"step": s, "time": 0, "eval/reward": s} for s in range(0, steps_done + 1, 2)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tor')
@@ -242,3 +243,145 @@ def test_a_resume_starts_from_the_checkpoints_config_and_flags_override_it(tmp_p
     again.resolve_defaults()
     with pytest.raises(ValueError, match="--lora-rank 0 \\(this run: 8\\)"):
         run_folders.check(again)
+
+
+# ----- issue 39: a lock no launcher can bypass ---------------------------------------------------
+def _holder_process(folder, env):
+    """Another launch that takes `folder`'s lock and keeps it while it lives."""
+    code = f"import time; from checkpointing import lock; lock.acquire({str(folder)!r}); print('held', flush=True); " \
+           f"time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env},
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_launches_that_share_an_rdzv_id_are_two_runs(tmp_path, monkeypatch):
+    """torchrun's rdzv id (TORCHELASTIC_RUN_ID) is the same for every launch of a SLURM allocation
+    (scripts/slurm/launch.sh): it never makes another launch's live lock this run's."""
+    live = _holder_process(tmp_path / "run", {"TORCHELASTIC_RUN_ID": "samejob"})
+    try:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "samejob")
+        with pytest.raises(ValueError, match=f"--overwrite would delete the files of a live run: .* pid {live.pid} "):
+            lock.check(str(tmp_path / "run"), overwrite=True)
+        with pytest.raises(ValueError, match=f"held by pid {live.pid} "):
+            lock.acquire(str(tmp_path / "run"))
+    finally:
+        live.kill()
+        live.wait()
+
+
+@pytest.fixture
+def alias(tmp_path):
+    """(folder, another name of it that realpath cannot resolve: a bind mount; a symlink where
+    mounting is refused, as for a user without CAP_SYS_ADMIN)."""
+    real, other = tmp_path / "run", tmp_path / "alias"
+    real.mkdir()
+    other.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(real), str(other)], capture_output=True).returncode == 0
+    if not mounted:
+        other.rmdir()
+        other.symlink_to(real)
+    else:
+        assert os.path.realpath(other) != os.path.realpath(real)
+    yield real, other
+    if mounted:
+        subprocess.run(["umount", str(other)], check=True)
+
+
+def test_an_alias_of_a_run_folder_is_that_folder(alias, tmp_path):
+    """Folders are compared by (device, inode): --resume through a bind mount continues the run in
+    place, and --overwrite through it is refused (it would delete the checkpoints it resumes); a
+    live run's folder is refused through any name."""
+    real, other = alias
+    _run_folder(real, 4, [2, 4])
+    with pytest.raises(ValueError, match="--overwrite would delete the checkpoints --resume .* continues from"):
+        run_folders.check(_cfg(real, resume=other, overwrite=True))
+    point = run_folders.check(_cfg(other, resume=real, steps=6), "p" * 64, NOT_CARRIED)
+    assert point.same_folder and point.step == 4
+    assert run_folders.same_folder(str(real), str(other)) and not run_folders.same_folder(str(real), str(tmp_path))
+    live = _holder_process(real, {})
+    try:
+        with pytest.raises(ValueError, match=f"--overwrite would delete the files of a live run: .*pid {live.pid} "):
+            run_folders.check(_cfg(other, overwrite=True))
+    finally:
+        live.kill()
+        live.wait()
+
+
+def _race(folders: list[str], start, results, launch: str) -> None:
+    """One racer: for each folder, wait for the others, then try to take the folder's lock, and wait
+    until every racer has tried (a winner that ended would leave a dead run's lock to take over)."""
+    lock.set_launch(launch)
+    for folder in folders:
+        start.wait()
+        try:
+            lock.acquire(folder)
+            results.put((folder, os.getpid()))
+        except ValueError:
+            results.put((folder, None))
+        start.wait()
+
+
+def test_a_stale_lock_has_exactly_one_taker_among_6_racers(tmp_path):
+    """6 processes take over the same dead run's lock at once, 300 times: exactly one wins each time,
+    and the lock names it."""
+    import multiprocessing
+    racers, trials = 6, 300
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folders = []
+    for t in range(trials):
+        _write_lock(tmp_path / f"f{t}", host=socket.gethostname(), pid=int(gone.stdout), start_ticks=1)
+        folders.append(str(tmp_path / f"f{t}"))
+    ctx = multiprocessing.get_context("fork")
+    start, results = ctx.Barrier(racers), ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(folders, start, results, f"racer-{i}")) for i in range(racers)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=120) for _ in range(racers * trials)]
+    for p in procs:
+        p.join(timeout=30)
+    winners = {f: [pid for g, pid in got if g == f and pid] for f in folders}
+    doubles = {f: w for f, w in winners.items() if len(w) != 1}
+    assert not doubles, f"{len(doubles)} of {trials} trials had no single winner: {list(doubles.items())[:3]}"
+    assert all(lock.read(f)["pid"] == w[0] for f, w in winners.items())
+    assert not [n for f in folders for n in os.listdir(f) if n != lock.LOCK]  # no marker or temporary left
+
+
+def test_a_racer_that_died_in_a_takeover_leaves_a_marker_the_next_passes(tmp_path):
+    """A takeover marker whose racer is gone does not block the folder: the next racer takes the
+    next generation, and the winner removes both."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    _write_lock(tmp_path / "run", host=socket.gethostname(), pid=pid, start_ticks=1)
+    (tmp_path / "run" / "run.lock.takeover-0").write_text(json.dumps(
+        {"host": socket.gethostname(), "pid": pid, "job": "launch dead", "start_ticks": 1}))
+    note = lock.acquire(str(tmp_path / "run"))
+    try:
+        assert "taking it over" in note and lock.read(str(tmp_path / "run"))["pid"] == os.getpid()
+        assert sorted(os.listdir(tmp_path / "run")) == [lock.LOCK]
+    finally:
+        lock.release()
+
+
+def test_a_live_runs_checkpoints_are_resumed_only_when_pinned(tmp_path):
+    """--resume from a folder a live run holds: that run prunes its checkpoints, so only a pinned
+    one (KEEP) is read, and without one the resume is refused naming the live run."""
+    source = tmp_path / "source"
+    _run_folder(source, 4, [2, 4])
+    live = _holder_process(source, {})
+    try:
+        with pytest.raises(ValueError, match=f"--resume .*source' is the folder of a live run, pid {live.pid} on host "
+                                             f".*none of them is pinned: pin the one to continue from .*KEEP"):
+            run_folders.check(_cfg(tmp_path / "new", resume=source, steps=6), "p" * 64, NOT_CARRIED)
+        (source / "checkpoints" / "step-2" / "KEEP").write_text("")
+        point = run_folders.check(_cfg(tmp_path / "new", resume=source, steps=6), "p" * 64, NOT_CARRIED)
+        assert point.step == 2 and not point.same_folder
+        assert point.skipped == ((str(source / "checkpoints" / "step-4"),
+                                  f"not pinned, and the live run in {source} (pid {live.pid} on host "
+                                  f"{socket.gethostname()} (since {lock.read(str(source))['since']}, "
+                                  f"{lock.read(str(source))['job']})) may prune it"),)
+    finally:
+        live.kill()
+        live.wait()
+    assert run_folders.check(_cfg(tmp_path / "new", resume=source, steps=6), "p" * 64, NOT_CARRIED).step == 4

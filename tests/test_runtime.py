@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from runtime.launch import TINY, torchrun, trained_weights
-from traced import assert_nccl_ok, merged, traced
+from lab.launch import TINY, torchrun, trained_weights
+from traced import assert_nccl_ok, created, merged, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 
@@ -43,6 +43,10 @@ def test_placement_invariance(tmp_path, training, dtype):
         torchrun(nproc, [*TINY, *training, "--dtype", dtype, "--steps", "2", "--output-dir", str(out), *placement],
                  env=traced(out))
         assert_nccl_ok(out, TRAFFIC[name])
+        made = created(out)  # every rank creates every group, in one order: replicated bf16 trainers one each
+        assert all(names == made[0] for names in made.values()), (name, made)
+        own = {"colocated-2": ["own.t0", "own.t1"], "disagg-2g2t": ["own.t2", "own.t3"]}.get(name, [])
+        assert [g for g in made[0] if g.startswith("own.")] == (own if dtype != "float32" else []), (name, made)
         results[name] = (trained_weights(str(out), 2), read_metrics(str(out / "metrics.jsonl")))
         speeds = json.loads((out / "speeds.json").read_text())
         assert all(("train_s" in row) == (row["role"] != "generator") for row in speeds), (name, speeds)

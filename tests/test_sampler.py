@@ -161,7 +161,7 @@ def test_sample_cli_honours_each_prompts_shape_in_prompt_order(tmp_path):
     import numpy as np
     from PIL import Image
     from safetensors.torch import load_file
-    from prompts.shapes import sampling_for
+    from prompts.resolutions import sampling_for
     from rollout import sample_images
 
     rows = [{"prompt": "a red circle", "height": 16, "width": 32}, {"prompt": "a blue square"},

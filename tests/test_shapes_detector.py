@@ -8,7 +8,7 @@ from config.schema import RunConfig, eval_scorers
 from config.validate import check_scorers
 from rewards import RewardSet, shapes_world
 from rewards.shapes_detector import CLASSES, ShapesDetector, correct, quadrant_counts
-from scripts.train_shapes_detector import render_faded
+from lab.train_shapes_detector import render_faded
 
 RED_CIRCLE, BLUE_SQUARE = CLASSES.index(("red", "circle")), CLASSES.index(("blue", "square"))
 

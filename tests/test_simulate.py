@@ -1,4 +1,4 @@
-"""scripts/simulate.py and planner/costs.py: costs measured from a synthetic run folder, the mode a
+"""lab/simulate.py and lab/planning/costs.py: costs measured from a synthetic run folder, the mode a
 run's config maps to, and properties the planner has by construction (simulate.py --cluster)."""
 import functools
 import json
@@ -7,13 +7,13 @@ import os
 import pytest
 
 from config.schema import RunConfig
-from planner import costs as cm
-from planner import placements as plans
+from lab.planning import costs as cm
+from lab.planning import placements as plans
 from planner.hardware import gpu
 from planner.workload import Workload
 from telemetry.tracing import Tracer
 
-from scripts import simulate
+from lab import simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,7 +139,7 @@ def test_mode_mapping(world, topology, expected):
 
 
 # ---------------------------------------------------------------------------------------------
-# --cluster: the planner on one pool (planner/placements.py; more in tests/test_planner.py)
+# --cluster: the planner on one pool (lab/planning/placements.py; more in tests/test_planner.py)
 # ---------------------------------------------------------------------------------------------
 
 FLUX_FULL = Workload("flux", 512, 512, sampling_steps=10, trained_timesteps=9, prompts_per_step=8, group_size=16,

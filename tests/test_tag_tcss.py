@@ -5,12 +5,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime.launch import TINY, torchrun, torchrun_module, trained_weights
+from lab.launch import TINY, torchrun, torchrun_module, trained_weights
 from traced import assert_nccl_ok, merged, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel.stepplan import plan_step
-from parallel.intake import TrainingSpec, make_intake
+from parallel.trainer_intake import TrainingSpec, make_intake
+from rl import algorithms
 from parallel.tag import Assistant, group_windows
 
 ARGS = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]
@@ -34,7 +35,7 @@ def test_training_seconds_are_observed_in_the_simulators_unit():
     plan = plan_step(0, seed=0, num_prompts=8, prompts_per_step=3, group_size=2, micro_batch=2, num_replicas=1,
                      num_trainers=2, fragment_groups=3)
     assert [c.trainer for c in plan.fragments[0].chunks] == [0, 1, 0]
-    spec = TrainingSpec("first", 4, 0.99, 0, None)
+    spec = TrainingSpec(algorithms.algorithm("flow_grpo"), 4, 0.99, 0, None)
     for tsp, expected in ((False, 1.2 / 2 * 3 / 2), (True, 1.2)):
         ctx = SimpleNamespace(topo=SimpleNamespace(num_replicas=1))
         helper = Assistant(ctx, None, None, 2, 0)

@@ -1,12 +1,12 @@
-"""scripts/time_to_reward.py: the table and clock logic on made-up curves, and the whole script on the
+"""lab/time_to_reward.py: the table and clock logic on made-up curves, and the whole script on the
 tiny preset (two algorithms, 2 steps each), whose table, curves and plot it must write."""
 import json
 import shlex
 
 import pytest
 
-from runtime.launch import TINY
-from scripts import time_to_reward as ttr
+from lab.launch import TINY
+from lab import time_to_reward as ttr
 
 
 def _run(algorithm, placement, seed, rewards, step_s=2.0):
@@ -47,6 +47,7 @@ def test_wall_clock_sums_the_step_periods(tmp_path):
     assert ttr.wall_clock(str(tmp_path)) == {0: 0.0, 1: 1.5, 2: 3.5, 3: 6.0}
 
 
+@pytest.mark.integration  # in process, but tens of seconds
 def test_time_to_reward_runs_end_to_end_on_the_tiny_preset(tmp_path):
     out = tmp_path / "ttr"
     extra = [*TINY, "--eval-num-prompts", "4", "--lora-rank", "4"]

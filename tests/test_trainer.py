@@ -5,7 +5,7 @@ import torch
 def _trainer_and_chunk(**overrides):
     from rl import sampler
     from config.schema import RunConfig
-    from parallel.intake import TrainChunk
+    from parallel.trainer_intake import TrainChunk
     from models import load_model
     from rollout import encode_batch
     from trainer import Trainer
@@ -53,7 +53,7 @@ def test_sharded_trainers_keep_a_sharded_reference_and_train_with_fused_adamw(tm
     the update."""
     import json
 
-    from runtime.launch import torchrun_module
+    from lab.launch import torchrun_module
 
     proc = torchrun_module(2, "tests.dist_scripts.sharded_trainers", [str(tmp_path)], timeout=600, check=False)
     results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) if (tmp_path / f"rank{r}.json").exists()

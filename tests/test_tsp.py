@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from rl import algorithms
-from rl.timesteps import trained_timesteps
-from runtime.launch import TINY, torchrun, trained_weights
+from lab.launch import TINY, torchrun, trained_weights
 from traced import assert_nccl_ok, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
@@ -75,7 +74,7 @@ def test_packing_is_deterministic_and_validates():
 @pytest.mark.parametrize("name,window", [("flow_grpo", None), ("dance_grpo", None), ("flow_grpo_fast", (1, 3))])
 def test_packing_of_trained_timestep_selections(name, window):
     num_steps, ids = 6, [list(range(0, 4)), list(range(4, 8)), list(range(8, 12))]
-    timesteps = {i: trained_timesteps(algorithms.algorithm(name).timesteps, num_steps, 0.6, seed=3, step=1, sample_id=i, window=window)
+    timesteps = {i: algorithms.algorithm(name).timesteps(num_steps, 0.6, seed=3, step=1, sample_id=i, window=window)
                  for f in ids for i in f}
     packing = tsp.pack_step(ids, timesteps, micro_batch=8, num_trainers=2)
     fragments = [tsp.fragment_transitions(f, timesteps) for f in ids]
@@ -97,7 +96,7 @@ def _rollout(algorithm_name, cfg_scale, window, beta):
     from models import load_model
     from parallel.stepplan import plan_step
     from rollout import encode_batch
-    from parallel.intake import TrainChunk
+    from parallel.trainer_intake import TrainChunk
     from trainer import Trainer
 
     torch.manual_seed(0)
@@ -123,7 +122,7 @@ def _rollout(algorithm_name, cfg_scale, window, beta):
 
 def _tsp(trainer, num_trainers):
     """The TSP intake of `num_trainers` trainers for the trainer's config."""
-    from parallel.intake import TransitionIntake
+    from parallel.trainer_intake import TransitionIntake
 
     t = trainer.cfg.topology
     return TransitionIntake(trainer.spec, tuple(range(num_trainers)), lambda r: 0,
@@ -148,7 +147,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_gradients_equal_the_per_timestep_loop(case):
-    from parallel.intake import TransitionBatch
+    from parallel.trainer_intake import TransitionBatch
 
     trainer, plan, chunks = _rollout(*CASES[case])
     chunks[1].keep[1] = False  # a dropped sample is left out alike
@@ -236,7 +235,11 @@ def test_placement_invariance_with_tsp(tmp_path):
         results[name] = (trained_weights(str(out), 2), read_metrics(str(out / "metrics.jsonl")))
     ref_w, ref_m = results["colocated-2"]
     for name, (w, m) in results.items():
-        assert_same_weights(ref_w, w, name)
+        # 3e-4 of the update: after two AdamW steps of lr 3e-4 every lora_B entry is about 7e-4, and
+        # a few entries whose second gradient is a small difference of its transitions' gradients
+        # move by up to 1.0e-4 of that between forwards of 2 and of 4 transitions (float32 reduction
+        # order, measured: 4 of 128 entries above 1e-9 in disagg-1g2t-tsp, none above 7.6e-8).
+        assert_same_weights(ref_w, w, name, rel=3e-4)
         for row, ref_row in zip(m, ref_m):
             assert row["train/num_transitions"] == ref_row["train/num_transitions"] == 8, name
             # Packed forwards differ from the generation batch only by reduction order.

@@ -1,11 +1,12 @@
 """The placement-invariance runs record their communication (DIGENRL_COMM_TRACE) and these helpers
-check it under NCCL's rules (telemetry/commcheck.py): no buffered sends, one FIFO stream per
+check it under NCCL's rules (lab/nccl/replay.py): no buffered sends, one FIFO stream per
 communicator and rank, collectives in one order on every member. A run passes `traced(out)` as its
 environment; `assert_nccl_ok(out, ...)` then replays what every rank posted, and checks that the
 traffic the mode must have was recorded at all (a check of an empty trace proves nothing)."""
 from pathlib import Path
 
-from telemetry import commcheck, commtrace
+from telemetry import commtrace
+from lab.nccl import replay
 
 
 def traced(out, name: str = "comm") -> dict:
@@ -13,11 +14,11 @@ def traced(out, name: str = "comm") -> dict:
     return {commtrace.ENV: str(Path(out) / name)}
 
 
-def assert_nccl_ok(out, communicators=(), collectives=(), name: str = "comm") -> commcheck.Result:
+def assert_nccl_ok(out, communicators=(), collectives=(), name: str = "comm") -> replay.Result:
     """Every rank's recorded operations complete under NCCL's rules; `communicators` (names or
     name prefixes) all carried traffic, and `collectives` ("group:name") were posted."""
-    traces = commcheck.load(str(Path(out) / name))
-    result = commcheck.check(traces)
+    traces = replay.load(str(Path(out) / name))
+    result = replay.check(traces)
     assert result.ok, f"{out}:\n{result.message}"
     lines = [line for rank_lines in traces.values() for line in rank_lines]
     used = {line["group"] for line in lines if line["op"] in ("send", "recv", "collective")}
@@ -29,13 +30,19 @@ def assert_nccl_ok(out, communicators=(), collectives=(), name: str = "comm") ->
     return result
 
 
-def merged(out, prefixes, into: str = "world", name: str = "comm") -> commcheck.Result:
+def created(out, name: str = "comm") -> dict[int, list[str]]:
+    """The groups each rank created, by name, in order (the "new_group" lines of its trace)."""
+    traces = replay.load(str(Path(out) / name))
+    return {r: [line["name"] for line in lines if line["op"] == "new_group"] for r, lines in traces.items()}
+
+
+def merged(out, prefixes, into: str = "world", name: str = "comm") -> replay.Result:
     """The recorded run replayed as if the communicators named by `prefixes` were one (`into`), as
     the code had them before each kind of traffic got its own: the check must find the crossing."""
-    traces = commcheck.load(str(Path(out) / name))
+    traces = replay.load(str(Path(out) / name))
     for lines in traces.values():
         for line in lines:
             if any(line["group"].startswith(p) for p in prefixes):
                 line["group"] = into
-    return commcheck.check(traces)
+    return replay.check(traces)
 

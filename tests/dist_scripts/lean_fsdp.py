@@ -24,7 +24,7 @@ from config.schema import RunConfig
 from models import load_model
 from parallel import compress
 from parallel.fsdp import full_tensor
-from parallel.intake import TrainChunk
+from parallel.trainer_intake import TrainChunk
 from parallel.checksums import checksum
 from parallel.publish import WeightPublisher, WeightReceiver
 from rl import sampler

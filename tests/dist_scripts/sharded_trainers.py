@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from config.schema import RunConfig
 from models import load_model
 from parallel.fsdp import full_tensor
-from parallel.intake import TrainChunk
+from parallel.trainer_intake import TrainChunk
 from rl import sampler
 from trainer import Trainer, adamw
 

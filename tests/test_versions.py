@@ -1,0 +1,39 @@
+"""The versions DigenRL declares: requirements.txt's ranges admit the oldest stack it is checked on
+(a GPU machine's torch 2.11 and transformers 5.17: python3 -m lab.check_stack) and every
+version requirements.lock pins for CI; the lock pins every package (a torch-private name missing
+from a torch is tests/test_torch_private.py's)."""
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _lines(name: str) -> list[str]:
+    return [line.split("#")[0].strip() for line in (ROOT / name).read_text().splitlines()
+            if line.split("#")[0].strip()]
+
+
+def test_the_lock_pins_every_package_once_and_ci_installs_it():
+    pins = [Requirement(line) for line in _lines("requirements.lock")]
+    assert all(len(r.specifier) == 1 and next(iter(r.specifier)).operator == "==" for r in pins), pins
+    names = [canonicalize_name(r.name) for r in pins]
+    assert len(names) == len(set(names))
+    assert {"torch", "diffusers", "transformers", "peft", "pytest-timeout"} <= set(names)
+    assert str(next(r for r in pins if r.name == "torch").specifier) == "==2.13.0"  # the CPU build CI installs
+    assert "pip install -q -r requirements.lock" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_ranges_admit_the_gpu_machines_stack_and_the_locked_versions():
+    ranges = {canonicalize_name(r.name): r.specifier for r in map(Requirement, _lines("requirements.txt"))}
+    assert "pytest-timeout" in ranges
+    for name, version in (("torch", "2.11.0"), ("transformers", "5.17.0"), ("diffusers", "0.42.1")):
+        assert ranges[name].contains(Version(version)), (name, version, ranges[name])
+    assert not ranges["torch"].contains(Version("2.10.0"))
+    locked = {canonicalize_name(r.name): next(iter(r.specifier)).version for r in map(Requirement,
+                                                                                     _lines("requirements.lock"))}
+    for name, spec in ranges.items():
+        assert spec.contains(Version(locked[name])), (name, locked[name], spec)
