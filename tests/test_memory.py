@@ -250,7 +250,7 @@ def test_a_fake_run_that_fails_to_start_leaves_nothing_behind(monkeypatch):
         raise RuntimeError("injected")
 
     limit = fake_tensor.CONSTANT_NUMEL_LIMIT
-    monkeypatch.setattr(fakemem, "uncounted_propagation", fail)  # entered after the kernels
+    monkeypatch.setattr(fake_run, "uncounted_propagation", fail)  # entered after the kernels
     with pytest.raises(RuntimeError, match="injected"):
         with fake_run.FakeRun():
             pass

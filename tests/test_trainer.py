@@ -1,4 +1,5 @@
 """Trainer options checked in process against the plain trainer: activation checkpointing, KL."""
+import pytest
 import torch
 
 
@@ -45,6 +46,7 @@ def test_kl_to_a_frozen_reference_is_zero_before_the_first_update():
     assert trainer.sums["approx_kl"] == 0.0 and trainer.sums["clipfrac"] == 0.0
 
 
+@pytest.mark.integration  # a torchrun world of 2
 def test_sharded_trainers_keep_a_sharded_reference_and_train_with_fused_adamw(tmp_path):
     """tests/dist_scripts/sharded_trainers.py on 2 gloo ranks, full fine-tuning with beta > 0: the KL
     reference is a bf16 shard on each FSDP2 trainer (frozen, the initial weights, KL 0 before the
