@@ -34,7 +34,7 @@ from rl.advantages import COMBINES, STD_MODES
 from rl.loss import KL_FORMS
 from rewards import parse_reward_spec, prompt_checker, reward_model_paths
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 FOLDER_JSON = ("model_index.json", "digenrl.json", "config.json", "scheduler_config.json", "tokenizer_config.json",
                "tokenizer.json", "special_tokens_map.json", "added_tokens.json", "generation_config.json")
@@ -169,6 +169,10 @@ def check_choices(cfg) -> None:
     _choice("--ode-solver", s.ode_solver, sampler.ODE_SOLVERS)
     compress.parse(t.publish_compression)
     m = cfg.model
+    if m.dtype == "float16":  # every run trains
+        raise ValueError("--dtype float16: training in float16 needs a gradient scaler (its 5-bit exponent flushes "
+                         "small gradients to zero), which the trainer does not have; use --dtype bfloat16 (float32's "
+                         "range, the same memory)")
     if m.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {m.dtype!r}; choose one of {DTYPES}")
     if m.device not in DEVICES:

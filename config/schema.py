@@ -42,7 +42,8 @@ class ModelConfig:
                                       "shapes model (flux) if present, else the offline tiny preset")
     preset: str = _f("auto", "without --model-path: auto (the shipped shapes model for flux, else tiny), tiny "
                              "(a random offline model, for tests) or mid (random, ~42M parameters, for benchmarks)")
-    dtype: str = _f("auto", "compute dtype: float32, bfloat16, float16 or auto (bfloat16 on CUDA, float32 on CPU). "
+    dtype: str = _f("auto", "compute dtype: float32, bfloat16 or auto (bfloat16 on CUDA, float32 on CPU; float16, "
+                            "which would need a gradient scaler, is refused). "
                             "Generators, text encoders, the VAE and frozen weights are held in it; trainers keep "
                             "trained weights and AdamW in float32 and compute in it (FSDP2 mixed precision, or "
                             "autocast)")

@@ -137,6 +137,7 @@ def _cases(tmp_path):
         ("noise -1", [*tiny, "--noise-level", "-1"], {}, "--noise-level must be a finite number >= 0, got -1.0"),
         ("height 17", [*tiny, "--height", "17"], {}, "height 17 must be a positive multiple of 4"),
         ("dtype fp7", [*tiny, "--dtype", "fp7"], {}, "unknown --dtype 'fp7'"),
+        ("dtype float16", [*tiny, "--dtype", "float16"], {}, "use --dtype bfloat16"),
         ("frames on image", [*tiny, "--num-frames", "5"], {}, "num_frames 5 given for 'flux', an image model"),
         ("save-every -1", [*tiny, "--save-every", "-1"], {}, "--save-every must be >= 0, got -1"),
         ("adv-clip -1", [*tiny, "--adv-clip", "-1"], {}, "--adv-clip must be a finite number > 0, got -1.0"),
