@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from lab.launch import TINY, torchrun, trained_weights
 
-from checkpointing import checkpoint
+from checkpointing import checkpoint, export
 
 
 def _state(run: str, step: int, prefix: str) -> dict:
@@ -20,12 +20,12 @@ def _state(run: str, step: int, prefix: str) -> dict:
 
 def test_the_export_plan_splits_in_order_into_files_of_about_equal_bytes():
     tensors = {f"w{i}": torch.empty(n) for i, n in enumerate([10, 10, 10, 10, 40, 10, 10])}
-    plan = checkpoint._file_plan(tensors, 4)
+    plan = export._file_plan(tensors, 4)
     assert list(plan.values()) == sorted(plan.values())  # names stay in order
     assert set(plan.values()) == set(range(max(plan.values()) + 1))  # no empty file in between
     per_file = [sum(tensors[n].numel() for n in plan if plan[n] == f) for f in set(plan.values())]
     assert max(per_file) <= 40 + 10 and len(per_file) >= 3
-    one = checkpoint._file_plan({"huge": torch.empty(100), "tiny": torch.empty(1)}, 4)
+    one = export._file_plan({"huge": torch.empty(100), "tiny": torch.empty(1)}, 4)
     assert sorted(set(one.values())) == [0, 1] or sorted(set(one.values())) == [0]
 
 
