@@ -164,7 +164,7 @@ def check_choices(cfg) -> None:
     _choice("--sde-type", s.sde_type, sampler.SDE_TYPES)
     _choice("--colocated-sharding", t.colocated_sharding, SHARDINGS)
     _choice("--train-sharding", t.train_sharding, SHARDINGS)
-    split_targets(cfg.optim.lora_targets)  # attn, attn+ff or module names
+    split_targets(cfg.optim.lora_targets, any_layer=bool(cfg.optim.init_lora))  # an adapter's targets: any layer
     _choice("--fragment-split", t.fragment_split, ("auto", "even", "speed"))
     _choice("--dispatch", t.dispatch, DISPATCHES)
     _choice("--export-dtype", o.export_dtype, EXPORT_DTYPES)
@@ -213,13 +213,13 @@ def check_wandb(o) -> None:
         return
     if not o.wandb.strip() or any(c in o.wandb for c in "/\\#?%:"):
         raise ValueError(f"--wandb {o.wandb!r}: a project name, without / \\ # ? % or :")
+    mode = os.environ.get("WANDB_MODE", "").strip()
+    if mode and mode not in WANDB_MODES:
+        raise ValueError(f"WANDB_MODE={mode!r} is not a mode wandb knows; use one of {WANDB_MODES} or leave it unset")
     if importlib.util.find_spec("wandb") is None:
         raise ValueError(f"--wandb {o.wandb}: the wandb package is not installed (it is optional: pip install wandb, "
                          f"or the version requirements.lock pins); without --wandb the run logs to metrics.jsonl and "
                          f"TensorBoard")
-    mode = os.environ.get("WANDB_MODE", "").strip()
-    if mode and mode not in WANDB_MODES:
-        raise ValueError(f"WANDB_MODE={mode!r} is not a mode wandb knows; use one of {WANDB_MODES} or leave it unset")
 
 
 def _read_json(path: str):

@@ -39,22 +39,25 @@ PLAIN = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_patt
 """LoRA options this project trains as plain LoRA only: a file that sets one otherwise is refused"""
 
 
-def split_targets(which: str) -> list[str]:
-    """--lora-targets: attn, attn+ff, or module-name suffixes separated by commas."""
+def split_targets(which: str, any_layer: bool = False) -> list[str]:
+    """--lora-targets: attn, attn+ff, or names of attention and feed-forward layers separated by
+    commas (`any_layer`: of any layer, as an --init-lora adapter's targets may be)."""
     if which == "attn":
         return list(ATTENTION)
     if which == "attn+ff":
         return ATTENTION + FEED_FORWARD
     names = [w.strip() for w in which.split(",")]
-    if not all(names):
-        raise ValueError(f"--lora-targets {which!r}: choose attn, attn+ff, or module names separated by commas")
+    known = ATTENTION + FEED_FORWARD
+    if not all(names) or not (any_layer or all(any(n == k or n.endswith("." + k) for k in known) for n in names)):
+        raise ValueError(f"unknown --lora-targets {which!r}; choose attn, attn+ff, or attention and feed-forward layer "
+                         f"names separated by commas (module-name suffixes ending in one of {known})")
     return names
 
 
 def lora_targets(transformer: nn.Module, which: str) -> list[str]:
     """Module-name suffixes present in this transformer for `attn`, `attn+ff` or a list of names
     (every listed name must name a linear layer of the model)."""
-    wanted = split_targets(which)
+    wanted = split_targets(which, any_layer=True)
     names = [n for n, m in transformer.named_modules() if isinstance(m, nn.Linear)]
     present = [w for w in wanted if any(n == w or n.endswith("." + w) for n in names)]
     if which not in ("attn", "attn+ff") and present != wanted:
@@ -237,10 +240,11 @@ def check_fits(transformer: nn.Module, lora: LoraFile) -> None:
                 raise ValueError(f"{flag}: {m} has lora_A {a} and lora_B {b}; the model's layer needs {want_a} and "
                                  f"{want_b} (a LoRA of another model size?)")
     covered = sorted(n for n in linear if any(n == t or n.endswith("." + t) for t in lora.targets))
-    extra = sorted(set(covered) - set(lora.modules))
-    if extra:
-        raise ValueError(f"{flag}: its targets {list(lora.targets)} also name {len(extra)} layers it holds no weights "
-                         f"for: {extra[:3]}")
+    extra, unnamed = sorted(set(covered) - set(lora.modules)), sorted(set(lora.modules) - set(covered))
+    if extra or unnamed:
+        raise ValueError(f"{flag}: its targets {list(lora.targets)} "
+                         + (f"also name {len(extra)} layers it holds no weights for: {extra[:3]}" if extra else
+                            f"do not name {len(unnamed)} layers it holds weights for: {unnamed[:3]}"))
 
 
 def load_lora_file(transformer: nn.Module, lora: LoraFile) -> None:

@@ -1,7 +1,7 @@
 """Checkpoints that scale (checkpointing/checkpoint.py): the run state is written in shards by every trainer rank
 and resumes bitwise under FSDP; the export is diffusers' layout in --export-dtype, one file per
-trainer rank for a full fine-tune; the EMA is exported in diffusers' LoRA naming and loads with
-`load_lora_weights`."""
+trainer rank for a full fine-tune in a pipeline folder `FluxPipeline.from_pretrained` loads; the EMA
+is exported in diffusers' LoRA naming and loads with `load_lora_weights`."""
 import json
 import os
 import shutil
@@ -33,7 +33,7 @@ def test_fsdp_state_is_written_in_shards_and_resumes_bitwise_with_the_ema_and_op
     """Full fine-tuning with an EMA, colocated FSDP2 over 2 trainer ranks: no rank writes a whole
     weight, the export is two diffusers files in bfloat16 that from_pretrained loads, and a run cut
     back to step 1 resumes to the uninterrupted run's weights, EMA and AdamW state bit for bit."""
-    from diffusers import FluxTransformer2DModel
+    from diffusers import FluxPipeline, FluxTransformer2DModel
 
     args = [*TINY, "--mode", "colocated", "--colocated-sharding", "fsdp", "--lora-rank", "0", "--ema-decay", "0.9",
             "--steps", "2", "--save-every", "1"]
@@ -60,6 +60,9 @@ def test_fsdp_state_is_written_in_shards_and_resumes_bitwise_with_the_ema_and_op
     ema_model = FluxTransformer2DModel.from_pretrained(os.path.join(last, "ema"), subfolder="transformer")
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), whole[n].to(torch.bfloat16).float()), n
+    pipe = FluxPipeline.from_pretrained(last)  # a pipeline folder (checkpointing/export.py), as diffusers loads one
+    assert all(torch.equal(p, whole[n].to(torch.bfloat16).float()) for n, p in pipe.transformer.named_parameters())
+    assert FluxPipeline.from_pretrained(os.path.join(last, "ema")).vae is not None
     assert any(not torch.equal(ema[n], whole[n]) for n in whole)  # the EMA lags the weights
     for n, p in ema_model.named_parameters():
         assert torch.equal(p.detach(), ema[n].to(torch.bfloat16).float()), n

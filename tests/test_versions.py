@@ -55,3 +55,15 @@ def test_python_3_10_gets_the_last_diffusers_for_it_and_tomli_and_wandb_stays_op
     assert "wandb" not in old and "wandb" not in new
     locked = {canonicalize_name(Requirement(line).name) for line in _lines("requirements.lock")}
     assert "wandb" in locked
+
+
+def test_the_versions_page_keeps_each_modes_section():
+    from lab.check_stack import merge_page
+
+    old = "# head\n\nstack v1\n\n## Python 3.10\n\n3.10 v1\n\n## Python 3.12\n\n3.12 v1\n"
+    assert merge_page(old, stack="# head\n\nstack v2\n") == old.replace("stack v1", "stack v2")
+    assert merge_page(old, section="## Python 3.10\n\n3.10 v2\n") == \
+        "# head\n\nstack v1\n\n## Python 3.12\n\n3.12 v1\n\n## Python 3.10\n\n3.10 v2\n"
+    assert merge_page("", section="## Python 3.10\n\nx\n") == "\n\n## Python 3.10\n\nx\n"
+    page = (ROOT / "docs" / "versions.md").read_text()
+    assert "## Python 3.10" in page and "python3 -m lab.check_stack --python" in page  # the check, committed
