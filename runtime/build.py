@@ -227,7 +227,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
         shapes = prompt_shapes.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     in_place = facts.resume is not None and facts.resume.same_folder
     log = StepLog(cfg, rank, rank == facts.log_rank, store, topo.world_size, facts.resume.step if facts.resume else 0,
-                  in_place, algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl).SUMMARY)
+                  in_place, algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl).SUMMARY, run)
     begin = resume.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
     log.std_history = begin.std_history
     all_names = _publish_names(ctx.adapter, facts.lora)

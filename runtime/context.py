@@ -14,7 +14,7 @@ from config.schema import RunConfig
 from config.validate import RunFacts
 from models import TEXT_ENCODERS, DiTAdapter, load_model, model_dtypes, resolve_device, resolve_dtype
 from models import set_attention
-from models.lora import apply_lora
+from models.lora import apply_lora, read_lora_file
 from parallel.trainer_intake import TrainingSpec, make_intake
 from parallel.topology import ProcessGroups, Topology
 from prompts import resolutions as prompt_shapes
@@ -80,8 +80,10 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
     if cfg.model.offload_text_encoders:
         adapter.offload_text_encoders()  # on the device only while a step encodes (Rank.offload)
     set_attention(adapter, cfg.model.attention)
-    if facts.lora:
-        apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
+    if facts.lora:  # --init-lora: every rank copies the same file (a resume loads the checkpoint's weights instead)
+        init = read_lora_file(cfg.optim.init_lora) if cfg.optim.init_lora and facts.resume is None else None
+        apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed,
+                   init)
     compute = resolve_dtype(cfg.model.dtype, device)
     budget.check_budget(cfg, facts, adapter)  # --memory-budget-gb: the same on every rank, before any wait
     if not topo.is_trainer(rank):  # generators (and scorers) hold frozen weights in the compute dtype, no gradient
