@@ -80,7 +80,7 @@ def test_help_reads_cleanly(monkeypatch):
     text = build_parser("DigenRL").format_help()
     assert "OUTPUT." not in text and "RL.STEPS" not in text
     assert "--sde-window START:END" in text and "--adam-betas B1,B2" in text
-    assert "training steps (one optimizer update each) (default: 50)" in text
+    assert "training steps (one rollout each, --updates-per-rollout optimizer updates) (default: 50)" in text
     assert "(default: the model's) (default" not in text and "default: None" not in text  # said once, or not at all
 
 
