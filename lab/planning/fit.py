@@ -22,14 +22,12 @@ parallel speed-up). The profile must time the run's kind of training (LoRA or fu
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import statistics
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from config.schema import RLConfig, SamplingArgs
 from parallel.stepplan import plan_step
 from parallel.trainer_intake import TrainingSpec
 from rl import algorithms
@@ -67,8 +65,7 @@ def _trained(config: dict, num_steps: int) -> int:
     """The transitions a sample of the run trains at its first step, as its algorithm chooses them
     (rl/algorithms/: its sampler's window, its timesteps)."""
     s, rl = config["sampling"], config["rl"]
-    s = {**dataclasses.asdict(SamplingArgs()), **s}  # a record older than a flag has its default
-    rl = {**dataclasses.asdict(RLConfig()), **rl}
+    rl = {"updates_per_rollout": 1, "update_split": "samples", **rl}  # a record older than the flags
     window = tuple(s["sde_window"]) if s.get("sde_window") else None
     flags = SimpleNamespace(sampling=SimpleNamespace(**{**s, "sde_window": window}), rl=SimpleNamespace(**rl),
                             seed=config.get("seed", 0))
