@@ -33,6 +33,8 @@ class StepLog:
             self.logger.log_tensorboard(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")})
         self.progress = tqdm(total=cfg.rl.steps, initial=start, desc="steps", dynamic_ncols=True) if logging else None
         self.previous_end: float | None = None  # the end of the previous step: perf/step_s is the loop's period
+        self.last_scalars: dict[str, float] = {}  # the logging rank's last step (--placement auto measures it)
+        self.last_span_s = 0.0  # its first start to its last end over the ranks: the step without what came before
 
     def record(self, step: int, role: str, start_s: float, end_s: float, busy_s: float, train: dict | None,
                gen_out: list) -> None:
@@ -58,6 +60,8 @@ class StepLog:
             self.store.delete(f"std/{step - 3}")
         scalars = step_scalars(everyone, all_rewards, plan.num_samples, self.previous_end)
         self.logger.log(step, scalars)
+        self.last_scalars = scalars
+        self.last_span_s = max(rec["end_s"] for rec in everyone) - min(rec["start_s"] for rec in everyone)
         samples = next((rec["samples"] for rec in everyone if rec["samples"] is not None), None)
         if samples is not None:
             pixels = torch.frombuffer(bytearray(base64.b64decode(samples["pixels"])), dtype=torch.uint8)
