@@ -139,6 +139,8 @@ class Prediction:
     """the simulated steady step, seconds"""
     trainer_fragments: int = 0
     """fragments the trainers generated per step (TAG)"""
+    shares: tuple[int, ...] = ()
+    """colocated: the samples each rank generates (a split by speed may give the even split's)"""
 
     def to_dict(self) -> dict:
         return {**self.placement.to_dict(), "predicted_step_s": self.step_s}
@@ -166,8 +168,13 @@ def candidates(world_size: int, machine: Machine | None = None, *, allow_stale: 
 
 
 def rank(placements: list[Placement], workload: Workload, machine: Machine) -> list[Prediction]:
-    """Each placement predicted, fastest first (ties: the earlier candidate, colocated first)."""
+    """Each placement predicted, fastest first (ties: the earlier candidate, colocated first). A
+    colocated split by speed that gives every rank the fragments the even split gives is the same
+    run: it is left out."""
     preds = [predict(p, workload, machine) for p in placements]
+    even = {(x.placement.sharding, x.shares) for x in preds
+            if x.placement.mode == "colocated" and x.placement.fragment_split == "auto"}
+    preds = [x for x in preds if x.placement.fragment_split != "speed" or (x.placement.sharding, x.shares) not in even]
     return sorted(preds, key=lambda x: x.step_s)
 
 
@@ -229,7 +236,8 @@ def _colocated(p: Placement, w: Workload, m: Machine) -> Prediction:
     exchange = 0.0
     if w.tsp and n > 1:  # colocated TSP: every rank's trajectories move to their trainers' shares first
         exchange = sum(samples) * w.sample_bytes * (n - 1) / n / m.link_bytes_s + m.latency_s
-    return Prediction(p, result.makespan_s + exchange)
+    shares = tuple(sum(len(f.sample_ids) for f in plan.fragments if f.replica == r) for r in ranks)
+    return Prediction(p, result.makespan_s + exchange, shares=shares)
 
 
 def _replica_s(p: Placement, w: Workload, m: Machine, ranks: list[int], num_chunks: int) -> float:

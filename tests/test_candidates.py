@@ -70,6 +70,12 @@ def test_the_ranking_follows_the_regime():
     assert _best(slow0, stale=True).tcss
     heavy = Machine([0.05, 0.05], [0.02, 0.02], **FAST_LINK)
     assert _best(heavy).mode == "colocated"
+    by_speed = rank(candidates(2, slow0, blocks=4), WL, slow0)
+    assert Placement("colocated", fragment_split="speed") in [x.placement for x in by_speed]  # 3 fragments to rank 1
+    slightly = Machine([0.12, 0.1], [0.003, 0.003], **FAST_LINK)  # 4 fragments split 2 and 2 either way: one run
+    assert Placement("colocated", fragment_split="speed") in candidates(2, slightly)
+    assert Placement("colocated", fragment_split="speed") not in [x.placement for x in rank(
+        candidates(2, slightly), WL, slightly)]
     preds = rank(candidates(2, slow0, blocks=4), WL, slow0)
     assert [p.step_s for p in preds] == sorted(p.step_s for p in preds)
     tag = next(p for p in preds if p.placement.tag)
@@ -96,3 +102,10 @@ def test_placement_is_auto_unless_a_placement_flag_is_given(flags, expected):
     cfg = parse_config(flags)
     cfg.resolve_defaults()
     assert cfg.topology.placement == expected
+
+
+def test_a_placement_flag_at_its_default_still_names_a_placement():
+    """`--mode disagg` (the default's value) on the command line: the run takes 1 + 1, as asked."""
+    cfg = parse_config(["--mode", "disagg"])
+    cfg.resolve_defaults()
+    assert cfg.topology.placement == "fixed"
