@@ -116,6 +116,7 @@ class AutoPlacement:
         room = cfg.rl.steps - first_step - 1  # the trials must leave a step to run the one kept
         near = near[:max(0, room // t.placement_trial_steps - 1)]
         self.trials = [*reversed(near), 0] if near else []  # the runner-ups first, the predicted best last
+        self.tried = list(self.trials)  # the trials planned (self.trials empties once decided)
         self.current = self.trials[0] if self.trials else 0
         self.steps_in, self.measured, self.switches = 0, {}, []
 
@@ -132,9 +133,8 @@ class AutoPlacement:
             return {k: v for k, v in self.ranked[i].items() if k != "placement"}
         return {"mode": "auto", "chosen": show(0), "runner_up": show(1) if len(self.ranked) > 1 else None,
                 "running": show(self.current), "ranked": [show(i) for i in range(len(self.ranked))],
-                "refused": self.refused, "probe": self.machine, "trials": [show(i) for i in self.trials],
-                "measured_step_s": {self.ranked[i]["label"]: s for i, s in self.measured.items()},
-                "switches": self.switches}
+                "refused": self.refused, "probe": self.machine, "trials": [show(i) for i in self.tried],
+                "measured_step_s": self._measured_by_label(), "switches": self.switches}
 
     def after_step(self, r: Rank, step: int) -> Rank:
         """At the end of a trial: the next trial's placement, or after the last the fastest measured
@@ -142,7 +142,7 @@ class AutoPlacement:
         if not self.trials:
             return r
         self.steps_in += 1
-        if self.steps_in < self.cfg.topology.placement_trial_steps or r.guard.stopping:
+        if self.steps_in < self.cfg.topology.placement_trial_steps:
             return r
         key = f"placement/decision/{step}"
         if r.log.logging:  # the loop's period; a placement's first step counts from its own start (not the switch)
@@ -150,12 +150,14 @@ class AutoPlacement:
             self.measured[self.current] = r.log.last_span_s if first else r.log.last_scalars["perf/step_s"]
             k = self.trials.index(self.current)
             nxt = self.trials[k + 1] if k + 1 < len(self.trials) else min(self.measured, key=self.measured.get)
-            r.store.put(key, {"next": nxt, "measured": self.measured})
+            if r.guard.stopping:  # a signal: the run stops before the next step, in this placement
+                nxt = self.current
+            r.store.put(key, {"next": nxt, "measured": self.measured})  # every rank follows this one decision
         decision = r.store.get(key)  # rank wait: the logging rank measured the trial's last step
         self.measured = {int(i): s for i, s in decision["measured"].items()}
         nxt, last = decision["next"], self.trials.index(self.current) == len(self.trials) - 1
-        if last:
-            self.trials = []  # decided: no more trials
+        if last or nxt == self.current:
+            self.trials = []  # decided (or stopping): no more trials
         if nxt == self.current:
             _say(r, f"placement: keeping {self.ranked[nxt]['label']} ({self._times()})")
             _write_record(r, self.record())
