@@ -23,6 +23,7 @@ from parallel.trainer_intake import TrainChunk
 from parallel.stepplan import Chunk, Fragment, StepPlan
 from parallel.publish import PublicationError
 from parallel.scoring import LocalScorer, Ticket
+from parallel import store_keys as keys
 from rl.conditioning import Conditioning
 from telemetry.tracing import Slowdown
 
@@ -286,17 +287,17 @@ class VersionSync:
     def at_step_start(self, step: int) -> int:
         need = max(step - self.lag, self.version)
         if self.layout is not None and not self.layout.first:
-            need = max(need, self.store.get(f"rv/{self.replica}/{step}"))  # stage 0's choice
+            need = max(need, self.store.get(keys.replica_version(self.replica, step)))  # stage 0's choice
         while self.version < need:
             self._install_next(step)
         if self.layout is not None and self.layout.first:
-            self.store.put(f"rv/{self.replica}/{step}", self.version)
+            self.store.put(keys.replica_version(self.replica, step), self.version)
         return self.version
 
     def at_fragment_boundary(self, step: int) -> int:
         """TCSS: stage an announced publication (never install it inside a step)."""
         if self.lag and self.layout is None and self.receiver.staged_version is None \
-                and self.store.ready(f"pub/{self.version + 1}"):
+                and self.store.ready(keys.version_published(self.version + 1)):
             self._receive_next(step)
         return self.version
 

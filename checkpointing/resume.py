@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from checkpointing import checkpoint
 from parallel import checksums, publish
+from parallel import store_keys as keys
 
 
 @dataclass
@@ -39,7 +40,7 @@ def restore(facts, rank: int, adapter, trainer, running, store) -> Start:
     history = {int(k): v for k, v in state.get("std_history", {}).items()}
     if rank == facts.log_rank:
         for k, v in history.items():
-            store.put(f"std/{k}", v)  # what the uninterrupted run's logging rank had published
+            store.put(keys.running_std(k), v)  # what the uninterrupted run's logging rank had published
     return Start(step, step - 1 if stale else step, history)
 
 
@@ -71,7 +72,7 @@ def publish_start(facts, rank: int, trainer, publisher: publish.WeightPublisher,
             publisher.follow_all(out, by_dst)
         return
     if generators_stale:
-        store.put(f"pub/{start}", 1)
+        store.put(keys.version_published(start), 1)
         publisher.publish_all(out, by_dst, start, group=group)
 
 

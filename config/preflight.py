@@ -32,7 +32,7 @@ from prompts.sets import check_regular
 from rl import algorithms, sampler
 from rl.advantages import COMBINES, STD_MODES
 from rl.loss import KL_FORMS
-from rewards import parse_reward_spec, reward_class, reward_model_paths
+from rewards import parse_reward_spec, prompt_checker, reward_model_paths
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -355,8 +355,8 @@ def check_prompts(cfg, prompt_sets) -> None:
     """Every training (and evaluated) prompt is one each reward (and each --eval-scorer, of the
     evaluated ones) can score: a grammar reward such as shapes fails here, naming the file, line and
     prompt, not at step 0. `prompt_sets`: (path, records) as the run read them."""
-    checkers = [reward_class(parse_reward_spec(spec)[0]) for spec in cfg.rl.reward]
-    scorers = [reward_class(parse_reward_spec(spec)[0]) for spec in eval_scorers(cfg.output.eval_scorer)]
+    checkers = [c for c in map(prompt_checker, cfg.rl.reward) if c is not None]
+    scorers = [c for c in map(prompt_checker, eval_scorers(cfg.output.eval_scorer)) if c is not None]
     for path, records in prompt_sets:
         for n, record in enumerate(records, 1):
             for cls in checkers + (scorers if path == cfg.output.eval_prompts else []):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from checkpointing.manifest import write_json_atomic
 from config import files
 from models import model_names
-from rewards import parse_reward_spec
+from rewards import judge_paths, parse_reward_spec, reward_model_paths, reward_scales
 from rl import algorithms
 from rl.loss import KL_FORMS
 
@@ -88,9 +88,17 @@ class SamplingArgs:
 class RLConfig:
     prompts: str | None = _f(None, "prompt file (.txt one per line, or .jsonl with a 'prompt' field); "
                                    "default: data/shapes_train.txt")
-    reward: list = _f([], "reward NAME[:WEIGHT], or http://HOST:PORT/NAME[:WEIGHT] for a reward scored by a "
-                          "reward service (python -m scripts.reward_server), repeatable (default: shapes:1.0)",
+    reward: list = _f([], "reward NAME[:WEIGHT] (registered), module.path:function[:WEIGHT] or "
+                          "file.py:function[:WEIGHT] (your own), or [PROTOCOL+]http://HOST:PORT/NAME[:WEIGHT] for a "
+                          "reward service (protocols: digenrl, flow_grpo, verl_omni, openai; rewards/README.md), "
+                          "repeatable (default: shapes:1.0)",
                   action="append", metavar="NAME[:WEIGHT]")
+    reward_scale: list = _f([], "NAME=FACTOR: multiply a reward's scores before they are logged and combined, to "
+                                "use a peer's unit (jpeg_compressibility=0.002 is Flow-GRPO's -kB/500), repeatable",
+                        action="append", metavar="NAME=FACTOR")
+    reward_judge: list = _f([], "NAME=FILE: the judge file (TOML: model, template, score rule) of an "
+                                "openai+http://.../NAME reward, a VLM judge (rewards/judge.py), repeatable",
+                        action="append", metavar="NAME=FILE")
     reward_timeout_s: float = _f(60.0, "a reward service must return a fragment's scores within this many seconds "
                                        "of its sending, retries included (a restart within it loses no sample); "
                                        "then the run stops, naming the URL and its answer")
@@ -135,6 +143,12 @@ class RLConfig:
                                         "(VeRL-Omni: 1e-5)")
     add_kl_coefficient: bool = _f(True, "Flow-DPPO: D_t divides the squared mean drift by 2 (std_dev_t sqrt(-dt))^2, "
                                         "the step's SDE variance (VeRL-Omni's add_kl_coefficient); off: by 2")
+
+    def reward_options(self) -> dict:
+        """What a RewardSet takes of these flags beside the specs, the device and the dtype: the model
+        folders, the services' deadline, the judge files and the scales."""
+        return dict(model_paths=reward_model_paths(self.reward_model), timeout_s=self.reward_timeout_s,
+                    judges=judge_paths(self.reward_judge), scales=reward_scales(self.reward_scale))
 
 
 @dataclass

@@ -14,7 +14,9 @@ from models import adapter_class, model_names
 from parallel.stepplan import ShapeTable, StepPlan, plan_step
 from parallel.topology import Topology
 from prompts.sets import PromptRecord, PromptSet, eval_records, read_prompt_file
-from rewards import VIDEO_REWARDS, parse_reward_specs, reward_model_paths, reward_url, service_token
+from rewards import (VIDEO_REWARDS, check_reward_options, check_user_rewards, judge_paths, parse_reward_spec,
+                     parse_reward_specs,
+                     reward_model_paths, reward_scales, reward_url, service_token)
 from rl import algorithms
 
 
@@ -109,8 +111,12 @@ def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> Ru
                              f"factor >= 1")
     names = [n for n, _ in parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))]
     check_scorers(o.eval_scorer, names, reward_model_paths(rl.reward_model))
-    if any(map(reward_url, [*rl.reward, *eval_scorers(o.eval_scorer)])):
+    scored = [*rl.reward, *eval_scorers(o.eval_scorer)]
+    if any(map(reward_url, scored)):
         service_token()  # DIGENRL_REWARD_TOKEN_FILE names a readable token, or is unset
+    check_reward_options([parse_reward_spec(spec)[0] for spec in scored], judge_paths(rl.reward_judge),
+                         reward_scales(rl.reward_scale), scored)
+    check_user_rewards(scored, video=adapter_class(cfg.model.model).video)  # a user's function, on a dummy batch
     video_models = [n for n in model_names() if adapter_class(n).video]
     if not adapter_class(cfg.model.model).video and VIDEO_REWARDS & set(names):
         raise ValueError(f"reward(s) {sorted(VIDEO_REWARDS & set(names))} score videos; {cfg.model.model!r} makes "

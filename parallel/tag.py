@@ -29,6 +29,7 @@ import torch
 from parallel import p2p
 from parallel.bts import CostTracker, decide
 from parallel.event_engine import StepState
+from parallel import store_keys as keys
 
 POLL_S = 0.003
 
@@ -40,38 +41,38 @@ class FragmentBoard:
         self.store, self.step, self.n = store, step, num_fragments
 
     def claim(self, rank: int, replica: int | None = None) -> int | None:
-        f = self.store.add(f"claim/{self.step}") - 1  # atomic: each value is handed out once
+        f = self.store.add(keys.claims(self.step)) - 1  # atomic: each value is handed out once
         if f >= self.n:
             return None
         now = time.time()
-        self.store.put(f"owner/{self.step}/{f}", {"rank": rank, "start": now, "replica": replica})
+        self.store.put(keys.fragment_owner(self.step, f), {"rank": rank, "start": now, "replica": replica})
         if replica is not None:
-            self.store.put(f"busy/{self.step}/{replica}", {"fragment": f, "start": now})
+            self.store.put(keys.replica_busy(self.step, replica), {"fragment": f, "start": now})
         return f
 
     def num_claimed(self) -> int:
-        return min(self.n, self.store.add(f"claim/{self.step}", 0))
+        return min(self.n, self.store.add(keys.claims(self.step), 0))
 
     def owner(self, f: int) -> dict | None:
-        key = f"owner/{self.step}/{f}"
+        key = keys.fragment_owner(self.step, f)
         return self.store.get(key) if self.store.ready(key) else None
 
     def wait_owner(self, f: int) -> dict:
-        return self.store.get(f"owner/{self.step}/{f}")  # rank wait: until someone claims f
+        return self.store.get(keys.fragment_owner(self.step, f))  # rank wait: until someone claims f
 
     def land(self, f: int) -> None:
-        self.store.put(f"landed/{self.step}/{f}", time.time())
+        self.store.put(keys.fragment_landed(self.step, f), time.time())
 
     def landed(self, f: int) -> bool:
-        return self.store.ready(f"landed/{self.step}/{f}")
+        return self.store.ready(keys.fragment_landed(self.step, f))
 
     def replica_busy(self, replica: int) -> dict | None:
-        key = f"busy/{self.step}/{replica}"
+        key = keys.replica_busy(self.step, replica)
         return self.store.get(key) if self.store.ready(key) else None
 
 
 def publish_replica_cost(store, replica: int, seconds: float) -> None:
-    store.put(f"cost/replica/{replica}", seconds)
+    store.put(keys.replica_cost(replica), seconds)
 
 
 def claimed_rounds(board: FragmentBoard, store, plan, layout, replica: int):
@@ -81,7 +82,7 @@ def claimed_rounds(board: FragmentBoard, store, plan, layout, replica: int):
     step. Each round runs as one pipelined schedule. The claims name the last stage as the
     owner: the trainers and the scorers receive the fragment from it."""
     for n in itertools.count():
-        key = f"round/{plan.step}/{replica}/{n}"
+        key = keys.gap_round(plan.step, replica, n)
         if layout.first:
             got, num_chunks = [], 0
             while num_chunks < layout.num_stages and (f := board.claim(layout.ranks[-1], replica)) is not None:
@@ -117,8 +118,8 @@ class Assistant:
         self.generated, self.predicted_s, self.sends, self.results = 0, None, [], []
         self.window_s = 0.0  # seconds of windows run inside training (GroupAssistant)
         for r in range(self.ctx.topo.num_replicas):
-            if self.store.ready(f"cost/replica/{r}"):
-                self.tracker.replica_fragment_s[r] = self.store.get(f"cost/replica/{r}")
+            if self.store.ready(keys.replica_cost(r)):
+                self.tracker.replica_fragment_s[r] = self.store.get(keys.replica_cost(r))
 
     def source_of(self, f: int) -> int:
         """The rank that generated fragment f, once it has landed. Until then this trainer is idle:
@@ -310,7 +311,7 @@ class GroupAssistant(Assistant):
 
     def _window(self, slot: int, fragments: tuple[int, ...]) -> None:
         for n in itertools.count():
-            key = f"tagdec/{self.plan.step}/{slot}/{n}"
+            key = keys.tag_decision(self.plan.step, slot, n)
             if self.leader:
                 decision = self._lead(fragments)
                 self.store.put(key, decision)

@@ -1,7 +1,14 @@
 """Rewards: one signature, an explicit name -> factory registry, weighted combination.
 
-A reward may also be scored by an HTTP reward service: `http://HOST:PORT/NAME[:WEIGHT]` names a
-registered reward that the service at that URL computes (rewards/remote.py, rewards/server.py).
+A reward spec (`--reward`) is one of (rewards/README.md):
+- `NAME[:WEIGHT]`: a registered reward, computed in the run;
+- `module.path:function[:WEIGHT]` or `path/to/file.py:function[:WEIGHT]`: a user's own function
+  (rewards/user.py), loaded and checked on a dummy batch at start-up;
+- `[PROTOCOL+]http://HOST:PORT/NAME[:WEIGHT]`: a reward service of any NAME, in this project's
+  protocol or a peer's (rewards/remote.py, rewards/server.py).
+A weight is a number after the spec's last colon. `--reward-scale NAME=FACTOR` multiplies a reward's
+scores before they are logged and combined (a peer's unit: Flow-GRPO's jpeg_compressibility is ours
+divided by 500).
 
 Every reward is called as `reward(images, prompts, metadata) -> Tensor[B]` (float32, CPU); see
 rewards/reward.py and rewards/README.md. Factories are "module:Class" strings imported on first use,
@@ -17,7 +24,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from rewards.remote import DEFAULT_TIMEOUT_S, HttpReward, PendingRequest, is_url, service_token, split_url_spec
+from rewards import user
+from rewards.judge import JudgeConfig, judge_paths
+from rewards.remote import (DEFAULT_TIMEOUT_S, HttpReward, PendingRequest, is_url, make_protocol, service_token,
+                            split_url_spec, url_protocol)
 
 _REWARDS = {
     "shapes": "rewards.shapes:ShapesReward",
@@ -31,13 +41,14 @@ _REWARDS = {
     "laion_aesthetic": "rewards.clip:LaionAesthetic",
     "image_reward": "rewards.image_reward:ImageReward",
     "ocr": "rewards.ocr:OcrReward",
+    "hpsv3": "rewards.hpsv3:HPSv3",
     "temporal_consistency": "rewards.video:TemporalConsistency",
 }
 
 MAX_WEIGHT = 1e6  # reward weights are O(1); the bound keeps every weighted sum finite in float32
 
 # Rewards that load weights and so need `--reward-model NAME=DIR`.
-MODEL_REWARDS = frozenset({"pickscore", "clip_score", "hpsv2", "laion_aesthetic", "image_reward", "ocr"})
+MODEL_REWARDS = frozenset({"pickscore", "clip_score", "hpsv2", "hpsv3", "laion_aesthetic", "image_reward", "ocr"})
 # Rewards of whole videos, which image models cannot take (every other reward scores video frame by frame).
 VIDEO_REWARDS = frozenset({"temporal_consistency"})
 
@@ -65,18 +76,36 @@ def build_reward(name: str, device: str | torch.device = "cpu", model_path: str 
     return cls(device=device)
 
 
+def _split_weight(spec: str) -> tuple[str, str | None]:
+    """(the spec without its weight, the weight's text or None): a weight is the number after the last
+    colon ("mod:fn:0.5", "shapes:0.5"), or any text after a registered name's colon ("shapes:x", an error)."""
+    head, sep, tail = spec.rpartition(":")
+    if not sep:
+        return spec, None
+    try:
+        float(tail)
+    except ValueError:
+        return (head, tail) if head in _REWARDS else (spec, None)
+    return head, tail
+
+
 def parse_reward_spec(spec: str) -> tuple[str, float]:
-    """"name[:weight]" or "http://HOST:PORT/name[:weight]" -> (name, weight); weight defaults to 1.0."""
+    """A reward spec -> (name, weight); weight defaults to 1.0. The name of a user's function is its
+    spec without the weight ("mymod:score"), of a service the URL's last segment."""
+    spec = spec.strip()
     if is_url(spec):
         _, name, weight_text = split_url_spec(spec)
-        sep = weight_text is not None
     else:
-        name, sep, weight_text = spec.strip().partition(":")
+        name, weight_text = _split_weight(spec)
+        if user.is_target(name):
+            user.check_target(spec, name)
+        elif name and name not in _REWARDS:
+            raise ValueError(f"bad reward spec {spec!r}: unknown reward {name!r}; known rewards: {reward_names()}, "
+                             f"or a function of your own as module.path:function or file.py:function")
     if not name:
-        raise ValueError(f"bad reward spec {spec!r}: expected NAME, NAME:WEIGHT or http://HOST:PORT/NAME[:WEIGHT]")
-    if name not in _REWARDS:
-        raise ValueError(f"bad reward spec {spec!r}: unknown reward {name!r}; known rewards: {reward_names()}")
-    if not sep:
+        raise ValueError(f"bad reward spec {spec!r}: expected NAME, NAME:WEIGHT, module:function[:WEIGHT] or "
+                         f"http://HOST:PORT/NAME[:WEIGHT]")
+    if weight_text is None:
         return name, 1.0
     try:
         weight = float(weight_text)
@@ -92,6 +121,63 @@ def parse_reward_spec(spec: str) -> tuple[str, float]:
 def reward_url(spec: str) -> str | None:
     """The URL of the service that scores a reward spec, None for a reward computed in the run."""
     return split_url_spec(spec)[0] if is_url(spec) else None
+
+
+def user_target(spec: str) -> str | None:
+    """The 'module:function' or 'file.py:function' of a user's reward spec, None for any other."""
+    if is_url(spec):
+        return None
+    name, _ = _split_weight(spec.strip())
+    return name if user.is_target(name) else None
+
+
+def prompt_checker(spec: str):
+    """The registered reward class whose `check_prompt` a spec's prompts must pass, None for a user's
+    function or a service of a name the registry does not know (they score any prompt)."""
+    name = parse_reward_spec(spec)[0]
+    return reward_class(name) if name in _REWARDS and not user_target(spec) else None
+
+
+def check_user_rewards(specs: Sequence[str], video: bool = False) -> None:
+    """Load every user function among `specs` and score a dummy batch with it (rewards/user.py): a
+    ValueError naming the spec, on every rank alike, before any rank waits on another."""
+    for spec in specs:
+        if user_target(spec):
+            user.check_user_reward(user_target(spec), video=video)
+
+
+def reward_scales(items: Sequence[str]) -> dict[str, float]:
+    """Parse `--reward-scale NAME=FACTOR` items into {name: factor}."""
+    scales: dict[str, float] = {}
+    for item in items:
+        name, sep, text = item.rpartition("=")
+        name = name.strip()
+        try:
+            factor = float(text)
+        except ValueError:
+            factor = math.nan
+        if not sep or not name or not math.isfinite(factor) or factor == 0 or abs(factor) > MAX_WEIGHT:
+            raise ValueError(f"bad --reward-scale {item!r}: expected NAME=FACTOR, a finite nonzero number "
+                             f"(e.g. jpeg_compressibility=0.002, Flow-GRPO's -kB/500)")
+        if name in scales:
+            raise ValueError(f"bad --reward-scale {item!r}: {name!r} given twice")
+        scales[name] = factor
+    return scales
+
+
+def check_reward_options(names: Sequence[str], judges: dict[str, str], scales: dict[str, float],
+                         specs: Sequence[str] = ()) -> None:
+    """--reward-judge and --reward-scale name rewards of the run (`names`: its rewards and scorers);
+    a judge goes with an openai+http:// reward and each such reward has one (read here, so a bad
+    judge file fails before any rank waits)."""
+    for flag, given in (("--reward-judge", judges), ("--reward-scale", scales)):
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise ValueError(f"{flag} names {unknown}, which the run does not score; its rewards: {list(names)}")
+    for spec in specs:
+        if is_url(spec):
+            name = split_url_spec(spec)[1]
+            make_protocol(spec, JudgeConfig.read(name, judges[name]) if name in judges else None)
 
 
 def reward_model_paths(items: Sequence[str]) -> dict[str, str]:
@@ -147,7 +233,7 @@ class PendingScores:
 
     def result(self) -> dict[str, Tensor]:
         """Waits at most until each request's deadline (--reward-timeout-s from `submit`)."""
-        scores = {n: (v.result() if isinstance(v, PendingRequest) else v).float().cpu().contiguous()
+        scores = {n: self.reward_set.scaled(n, v.result() if isinstance(v, PendingRequest) else v)
                   for n, v in self.parts.items()}
         scores["combined"] = self.reward_set.combine(scores).float().cpu().contiguous()
         return scores
@@ -162,23 +248,40 @@ class RewardSet:
 
     def __init__(self, specs: Sequence[str], device: str | torch.device = "cpu",
                  model_paths: dict[str, str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, judges: dict[str, str] | None = None,
+                 scales: dict[str, float] | None = None):
         """`timeout_s`: of a reward service (--reward-timeout-s); `dtype`: the weights of the model
-        rewards (--reward-dtype)."""
+        rewards (--reward-dtype); `judges`: {NAME: judge file} of the openai+http:// rewards
+        (--reward-judge); `scales`: {NAME: factor} (--reward-scale). Names of `judges` and `scales`
+        that are not in this set are left to the set that has them (a run's scorers)."""
         parsed = parse_reward_specs(specs, model_paths)  # all checks before any model loads
         self.names = [n for n, _ in parsed]
         self.weights = [w for _, w in parsed]
+        self.scales = {n: float(f) for n, f in (scales or {}).items() if n in self.names and f != 1.0}
         model_paths = model_paths or {}
+        judges = {n: JudgeConfig.read(n, p) for n, p in (judges or {}).items() if n in self.names}
         token = service_token() if any(map(reward_url, specs)) else None
-        self.rewards = {n: HttpReward(reward_url(s), n, timeout_s, token) if reward_url(s)
-                        else build_reward(n, device=device, model_path=model_paths.get(n), dtype=dtype)
-                        for (n, _), s in zip(parsed, specs)}
+
+        def build(name: str, spec: str):
+            if reward_url(spec):
+                return HttpReward(reward_url(spec), name, timeout_s, token, make_protocol(spec, judges.get(name)))
+            if user_target(spec):
+                return user.UserReward(user_target(spec))
+            return build_reward(name, device=device, model_path=model_paths.get(name), dtype=dtype)
+
+        self.rewards = {n: build(n, s) for (n, _), s in zip(parsed, specs)}
         self.remote = any(isinstance(r, HttpReward) for r in self.rewards.values())
+
+    def scaled(self, name: str, scores: Tensor) -> Tensor:
+        """A reward's scores in its --reward-scale unit, float32 on the CPU."""
+        scores = scores.float().cpu()
+        return (scores * self.scales[name] if name in self.scales else scores).contiguous()
 
     def score(self, images: Tensor, prompts: Sequence[str],
               metadata: Sequence[dict] | None = None) -> dict[str, Tensor]:
-        """images (B, 3, H, W) or (B, 3, F, H, W) in [0, 1] -> {name: (B,) float32 CPU}."""
-        return {n: reward(images, prompts, metadata) for n, reward in self.rewards.items()}
+        """images (B, 3, H, W) or (B, 3, F, H, W) in [0, 1] -> {name: (B,) float32 CPU}, each in its
+        --reward-scale unit."""
+        return {n: self.scaled(n, reward(images, prompts, metadata)) for n, reward in self.rewards.items()}
 
     def combine(self, scores: dict[str, Tensor]) -> Tensor:
         """sum_i weight_i * scores[name_i] -> (B,)."""
@@ -203,5 +306,7 @@ class RewardSet:
         return "RewardSet(" + ", ".join(f"{n}:{w:g}" for n, w in zip(self.names, self.weights)) + ")"
 
 
-__all__ = ["MODEL_REWARDS", "VIDEO_REWARDS", "PendingScores", "RewardSet", "build_reward", "parse_reward_spec", "parse_reward_specs",
-           "reward_class", "reward_model_paths", "reward_names", "reward_url", "service_token"]
+__all__ = ["MODEL_REWARDS", "VIDEO_REWARDS", "PendingScores", "RewardSet", "build_reward", "check_reward_options",
+           "check_user_rewards", "judge_paths", "parse_reward_spec", "parse_reward_specs", "prompt_checker",
+           "reward_class", "reward_model_paths", "reward_names", "reward_scales", "reward_url", "service_token",
+           "url_protocol", "user_target"]

@@ -3,6 +3,10 @@
     python -m scripts.reward_server --reward ocr --reward-model ocr=/weights/trocr --port 8000
 
 serves `http://HOST:8000/ocr`; a run scores through it with `--reward http://HOST:8000/ocr`.
+With `ServerConfig.protocol = "flow_grpo"` (--protocol flow_grpo) it speaks the pickle protocol of
+Flow-GRPO's reward servers and VeRL-Omni's scorers instead (rewards/pickle_wire.py), at `POST /NAME`
+and, when it serves one reward, at `POST /` as they do, so their clients score with it unchanged;
+their pickles are read by the restricted unpickler, so a client cannot run code on the service.
 Connections are handled by aiohttp's event loop; scoring runs on one worker thread, so a reward
 model (one GPU, not re-entrant) scores one batch at a time, in arrival order, while the loop keeps
 accepting requests and answering `GET` health checks.
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 from aiohttp import web
 
+from rewards import pickle_wire
 from rewards.wire import MAX_HEADER_BYTES, PROTOCOL, decode_request, encode_scores
 
 try:
@@ -66,6 +71,9 @@ class ServerConfig:
     """connections the kernel queues before the server accepts them (--backlog)"""
     token: str | None = None
     """the shared token every request must carry (--token-file); None: none needed"""
+    protocol: str = "digenrl"
+    """what requests speak (--protocol): digenrl (rewards/wire.py) or flow_grpo (the peers' pickle of
+    JPEG images, rewards/pickle_wire.py; VeRL-Omni's scorer clients speak it too)"""
 
     def max_body_bytes(self) -> int:
         """The largest body a request of `max_batch` samples of `max_frames` frames of `max_side`
@@ -219,9 +227,12 @@ def make_app(rewards: dict, config: ServerConfig | None = None, log=None, connec
         return web.json_response({"reward": name, "protocol": PROTOCOL})
 
     async def score(request: web.Request) -> web.Response:
-        name = request.match_info["name"]
+        name = request.match_info.get("name")
+        if name is None and len(rewards) == 1:  # POST /: a peer's server serves its one reward there
+            name = next(iter(rewards))
         if name not in rewards:
-            return _answer(404, f"this service scores {sorted(rewards)}, not {name!r}", close=True)
+            what = repr(name) if name is not None else "at POST / (it serves several: POST /NAME)"
+            return _answer(404, f"this service scores {sorted(rewards)}, not {what}", close=True)
         length = request.content_length
         if length is None:
             return _answer(411, "a request declares its length (Content-Length)", close=True)
@@ -230,7 +241,7 @@ def make_app(rewards: dict, config: ServerConfig | None = None, log=None, connec
                                 f"{config.max_batch}, --max-frames {config.max_frames}, --max-side {config.max_side})",
                            close=True)
         async with slots:  # at most max_requests bodies in memory; the others wait here, unread
-            answer = await _score_one(request, length, rewards[name], worker)
+            answer = await _score_one(request, name, length, rewards[name], worker)
             await asyncio.get_running_loop().run_in_executor(worker, give_back_memory)  # the body is freed now
         if isinstance(answer, web.Response):
             return answer
@@ -239,16 +250,21 @@ def make_app(rewards: dict, config: ServerConfig | None = None, log=None, connec
         if log is not None:
             log(f"scored request {counter['requests']}: {name}, {shape[0]} samples of {'x'.join(map(str, shape[2:]))} "
                 f"in {seconds:.3f} s")
+        if config.protocol == "flow_grpo":
+            return web.Response(body=pickle_wire.encode_answer(scores), content_type="application/octet-stream")
         return web.Response(body=encode_scores(name, scores), content_type="application/json")
 
-    async def _score_one(request: web.Request, length: int, reward, worker):
+    async def _score_one(request: web.Request, name: str, length: int, reward, worker):
         """(scores, the images' shape, seconds) or the error's answer. The body lives only in this
         call: its memory goes back when it returns, before the next request is read."""
         body = await _read_body(request, length, config.read_timeout_s)
         if isinstance(body, web.Response):
             return body
         try:
-            images, prompts, metadata = decode_request(body)
+            if config.protocol == "flow_grpo":  # JPEGs of at most max_side, checked before they are decoded
+                images, prompts, metadata = pickle_wire.decode_request(body.tobytes(), config.max_side)
+            else:
+                images, prompts, metadata = decode_request(body)
         except ValueError as e:
             return _answer(400, str(e))
         try:
@@ -259,12 +275,14 @@ def make_app(rewards: dict, config: ServerConfig | None = None, log=None, connec
         try:
             scores = await asyncio.get_running_loop().run_in_executor(worker, reward, images, prompts, metadata)
         except Exception as e:  # noqa: BLE001 - the client gets the reward's own error, and the service stays up
-            return _answer(500, f"reward {request.match_info['name']!r} failed: {type(e).__name__}: {e}")
+            return _answer(500, f"reward {name!r} failed: {type(e).__name__}: {e}")
         return scores, tuple(images.shape), time.monotonic() - start
 
     middlewares = [connections.middleware] if connections is not None else []
     app = web.Application(client_max_size=limit, middlewares=[*middlewares, authorize])
     app.router.add_get("/", index)
+    if config.protocol == "flow_grpo":
+        app.router.add_post("/", score)
     app.router.add_get("/{name}", health)
     app.router.add_post("/{name}", score)
     app.on_cleanup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, worker.shutdown))
@@ -276,15 +294,19 @@ async def _read_body(request: web.Request, length: int, deadline_s: float):
     array: its pages are committed as bytes arrive, and the images become a view of it), or the
     error's answer."""
     body, got = np.empty(length, dtype=np.uint8), 0
+
+    async def read() -> None:
+        nonlocal got
+        while got < length:
+            chunk = await request.content.readany()
+            if not chunk:
+                break
+            body[got:got + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            got += len(chunk)
+
     try:
-        async with asyncio.timeout(deadline_s):
-            while got < length:
-                chunk = await request.content.readany()
-                if not chunk:
-                    break
-                body[got:got + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
-                got += len(chunk)
-    except TimeoutError:
+        await asyncio.wait_for(read(), deadline_s)
+    except asyncio.TimeoutError:
         return _answer(408, f"{got} of the body's {length} bytes arrived within {deadline_s:g} s (--read-timeout-s)",
                        close=True)
     except (OSError, ValueError) as e:  # the client went away, or sent more than it declared
@@ -344,7 +366,8 @@ def serve(rewards_of, host: str, port: int, config: ServerConfig, *, device: str
         connections.server = runner.server  # aiohttp's protocol factory
         accepting = asyncio.create_task(connections.accept(sock))
         bound = sock.getsockname()[1]  # the port the OS gave for --port 0
-        say("serving " + ", ".join(f"http://{host}:{bound}/{n}" for n in rewards) + f" on {device} (requests up "
+        scheme = "http" if config.protocol == "digenrl" else f"{config.protocol}+http"
+        say("serving " + ", ".join(f"{scheme}://{host}:{bound}/{n}" for n in rewards) + f" on {device} (requests up "
             f"to {config.max_body_bytes() / 1e6:.0f} MB, at most {connections.limit} connections)", flush=True)
         try:
             await asyncio.Event().wait()

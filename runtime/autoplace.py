@@ -32,6 +32,7 @@ from checkpointing import folder
 from config.schema import RunConfig
 from config.validate import RunFacts, probe_config, with_placement
 from models import autocast, resolve_dtype
+from parallel import store_keys as keys
 from parallel.topology import ProcessGroups
 from parallel.trainer_intake import TrainingSpec
 from planner import candidates as planner
@@ -144,7 +145,7 @@ class AutoPlacement:
         self.steps_in += 1
         if self.steps_in < self.cfg.topology.placement_trial_steps:
             return r
-        key = f"placement/decision/{step}"
+        key = keys.placement_decision(step)
         if r.log.logging:  # the loop's period; a placement's first step counts from its own start (not the switch)
             first = self.steps_in == 1
             self.measured[self.current] = r.log.last_span_s if first else r.log.last_scalars["perf/step_s"]
@@ -236,7 +237,7 @@ def switch(r: Rank, cfg: RunConfig, facts: RunFacts, done: int, record: dict) ->
         r.save(done)  # every trainer writes its shards (a collective over the trainers)
     r.settle(done)
     if r.log.logging:  # the next step's period counts from this one's end, across the switch
-        r.store.put(f"placement/previous_end/{done}", r.log.previous_end)
+        r.store.put(keys.previous_end(done), r.log.previous_end)
     dist.barrier()  # sync point: this placement's traffic is over and its checkpoint written
     path = checkpoint.checkpoint_dir(r.cfg.output.output_dir, done)
     point = folder.ResumePoint(path, done, (), True, {}, os.path.isfile(os.path.join(path, checkpoint.STALE_FILE)),
@@ -245,7 +246,7 @@ def switch(r: Rank, cfg: RunConfig, facts: RunFacts, done: int, record: dict) ->
     _free()
     new = build(cfg, dataclasses.replace(facts, resume=point), r.ctx.rank, previous=r, placement=record)
     if new.log.logging:
-        new.log.previous_end = new.store.get(f"placement/previous_end/{done}")
+        new.log.previous_end = new.store.get(keys.previous_end(done))
     return new
 
 

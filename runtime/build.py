@@ -28,6 +28,7 @@ from parallel.stepplan import replica_speeds
 from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
+from parallel import store_keys as keys
 from prompts import resolutions as prompt_shapes
 from rewards import RewardSet, parse_reward_specs, reward_model_paths, reward_url
 from rl import algorithms
@@ -105,7 +106,7 @@ class Rank:
         fragments its TAG helper generated: their rewards count too)."""
         if self.trainer is None:
             return None, []
-        self.store.put(f"begin/{plan.step}/{self.ctx.rank}", 1)  # generators may wait for their sends now
+        self.store.put(keys.trainer_began(plan.step, self.ctx.rank), 1)  # generators may wait for their sends now
         stats = trainer_step(self.ctx, self.trainer, plan, local, self.publish_names, self.publisher, self.assistant,
                              self.store, self._reward_std(plan.step))
         self._offload()  # a TAG helper encoded prompts
@@ -183,9 +184,9 @@ class Rank:
         """Wait, with no time limit (the heartbeats name a dead or silent rank), until every rank is
         here: the trainers' last checkpoint and evaluation may outlast any timeout, and the final
         barrier, posted at once on NCCL, would count its timeout from posting."""
-        self.store.put(f"exit/{self.ctx.rank}", 1)
+        self.store.put(keys.rank_exited(self.ctx.rank), 1)
         for rank in range(self.topo.world_size):
-            while not self.store.ready(f"exit/{rank}"):
+            while not self.store.ready(keys.rank_exited(rank)):
                 time.sleep(0.05)  # rank wait: the trainers' last checkpoint and evaluation
 
     def close(self, failing: bool = False) -> None:
@@ -215,7 +216,7 @@ class Rank:
         if self.cfg.rl.std_mode != "running":
             return None
         last = step - 1 - (1 if self.cfg.topology.tcss else 0)
-        return None if last < 0 else self.store.get(f"std/{last}")
+        return None if last < 0 else self.store.get(keys.running_std(last))
 
 
 # ----- building -------------------------------------------------------------------------------
@@ -294,9 +295,9 @@ def _prepare_folder(cfg: RunConfig, facts: RunFacts, rank: int, store: StepStore
         run = folder.prepare(cfg, facts.resume, facts.digests, say=guard.say)
         if placement is not None:
             run = _record_switch(cfg, rank, run, placement)
-        store.put("run/record", run)
+        store.put(keys.RUN_RECORD, run)
     dist.barrier()  # sync point: the folder is ready before any rank writes into it
-    return store.get("run/record")
+    return store.get(keys.RUN_RECORD)
 
 
 def _record_switch(cfg: RunConfig, rank: int, run: dict, placement: dict | None) -> dict:

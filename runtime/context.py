@@ -19,7 +19,7 @@ from parallel.trainer_intake import TrainingSpec, make_intake
 from parallel.topology import ProcessGroups, Topology
 from prompts import resolutions as prompt_shapes
 from prompts.embeds import PromptEmbeddings
-from rewards import RewardSet, reward_model_paths
+from rewards import RewardSet
 from rl import algorithms, sampler
 from runtime import budget
 from telemetry.tracing import Slowdown, Tracer
@@ -136,8 +136,7 @@ def run_sampling(cfg: RunConfig, adapter: DiTAdapter) -> sampler.SamplingConfig:
 
 
 def _reward_set(cfg: RunConfig, device) -> RewardSet:
-    return RewardSet(cfg.rl.reward, device=device, model_paths=reward_model_paths(cfg.rl.reward_model),
-                     timeout_s=cfg.rl.reward_timeout_s, dtype=reward_dtype(cfg, device))
+    return RewardSet(cfg.rl.reward, device=device, dtype=reward_dtype(cfg, device), **cfg.rl.reward_options())
 
 
 def reward_dtype(cfg: RunConfig, device) -> torch.dtype:

@@ -12,7 +12,7 @@ from config.schema import eval_scorers
 from models import autocast
 from prompts import resolutions
 from prompts.sets import eval_records
-from rewards import RewardSet, reward_model_paths
+from rewards import RewardSet
 from rl import sampler
 from rollout import sample_images
 from telemetry.metrics import LOGGED_IMAGES, thumbnails
@@ -79,9 +79,8 @@ def summarize(scores: dict[str, list[float]], shape_names: list[str] | None = No
 
 def run_rewards(cfg, adapter) -> tuple[RewardSet, RewardSet | None]:
     """The run's rewards and its --eval-scorer set (None without one), as evaluation builds them."""
-    kw = dict(device=adapter.device, model_paths=reward_model_paths(cfg.rl.reward_model),
-              timeout_s=cfg.rl.reward_timeout_s,
-              dtype=torch.float32 if cfg.rl.reward_dtype == "float32" else adapter.dtype)
+    kw = dict(device=adapter.device, dtype=torch.float32 if cfg.rl.reward_dtype == "float32" else adapter.dtype,
+              **cfg.rl.reward_options())
     scorers = eval_scorers(cfg.output.eval_scorer)
     return RewardSet(cfg.rl.reward, **kw), RewardSet(scorers, **kw) if scorers else None
 

@@ -59,6 +59,7 @@ from config.preflight import RAISE_ENV
 from rl.nonfinite import RunAbort
 from parallel import p2p, torchapi
 from parallel.store import StepStore
+from parallel import store_keys as keys
 
 EXIT_OK, EXIT_ERROR, EXIT_USER, EXIT_ABORT, EXIT_STOPPED = 0, 1, 2, 3, 4
 STOP_SILENCE_S = 5.0  # during a stop every rank beats: a silent one is gone
@@ -195,7 +196,7 @@ class RunGuard:
         """After the final barrier: a rank that ended well is not 'silent' to its watchers."""
         if code in (EXIT_OK, EXIT_STOPPED):
             try:
-                self.main.put(f"guard/done/{self.rank}", 1)
+                self.main.put(keys.rank_done(self.rank), 1)
             except Exception:  # noqa: BLE001 - the store may be gone with torchrun
                 pass
         self._done.set()
@@ -208,13 +209,13 @@ class RunGuard:
         """At the start of each step: True if the run stops before `step` (a signal somewhere)."""
         self.step, self.phase = step, "step"
         self._beat(self.main)  # a rank that dies now is reported at this step
-        self.main.put(f"guard/began/{self.rank}", step)
+        self.main.put(keys.step_began(self.rank), step)
         if self.stop_at is None:
-            if not self.main.ready("guard/stop/request"):
+            if not self.main.ready(keys.STOP_REQUEST):
                 return False
             self._stop_since = self._stop_since or time.monotonic()
             deadline = time.monotonic() + 30
-            while (at := self.main.get_if_set("guard/stop/at")) is None:
+            while (at := self.main.get_if_set(keys.STOP_AT)) is None:
                 if time.monotonic() > deadline:
                     raise RunAbort("a stop was requested but no rank decided its step within 30 s")
                 time.sleep(0.02)
@@ -267,7 +268,7 @@ class RunGuard:
     def report(self, description: str, code: int = EXIT_ABORT) -> str:
         """Publish a fault for every rank (the first report wins); returns the one that stands."""
         try:
-            if self.main.add("guard/fault_claim", 1) == 1:
+            if self.main.add(keys.FAULT_CLAIM, 1) == 1:
                 _publish_fault(self.main, description, code)
                 return description
             deadline = time.monotonic() + 2
@@ -285,7 +286,7 @@ class RunGuard:
         the silence window)."""
         window_s = self.silence_window_s if window_s is None else window_s
         try:
-            first = {p: self.main.get_if_set(f"guard/hb/{p}") for p in range(self.world) if p != self.rank}
+            first = {p: self.main.get_if_set(keys.heartbeat(p)) for p in range(self.world) if p != self.rank}
             deadline = time.monotonic() + window_s
             while True:
                 fault = _read_fault(self.main)
@@ -294,8 +295,8 @@ class RunGuard:
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.25)
-            silent = [p for p, beat in first.items() if self.main.get_if_set(f"guard/hb/{p}") == beat
-                      and not self.main.ready(f"guard/done/{p}")]
+            silent = [p for p, beat in first.items() if self.main.get_if_set(keys.heartbeat(p)) == beat
+                      and not self.main.ready(keys.rank_done(p))]
         except Exception:  # noqa: BLE001
             return None
         return "; ".join(self._silent(p, first[p], window_s) for p in silent) or None
@@ -359,7 +360,7 @@ class RunGuard:
     # ----- the heartbeat thread -------------------------------------------------------------------
     def _beat(self, store: StepStore | None = None) -> None:
         self._seq += 1
-        (store or self.beats).put(f"guard/hb/{self.rank}", f"{self._seq} {self.step} {self.phase}")
+        (store or self.beats).put(keys.heartbeat(self.rank), f"{self._seq} {self.step} {self.phase}")
 
     def _silent(self, peer: int, beat: str | None, age: float) -> str:
         step = beat.split()[1] if beat else "?"
@@ -410,7 +411,7 @@ class RunGuard:
             return
         if self._signal is not None and not self._decided:
             self._decide_stop()
-        if self._stop_since is None and self.beats.ready("guard/stop/request"):
+        if self._stop_since is None and self.beats.ready(keys.STOP_REQUEST):
             self._stop_since = time.monotonic()
         if self._stop_since is not None and time.monotonic() - self._stop_since > self.grace_s:
             line = (f"the stop did not finish within --stop-grace-s {self.grace_s:g} s; exiting without a new "
@@ -434,12 +435,12 @@ class RunGuard:
     def _decide_stop(self) -> None:
         self._decided = True
         self._stop_since = self._stop_since or time.monotonic()
-        if self.beats.add("guard/stop/claim", 1) != 1:
+        if self.beats.add(keys.STOP_CLAIM, 1) != 1:
             return  # another rank decides
-        self.beats.put("guard/stop/request", {"rank": self.rank, "signal": self._signal[0]})
-        began = [self.beats.get_if_set(f"guard/began/{r}") for r in range(self.world)]
+        self.beats.put(keys.STOP_REQUEST, {"rank": self.rank, "signal": self._signal[0]})
+        began = [self.beats.get_if_set(keys.step_began(r)) for r in range(self.world)]
         at = max((int(b) for b in began if b is not None), default=self.start_step - 1) + 1
-        self.beats.put("guard/stop/at", at)
+        self.beats.put(keys.STOP_AT, at)
         say(f"{self.signal_name} on {self.me}: the run stops before step {at} (every rank finishes the steps before "
             f"it, the trainers write checkpoint step-{at}; --stop-grace-s {self.grace_s:g}). A second SIGTERM or SIGINT "
             f"{SECOND_SIGNAL_S:g} s or more after this one exits at once without a checkpoint; one sooner is this "
@@ -455,17 +456,17 @@ class RunGuard:
         for p in self.peers:
             if p in self._finished:
                 continue
-            beat = self.beats.get_if_set(f"guard/hb/{p}")
+            beat = self.beats.get_if_set(keys.heartbeat(p))
             if p not in self._changed or beat != self._last.get(p):
                 self._last[p], self._changed[p] = beat, now
                 continue
             age = now - self._changed[p]
             if age > limit:
-                if self.beats.ready(f"guard/done/{p}"):
+                if self.beats.ready(keys.rank_done(p)):
                     self._finished.add(p)
                     continue
                 line = self._silent(p, beat, age)
-                if self.beats.add("guard/fault_claim", 1) == 1:
+                if self.beats.add(keys.FAULT_CLAIM, 1) == 1:
                     _publish_fault(self.beats, line, EXIT_ABORT)
                 self._die(EXIT_ABORT, f"error: {line}; {self.me} stops")
                 return
@@ -473,11 +474,11 @@ class RunGuard:
 
 def _publish_fault(store: StepStore, line: str, code: int) -> None:
     """The fault every rank prints (the caller holds guard/fault_claim) and the code they exit with."""
-    store.put("guard/fault", {"line": line, "code": code})
+    store.put(keys.FAULT, {"line": line, "code": code})
 
 
 def _read_fault(store: StepStore) -> tuple[str, int] | None:
-    fault = store.get_if_set("guard/fault")
+    fault = store.get_if_set(keys.FAULT)
     if fault is None:
         return None
     return (fault["line"], fault["code"]) if isinstance(fault, dict) else (str(fault), EXIT_ABORT)

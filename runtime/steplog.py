@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from checkpointing import folder
 from parallel.store import StepStore
+from parallel import store_keys as keys
 from rl.advantages import RunningStd
 from telemetry.metrics import MetricsLogger, thumbnails
 from telemetry.tracing import summarize_step
@@ -39,7 +40,7 @@ class StepLog:
     def record(self, step: int, role: str, start_s: float, end_s: float, busy_s: float, train: dict | None,
                gen_out: list) -> None:
         """This rank's record of step `step`, put on the store (no rank waits here)."""
-        self.store.put(f"rec/{step}/{self.rank}", {
+        self.store.put(keys.step_record(step, self.rank), {
             "rank": self.rank, "role": role, "start_s": start_s, "end_s": end_s, "busy_s": busy_s, "train": train,
             "samples": self._samples(step, gen_out), "rewards": merge_rewards([r.rewards for r in gen_out]),
             "zero_std": sum((r.zero_std for r in gen_out), [])})
@@ -49,15 +50,15 @@ class StepLog:
         (published for the generators of the next steps), log scalars and the sample grid, warn
         about steps that train nothing."""
         step = plan.step
-        everyone = [self.store.get(f"rec/{step}/{r}") for r in range(self.world_size)]  # rank wait: every record
+        everyone = [self.store.get(keys.step_record(step, r)) for r in range(self.world_size)]  # rank wait: every record
         for r in range(self.world_size):
-            self.store.delete(f"rec/{step}/{r}")
+            self.store.delete(keys.step_record(step, r))
         all_rewards = merge_rewards([rec["rewards"] for rec in everyone])
         self.running.update(all_rewards.get("combined", []))
-        self.store.put(f"std/{step}", self.running.std)
+        self.store.put(keys.running_std(step), self.running.std)
         self.std_history[step] = self.running.std
-        if step >= 3 and self.store.ready(f"std/{step - 3}"):
-            self.store.delete(f"std/{step - 3}")
+        if step >= 3 and self.store.ready(keys.running_std(step - 3)):
+            self.store.delete(keys.running_std(step - 3))
         scalars = step_scalars(everyone, all_rewards, plan.num_samples, self.previous_end)
         self.logger.log(step, scalars)
         self.last_scalars = scalars

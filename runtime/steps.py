@@ -15,6 +15,7 @@ from parallel import forward_rows, fragment_records
 from parallel.publish import WeightPublisher
 from parallel.stepplan import StepPlan
 from parallel.tag import FragmentBoard, claimed_rounds, publish_replica_cost
+from parallel import store_keys as keys
 from rollout import FragmentResult, Generator, VersionSync
 from trainer import Trainer
 
@@ -87,7 +88,7 @@ def drain_sends(store, due: list) -> None:
     (`begin/{step}/{rank}`, runtime/build.py), then wait for the sends, each bounded from there."""
     for step, handles in due:
         for dst in sorted({h.dst for h in handles}):
-            while store is not None and not store.ready(f"begin/{step}/{dst}"):
+            while store is not None and not store.ready(keys.trainer_began(step, dst)):
                 time.sleep(0.01)  # rank wait: the trainer's evaluation or checkpoint
         for h in handles:
             h.wait()  # rank wait: the trainer takes the fragment
@@ -132,7 +133,8 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     if pad_to:
         with tracer.span("pad", "train", step):
             trainer.pad_forwards(pad_to, template)
-    end = fragment_records.end_step(ctx, trainer, plan, store, template) if trainer.rule.needs_step_end else None
+    end = fragment_records.end_step(
+        trainer, plan, store, template, seed=ctx.cfg.seed, tracer=ctx.tracer) if trainer.rule.needs_step_end else None
     t0 = time.perf_counter()
     with tracer.span("optimizer", "optimizer", step):
         stats = trainer.finish_step(end.scale if end is not None else 1.0)  # sync point: all trainers
@@ -151,7 +153,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
             by_dst = {g: publish_names[g] for g in topo.generator_ranks}
             if ctx.rank == topo.trainer_ranks[0]:
                 if store is not None:
-                    store.put(f"pub/{step + 1}", 1)  # generators may install it at their next fragment boundary
+                    store.put(keys.version_published(step + 1), 1)  # generators may install it at their next fragment boundary
                 # On a communicator apart from the fragments' (docs/communication.md).
                 sent = publisher.publish_all(out, by_dst, step + 1, group=ctx.comms.publish)
             else:

@@ -20,8 +20,9 @@ from rl import sampler
 from runtime.evaluation import evaluate, summarize
 from prompts.sets import eval_records
 from telemetry.metrics import LOGGED_IMAGES, thumbnails, write_grid
-from models import load_model, model_names, resolve_device
-from rewards import RewardSet, parse_reward_spec, reward_model_paths
+from models import adapter_class, load_model, model_names, resolve_device
+from rewards import (RewardSet, check_reward_options, check_user_rewards, judge_paths, parse_reward_spec,
+                     reward_model_paths, reward_scales)
 from config.schema import default_eval_scorers, eval_scorers
 from config.validate import check_scorers
 
@@ -35,8 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=None, help="evaluate only the first N prompts")
     p.add_argument("--samples-per-prompt", type=int, default=1,
                    help="images per prompt, each with its own fixed seed (GenEval: 4)")
-    p.add_argument("--reward", action="append", default=None, help="NAME[:WEIGHT], repeatable (default shapes)")
+    p.add_argument("--reward", action="append", default=None,
+                   help="NAME[:WEIGHT], module:function[:WEIGHT] or [PROTOCOL+]http://HOST:PORT/NAME[:WEIGHT], "
+                        "repeatable (default shapes; rewards/README.md)")
     p.add_argument("--reward-model", action="append", default=[], help="NAME=DIR for model-based rewards")
+    p.add_argument("--reward-scale", action="append", default=[], help="NAME=FACTOR: a reward's unit (a peer's)")
+    p.add_argument("--reward-judge", action="append", default=[], help="NAME=FILE: an openai+http:// judge's file")
     p.add_argument("--eval-scorer", action="append", default=[],
                    help="NAME, repeatable: reported as eval/NAME outside eval/reward (default: shapes_detector "
                         "with the shapes reward; none: no scorer)")
@@ -58,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     specs, model_paths = args.reward or ["shapes:1.0"], reward_model_paths(args.reward_model)
     scorer_specs = args.eval_scorer or default_eval_scorers(specs)
     check_scorers(scorer_specs, [parse_reward_spec(s)[0] for s in specs], model_paths)
-    rewards = RewardSet(specs, model_paths=model_paths)
-    scorers = RewardSet(eval_scorers(scorer_specs), model_paths=model_paths) if eval_scorers(scorer_specs) else None
+    scored = [*specs, *eval_scorers(scorer_specs)]
+    options = dict(model_paths=model_paths, judges=judge_paths(args.reward_judge), scales=reward_scales(args.reward_scale))
+    check_reward_options([parse_reward_spec(s)[0] for s in scored], options["judges"], options["scales"], scored)
+    check_user_rewards(scored, video=adapter_class(args.model).video)
+    rewards = RewardSet(specs, **options)
+    scorers = RewardSet(eval_scorers(scorer_specs), **options) if eval_scorers(scorer_specs) else None
     adapter = load_model(args.model, args.model_path, device=resolve_device(args.device))
     if args.checkpoint:
         load_trained_weights(adapter, args.checkpoint)

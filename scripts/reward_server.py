@@ -3,6 +3,8 @@
     python -m scripts.reward_server --reward ocr --reward-model ocr=/weights/trocr-large-printed --port 8000
     CUDA_VISIBLE_DEVICES=7 python -m scripts.reward_server --reward pickscore \\
         --reward-model pickscore=/weights/PickScore_v1 --host 0.0.0.0 --port 8000 --token-file ~/.reward-token
+    python -m scripts.reward_server --reward jpeg_compressibility --protocol flow_grpo --port 18085
+        # Flow-GRPO's and VeRL-Omni's clients score with it at POST /, runs at flow_grpo+http://HOST:18085/NAME
 
 Every reward named is built before the service takes a request (a missing weight folder fails at
 once, and so does a port in use), then served at /NAME until Ctrl-C; one line per scored request
@@ -46,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
                         "--token-file too)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, printed at start)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--protocol", default=d.protocol, choices=("digenrl", "flow_grpo"),
+                   help="digenrl (this project's: exact float32 images) or flow_grpo (the pickle of JPEG images that "
+                        "Flow-GRPO's reward servers and VeRL-Omni's scorers speak, at POST / with one reward; "
+                        "runs name it flow_grpo+http://HOST:PORT/NAME)")
     p.add_argument("--token-file", metavar="FILE",
                    help="a file holding a shared token: requests without 'Authorization: Bearer TOKEN' are refused "
                         "(401); runs send it from the file named by DIGENRL_REWARD_TOKEN_FILE")
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     frames = args.max_frames or (VIDEO_FRAMES if VIDEO_REWARDS & set(names) else 1)
     config = dataclasses.replace(d, max_batch=args.max_batch, max_side=args.max_side, max_frames=frames,
                                  read_timeout_s=args.read_timeout_s, max_requests=args.max_requests,
-                                 max_connections=args.max_connections, backlog=args.backlog,
+                                 max_connections=args.max_connections, backlog=args.backlog, protocol=args.protocol,
                                  token=read_token(args.token_file) if args.token_file else None)
     device = str(resolve_device(args.device))
     serve(lambda: {n: build_reward(n, device=device, model_path=paths.get(n)) for n in names},

@@ -18,6 +18,8 @@ import tokenize
 from collections import deque
 from pathlib import Path
 
+from parallel import store_keys
+
 from rl import algorithms
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +38,10 @@ REGISTRY = "rl/algorithms/__init__.py"
 NAMED_OTHERWISE = {
     ("rl/loss.py", "flow_grpo"): "--kl-form flow_grpo: the KL term named after Flow-GRPO's formula, a value recipes "
                                  "and config.json files hold",
+    **{(f, "flow_grpo"): "the reward protocol of Flow-GRPO's reward servers (flow_grpo+http://HOST:PORT/NAME, "
+                         "--protocol flow_grpo), a value reward specs hold"
+       for f in ("rewards/pickle_wire.py", "rewards/remote.py", "rewards/server.py", "scripts/reward_server.py",
+                 "config/schema.py")},
 }
 """(file, word): an algorithm's name used for something else"""
 
@@ -310,6 +316,20 @@ def find_algorithm_names(root: Path, names, aliases, own: dict[str, set[str]],
     return list(dict.fromkeys(hits))
 
 
+def find_store_key_literals(root: Path, families=store_keys.FAMILIES) -> list[str]:
+    """String constants of the run's code that start like a store key (`FAMILY/`) outside the
+    registry of keys (parallel/store_keys.py): a key written around the registry."""
+    pattern = re.compile(rf"^({'|'.join(families)})/")
+    out = []
+    for mod, path in sorted(_sources(root).items()):
+        if _in(mod, "lab") or path.as_posix() == "parallel/store_keys.py":
+            continue
+        for node in ast.walk(ast.parse((root / path).read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.match(node.value):
+                out.append(f"{path}:{node.lineno} {node.value!r}")
+    return out
+
+
 def _lines(items) -> str:
     return "\n  " + "\n  ".join(items)
 
@@ -381,6 +401,11 @@ def test_no_algorithm_name_outside_its_file():
     assert not hits, "an algorithm named outside its own file (rl/algorithms/NAME.py) and the registry:" + _lines(hits)
 
 
+def test_store_keys_come_from_their_registry():
+    bad = find_store_key_literals(ROOT)
+    assert not bad, "store keys written outside parallel/store_keys.py:" + _lines(bad)
+
+
 def test_checker_can_fail(tmp_path):
     files = {
         "parallel/__init__.py": "",
@@ -412,6 +437,11 @@ def test_checker_can_fail(tmp_path):
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
     assert find_lab_in_the_run(tmp_path) == ["train_disagg -> runtime.r -> lab.tool"]
+    (tmp_path / "runtime/k.py").write_text("def f(store, s):\n    store.put(f'claim/{s}', 1)\n    store.put('claim/x', 1)\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+    assert find_store_key_literals(tmp_path, ("claim",)) == ["runtime/k.py:3 'claim/x'", "runtime/k.py:2 'claim/'"]
+    (tmp_path / "runtime/k.py").unlink()
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
     own = {"rl/algorithms/alpha.py": {"alpha", "old"}}
     assert find_algorithm_names(tmp_path, ["alpha", "beta"], ["old"], own, {("rl/loss.py", "alpha"): ""}) == [
         "rl/algorithms/alpha.py:2 beta", "rl/sampler.py:1 alpha", "rl/sampler.py:2 old"]

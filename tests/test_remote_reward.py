@@ -91,8 +91,11 @@ def test_url_specs_parse_and_name_their_errors():
     assert parse_reward_specs(["http://h:1/ocr", "shapes:0.1"]) == [("ocr", 1.0), ("shapes", 0.1)]
     with pytest.raises(ValueError, match="leave out --reward-model"):
         parse_reward_specs(["http://h:1/ocr"], reward_model_paths(["ocr=/w"]))
-    with pytest.raises(ValueError, match="unknown reward 'nope'"):
-        parse_reward_spec("http://h:1/nope")
+    # a service may serve a reward of any name; the scheme names a peer's protocol
+    assert parse_reward_spec("http://h:1/my_judge:2") == ("my_judge", 2.0)
+    assert parse_reward_spec("flow_grpo+http://h:1/geneval") == ("geneval", 1.0)
+    with pytest.raises(ValueError, match="unknown protocol 'grpc'"):
+        parse_reward_spec("grpc+http://h:1/ocr")
     with pytest.raises(ValueError, match="port"):
         parse_reward_spec("http://h:port/ocr")
     with pytest.raises(ValueError, match="given more than once"):

@@ -10,6 +10,7 @@ import rewards
 from rewards import RewardSet, build_reward, parse_reward_spec, parse_reward_specs, reward_model_paths
 from rewards.reward import MLPHead
 from rewards.ocr import edit_distance, ocr_score, target_text
+from tiny_hpsv3 import build_hpsv3
 
 
 def noise(b=2, h=32, w=32, seed=0):
@@ -87,7 +88,7 @@ def test_parse_reward_spec():
 def test_registry_lists_every_reward():
     assert set(rewards.reward_names()) == {
         "shapes", "shapes_detector", "jpeg_compressibility", "jpeg_incompressibility", "rule_aesthetic",
-        "pickscore", "clip_score", "hpsv2", "laion_aesthetic", "image_reward", "ocr", "temporal_consistency"}
+        "pickscore", "clip_score", "hpsv2", "hpsv3", "laion_aesthetic", "image_reward", "ocr", "temporal_consistency"}
     with pytest.raises(ValueError, match="no weights"):
         build_reward("rule_aesthetic", model_path="/tmp")
 
@@ -240,6 +241,7 @@ BUILDERS = {
     "laion_aesthetic": build_laion_aesthetic,
     "image_reward": build_image_reward,
     "ocr": build_ocr,
+    "hpsv3": build_hpsv3,  # tests/tiny_hpsv3.py; its reference test: tests/test_hpsv3.py
 }
 
 
