@@ -154,6 +154,10 @@ class AutoPlacement:
             if r.guard.stopping:  # a signal: the run stops before the next step, in this placement
                 nxt = self.current
             r.store.put(key, {"next": nxt, "measured": self.measured})  # every rank follows this one decision
+        if r.versions is not None:
+            # A generator first takes this step's publication: the trainers (the logging rank among
+            # them) finish their step only once it is received (a send completes at its receive).
+            r.versions.take_publication(step + 1, step + 1)
         decision = r.store.get(key)  # rank wait: the logging rank measured the trial's last step
         self.measured = {int(i): s for i, s in decision["measured"].items()}
         nxt, last = decision["next"], self.trials.index(self.current) == len(self.trials) - 1
@@ -258,7 +262,8 @@ def _free() -> None:
 
 
 def _say(r: Rank, line: str) -> None:
-    if r.ctx.rank == 0:
+    """Said by the logging rank: its progress bar is the one drawn, and tqdm moves only its own."""
+    if r.log.logging:
         guard.say(line)
 
 
