@@ -71,14 +71,19 @@ class Transitions:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig, group=None,
-                 sharding: str = "replicate", slowdown: Slowdown | None = None, own_group=None):
+                 sharding: str = "replicate", slowdown: Slowdown | None = None, own_group=None,
+                 device: torch.device | None = None):
         """`slowdown` (--debug-slow-rank) wraps every training forward + backward. `own_group`: a
-        replicated trainer's group of itself alone (ProcessGroups.own), which every rank created."""
+        replicated trainer's group of itself alone (ProcessGroups.own), which every rank created.
+        `device`: where this rank computes (default: the transformer's). An FSDP2 trainer's
+        transformer may arrive in host memory (runtime/context.py `shards_from_host`): FSDP2 moves
+        each unit to the device as it shards it, so the device holds this rank's shards and at most
+        one unit whole."""
         self.cfg, self.adapter, self.sampling = cfg, adapter, sampling
         self.slowdown = slowdown or Slowdown()
         self.spec = TrainingSpec.of(cfg, sampling)  # which timesteps of a sample are trained
         self.group, self.sharding = group, sharding
-        self.device = adapter.device
+        self.device = device if device is not None else adapter.device
         model = adapter.transformer
         self.lora = cfg.optim.lora_rank > 0
         if not self.lora:
@@ -93,7 +98,8 @@ class Trainer:
         self.algorithm = algorithms.algorithm(cfg.rl.algorithm)
         self.loss = self.algorithm.loss(cfg.rl)
         self.rule = self.algorithm.advantages(cfg.rl)  # what the end of a step decides (rl.advantages.step_end)
-        self.reference = self._make_reference() if self.loss.needs_reference else None
+        # The KL reference is copied before FSDP2 shards the model (a sharded module cannot be copied).
+        reference = self._reference_copy() if self.loss.needs_reference and not self.lora else None
         # Mixed precision as FSDP2 does it (float32 weights, each unit cast to the compute dtype for
         # its forward, float32 gradients): over the trainer group, or for a replicated trainer over
         # this rank alone, so that every forward computes with exactly the weights generators hold.
@@ -105,14 +111,13 @@ class Trainer:
         if engine is not None:
             adapter.enclosing = shard_modules(model, engine, mixed)  # one root: all-gathers overlap compute
             count_allgathers(model, engine, self._on_allgather)
+        if next(model.parameters()).device != self.device:  # loaded into host memory and not sharded
+            model.to(self.device)
+        self.reference = self._make_reference(reference, group if sharding == "fsdp" else None)
         if cfg.optim.grad_checkpointing:
             self._checkpoint_blocks()
         self.params = self.trained_params()
-        # Fused AdamW on CUDA: one kernel over all parameters, no foreach temporaries (a float32
-        # copy per parameter group: +11 GiB for FLUX full fine-tuning); the default elsewhere.
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.learning_rate(), betas=tuple(cfg.optim.adam_betas),
-                                           weight_decay=cfg.optim.weight_decay,
-                                           fused=True if self.device.type == "cuda" else None)
+        self.optimizer = adamw(self.params, cfg, self.device)
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
         # What the algorithm keeps beside the weights (DiffusionNFT: the old policy the generators sample with).
         self.state = self.algorithm.trainer_state(cfg, self.params)
@@ -131,15 +136,29 @@ class Trainer:
     def trained_params(self) -> list[Tensor]:
         return [p for p in self.adapter.transformer.parameters() if p.requires_grad]
 
-    def _make_reference(self) -> DiTAdapter | None:
-        """The frozen reference policy of the KL term: LoRA's base, or a copy of the initial weights
-        in the compute dtype (frozen weights are held as generators hold them)."""
-        if self.lora:
-            return None  # the reference is the same model with its LoRA disabled
+    def _reference_copy(self) -> torch.nn.Module:
+        """The transformer with the initial weights copied in the compute dtype, frozen, where the
+        weights are (host memory or the device), each weight cast as it is copied: no float32 copy
+        of the model is ever made (deepcopy takes a parameter's copy from its memo)."""
+        model = self.adapter.transformer
+        memo = {id(p): torch.nn.Parameter(p.detach().to(self.compute_dtype, copy=True), requires_grad=False)
+                for p in model.parameters()}
+        return copy.deepcopy(model, memo).to(self.compute_dtype)  # floating buffers too, as generators cast them
+
+    def _make_reference(self, transformer: torch.nn.Module | None, group) -> DiTAdapter | None:
+        """The frozen reference policy of the KL term: LoRA's base (None: the same model with its
+        LoRA disabled), or `transformer`, the copy of the initial weights in the compute dtype (held
+        as generators hold frozen weights), sharded as the trained weights are: over the FSDP2
+        `group` (each reference forward gathers a unit at a time, on every trainer alike: padding
+        forwards too), whole on a replicated trainer."""
+        if transformer is None:
+            return None
         ref = copy.copy(self.adapter)
-        ref.transformer = copy.deepcopy(self.adapter.transformer).requires_grad_(False).to(self.compute_dtype)
+        ref.transformer = transformer
         ref.blocks = ref._block_list()
-        ref.enclosing = None
+        ref.enclosing = shard_modules(transformer, group) if group is not None else None
+        if group is None and next(transformer.parameters()).device != self.device:
+            transformer.to(self.device)
         return ref
 
     def _checkpoint_blocks(self) -> None:
@@ -435,6 +454,16 @@ class Trainer:
             for n, t in held.items():
                 local_part(targets[n])[0].copy_(local_part(t)[0])
         return Outgoing.of(wire, held, self.codec.spec)
+
+
+def adamw(params: list[Tensor], cfg: RunConfig, device: torch.device, fused: bool | None = True) -> torch.optim.AdamW:
+    """AdamW over the trained weights, fused where torch has the kernel (CUDA and CPU): one kernel over
+    all parameters and no foreach temporaries (a float32 copy per parameter group: +11 GiB for FLUX
+    full fine-tuning), and the CPU runs (the tests) take the path a GPU takes. `fused=None`: torch's
+    default implementation (foreach), which tests compare with."""
+    return torch.optim.AdamW(params, lr=cfg.optim.learning_rate(), betas=tuple(cfg.optim.adam_betas),
+                             weight_decay=cfg.optim.weight_decay,
+                             fused=fused if device.type in ("cuda", "cpu") else None)
 
 
 def _index(rows: list[int], device: torch.device) -> slice | Tensor:

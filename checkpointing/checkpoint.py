@@ -2,13 +2,17 @@
 trainer rank: nothing is gathered whole onto one rank.
 
 DIR/checkpoints/step-N/ holds the state after N optimizer updates (policy version N):
-- the export, in --export-dtype (bfloat16 by default):
-  - full fine-tuning: transformer/ (config.json + diffusion_pytorch_model.safetensors, or with
-    several trainer ranks one file per rank, `diffusion_pytorch_model-0000i-of-0000W.safetensors`,
-    and diffusers' index.json), loadable with
-    `<Family>Transformer.from_pretrained(DIR, subfolder="transformer")`;
-  - LoRA: pytorch_lora_weights.safetensors, loadable with `pipe.load_lora_weights(DIR)`;
-  - ema/ (if --ema-decay > 0): the EMA weights in the same layout and naming, loadable with
+- the export, in --export-dtype (bfloat16 by default), in the peers' layouts (checkpointing/export.py,
+  docs/peer-formats.md):
+  - full fine-tuning: a pipeline folder, transformer/ (config.json + diffusion_pytorch_model
+    .safetensors, or with several trainer ranks one file per rank,
+    `diffusion_pytorch_model-0000i-of-0000W.safetensors`, and diffusers' index.json) beside
+    model_index.json and the untouched components (links to --model-path's), loadable with
+    `<Family>Pipeline.from_pretrained(DIR)` or `<Family>Transformer.from_pretrained(DIR, subfolder="transformer")`;
+  - LoRA: pytorch_lora_weights.safetensors, loadable with `pipe.load_lora_weights(DIR)`, and a peft
+    folder's adapter_config.json + adapter_model.safetensors, loadable with
+    `PeftModel.from_pretrained(transformer, DIR)` or `--init-lora DIR`;
+  - ema/ (if --ema-decay > 0): the EMA weights in the same layouts, loadable with
     `pipe.load_lora_weights(DIR/ema)` or `scripts/sample.py --checkpoint DIR/ema`;
 - state/: the run state of --resume in float32, saved with torch.distributed.checkpoint in
   safetensors files (each trainer rank writes the shards it holds: under FSDP2 its slice of every
@@ -45,20 +49,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from checkpointing import manifest as checkpoint_files
+from checkpointing.export import EXPORT_DTYPES, LORA_FILE, WEIGHTS_NAME, export_weights
+from models.lora import PEFT_CONFIG, apply_lora, read_lora_file
 from parallel.fsdp import copy_full, full_tensor
 from rl.nonfinite import RunAbort
 
 # Adapters (models.DiTAdapter) are passed in: this module imports no model family.
-LORA_FILE = "pytorch_lora_weights.safetensors"
-ADAPTER = ".default"  # peft's adapter name inside parameter names
 STALE_FILE = "stale.safetensors"
 STATE_DIR = "state"
 RESIDUAL = "residual."  # state/ keys of the publication codec's residual (parallel/compress.py)
 SAMPLED = "old."  # state/ keys of the weights the generators sample with when an algorithm's trainers keep
 #                   them apart from the trained ones (Trainer.sampled_copy: DiffusionNFT's old policy)
 EMA_DIR = "ema"
-WEIGHTS_NAME = "diffusion_pytorch_model"  # diffusers' file names: <name>.safetensors, <name>-i-of-n, index
-EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Test hook: the writer of checkpoint step N SIGKILLs itself after writing the files, before the
 # manifest (a crash in the middle of a checkpoint write). Unset in normal runs.
 KILL_ENV = "DIGENRL_DEBUG_KILL_IN_SAVE"
@@ -72,69 +74,6 @@ def find_checkpoint(run_dir: str, pinned_only: str | None = None) -> checkpoint_
     """The newest checkpoint of a run folder whose manifest verifies (`pinned_only`: and that holds
     a KEEP file), and those passed over."""
     return checkpoint_files.find_valid(os.path.join(run_dir, "checkpoints"), pinned_only)
-
-
-# ----- the export: diffusers layouts --------------------------------------------------------
-def to_diffusers_lora(weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """peft parameter names -> the names `save_lora_weights` expects (the adapter name dropped)."""
-    return {n.replace(ADAPTER, ""): t for n, t in weights.items()}
-
-
-def _file_plan(tensors: dict[str, Tensor], ranks: int) -> dict[str, int]:
-    """name -> the index of the file (and of the trainer rank writing it) of a transformer export
-    over `ranks` files of about equal bytes, names kept in order. Files are numbered from 0 without
-    gaps (a huge tensor can leave fewer files than ranks)."""
-    sizes = [t.numel() * t.element_size() for t in tensors.values()]
-    total, before, slot = max(1, sum(sizes)), 0, {}
-    for name, size in zip(tensors, sizes):
-        slot[name] = min(ranks - 1, before * ranks // total)
-        before += size
-    numbers = {s: i for i, s in enumerate(sorted(set(slot.values())))}
-    return {n: numbers[s] for n, s in slot.items()}
-
-
-def export_weights(folder: str, adapter: "DiTAdapter", tensors: dict[str, Tensor], *, lora: bool, dtype: torch.dtype,
-                   group=None, write: bool = True, lora_config=None) -> None:
-    """Write `tensors` (trained weights by parameter name, possibly FSDP-sharded) in diffusers' layout.
-    Every trainer rank of `group` calls it: under FSDP each whole tensor is gathered in turn (a
-    collective), and a full fine-tune is written as one file per rank, each rank keeping only its
-    own file's tensors; LoRA (small) goes into one file written by the rank with `write`."""
-    rank = dist.get_rank(group) if group is not None else 0
-    ranks = dist.get_world_size(group) if group is not None else 1
-    os.makedirs(folder, exist_ok=True)
-    if lora:
-        whole = {n: full_tensor(t.detach()).to("cpu", dtype).contiguous() for n, t in tensors.items()}
-        if write:
-            metadata = lora_config.to_dict() if lora_config is not None else None
-            if metadata is not None:
-                metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-            adapter.pipeline_class.save_lora_weights(folder, transformer_lora_layers=to_diffusers_lora(whole),
-                                                     transformer_lora_adapter_metadata=metadata)
-        return
-    sub = os.path.join(folder, "transformer")
-    os.makedirs(sub, exist_ok=True)
-    plan = _file_plan(tensors, ranks)
-    files = max(plan.values()) + 1
-    mine = {}
-    for name, t in tensors.items():
-        whole = full_tensor(t.detach())  # under FSDP every rank gathers every tensor, in the same order
-        if plan[name] == rank:
-            mine[name] = whole.to("cpu", dtype).contiguous()
-        del whole
-    if rank < files:
-        save_file(mine, os.path.join(sub, _shard_name(rank, files)), metadata={"format": "pt"})
-    if write:
-        adapter.transformer.save_config(sub)
-        if files > 1:
-            index = {"metadata": {"total_size": sum(t.numel() * dtype.itemsize for t in tensors.values())},
-                     "weight_map": {n: _shard_name(i, files) for n, i in plan.items()}}
-            with open(os.path.join(sub, f"{WEIGHTS_NAME}.safetensors.index.json"), "w") as f:
-                json.dump(index, f, indent=2)
-
-
-def _shard_name(index: int, files: int) -> str:
-    """diffusers' names: one file, or file `index` (from 0) of several with an index.json."""
-    return f"{WEIGHTS_NAME}.safetensors" if files == 1 else f"{WEIGHTS_NAME}-{index + 1:05d}-of-{files:05d}.safetensors"
 
 
 def _read_transformer(path: str) -> dict[str, Tensor]:
@@ -175,9 +114,15 @@ def verify_checkpoint(path: str) -> dict:
 
 def load_trained_weights(adapter: "DiTAdapter", path: str) -> None:
     """Sampling from a checkpoint or its ema/ (scripts/sample.py --checkpoint): LoRA through
-    diffusers' own loader, a full fine-tune into the transformer (cast to its dtype)."""
+    diffusers' own loader, a peft folder (a Flow-GRPO checkpoint's lora/) as --init-lora reads it,
+    a full fine-tune into the transformer (cast to its dtype)."""
     if os.path.isfile(os.path.join(path, LORA_FILE)):
         adapter.pipe.load_lora_weights(path)
+        return
+    if os.path.isfile(os.path.join(path, PEFT_CONFIG)):
+        lora, dtype = read_lora_file(path), next(adapter.transformer.parameters()).dtype
+        apply_lora(adapter.transformer, lora.rank, lora.alpha, lora.lora_targets(), init=lora)
+        adapter.transformer.requires_grad_(False).to(dtype)  # sampled in the base's dtype, as diffusers' loader does
         return
     adapter.transformer.load_state_dict(_read_transformer(path), strict=True)
 
@@ -287,10 +232,11 @@ def save_run_state(out_dir: str, done: int, trainer, adapter, running, lora_conf
         params = dict(trainer.adapter.transformer.named_parameters())
         dtype = EXPORT_DTYPES[export_dtype]
         export_weights(tmp, adapter, {n: params[n] for n in trainer.names}, lora=trainer.lora, dtype=dtype,
-                       group=trainer.group, write=write, lora_config=lora_config)
+                       group=trainer.group, write=write, lora_config=lora_config, model=config)
         if trainer.ema is not None:
             export_weights(os.path.join(tmp, EMA_DIR), adapter, dict(zip(trainer.names, trainer.ema)),
-                           lora=trainer.lora, dtype=dtype, group=trainer.group, write=write, lora_config=lora_config)
+                           lora=trainer.lora, dtype=dtype, group=trainer.group, write=write, lora_config=lora_config,
+                           model=config)
         _barrier(trainer.group)  # every rank's files are complete before the manifest lists them
         if not write:
             return None

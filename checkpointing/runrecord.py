@@ -9,10 +9,11 @@ config.json always tells which settings trained which steps.
 
 A resume compares three things, all before anything loads:
 - the checkpoint against the command (whose config starts from the checkpoint's, config/cli.py):
-  a change of what the weights mean (model, LoRA shape, algorithm, sampler: `WEIGHT_MEANING`) is
-  refused; a change of the data or the update (seed, prompts and their content, rewards, the
-  optimizer, sampling, TCSS, a lossy codec) needs --resume-anyway; placement, --steps, logging and
-  checkpointing change freely (placement-invariant runs train the same weights);
+  a change of what the weights mean (model, LoRA shape, the adapter --init-lora started from,
+  algorithm, sampler: `WEIGHT_MEANING`) is refused; a change of the data or the update (seed,
+  prompts and their content, rewards, the optimizer, sampling, TCSS, a lossy codec) needs
+  --resume-anyway; placement, --steps, logging and checkpointing change freely
+  (placement-invariant runs train the same weights);
 - the checkpoint against the run in the folder it comes from (that folder's config.json): one
   written by another run (another run id, or without ids another seed or prompt file) needs
   --resume-anyway;
@@ -30,6 +31,7 @@ import uuid
 WEIGHT_MEANING = (("model", "model", "--model"), ("model", "model_path", "--model-path"),
                   ("model", "preset", "--preset"), ("optim", "lora_rank", "--lora-rank"),
                   ("optim", "lora_alpha", "--lora-alpha"), ("optim", "lora_targets", "--lora-targets"),
+                  ("optim", "init_lora", "--init-lora"),
                   ("rl", "algorithm", "--algorithm"), ("sampling", "sde_type", "--sde-type"))
 FREE = {"rl.steps", "rl.micro_batch", "model.attention", "model.device", "optim.grad_checkpointing",
         "optim.max_skipped_steps"}
@@ -37,7 +39,7 @@ FREE = {"rl.steps", "rl.micro_batch", "model.attention", "model.device", "optim.
 changes without --resume-anyway (how long, where and how fast it runs, what it logs)"""
 TRAINING_TOPOLOGY = {"topology.tcss", "topology.publish_compression"}
 """placement flags that change what is trained: staleness and lossy publication"""
-PATHS = {"model.model_path", "rl.prompts", "output.eval_prompts"}
+PATHS = {"model.model_path", "rl.prompts", "output.eval_prompts", "optim.init_lora"}
 
 
 def flag(key: str) -> str:
@@ -50,7 +52,7 @@ def _meaning(cfg: dict, section: str, name: str):
     if name == "lora_alpha" and value is None:
         rank = cfg.get("optim", {}).get("lora_rank", 0)
         return 2 * rank if rank else None
-    if name == "model_path" and value:
+    if name in ("model_path", "init_lora") and value:
         return os.path.realpath(value)
     if name == "preset" and cfg.get("model", {}).get("model_path"):
         return None  # a model folder: the preset plays no part

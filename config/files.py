@@ -28,7 +28,10 @@ import os
 import platform
 import subprocess
 import sys
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomllib is the standard library's copy of tomli (3.11)
+    import tomli as tomllib
 
 from prompts.sets import check_regular
 

@@ -10,6 +10,7 @@ environment variables. Each error is a ValueError naming the flag, file or varia
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from checkpointing.checkpoint import EXPORT_DTYPES
 from config.schema import PLACEMENTS, eval_scorers
 from models import ATTENTION_BACKENDS, adapter_class, check_attention
 from models.adapter import check_model_folder, preset_defaults, read_folder_defaults
+from models.lora import split_targets
 from models.released import released_config
 from parallel import compress
 from parallel.publish import CORRUPT_ENV, CORRUPT_MODES
@@ -34,7 +36,7 @@ from rl.advantages import COMBINES, STD_MODES
 from rl.loss import KL_FORMS
 from rewards import parse_reward_spec, prompt_checker, reward_model_paths
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 FOLDER_JSON = ("model_index.json", "digenrl.json", "config.json", "scheduler_config.json", "tokenizer_config.json",
                "tokenizer.json", "special_tokens_map.json", "added_tokens.json", "generation_config.json")
@@ -165,7 +167,7 @@ def check_choices(cfg) -> None:
     _choice("--sde-type", s.sde_type, sampler.SDE_TYPES)
     _choice("--colocated-sharding", t.colocated_sharding, SHARDINGS)
     _choice("--train-sharding", t.train_sharding, SHARDINGS)
-    _choice("--lora-targets", cfg.optim.lora_targets, ("attn", "attn+ff"))
+    split_targets(cfg.optim.lora_targets, any_layer=bool(cfg.optim.init_lora))  # an adapter's targets: any layer
     _choice("--fragment-split", t.fragment_split, ("auto", "even", "speed"))
     if t.placement is not None:  # None until resolve_defaults
         _choice("--placement", t.placement, PLACEMENTS)
@@ -174,6 +176,10 @@ def check_choices(cfg) -> None:
     _choice("--ode-solver", s.ode_solver, sampler.ODE_SOLVERS)
     compress.parse(t.publish_compression)
     m = cfg.model
+    if m.dtype == "float16":  # every run trains
+        raise ValueError("--dtype float16: training in float16 needs a gradient scaler (its 5-bit exponent flushes "
+                         "small gradients to zero), which the trainer does not have; use --dtype bfloat16 (float32's "
+                         "range, the same memory)")
     if m.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {m.dtype!r}; choose one of {DTYPES}")
     if m.device not in DEVICES:
@@ -200,6 +206,29 @@ def check_environment() -> None:
     rank, _, step = fault.partition(":")
     if fault and not (rank.isdigit() and step.isdigit()):
         raise ValueError(f"{RAISE_ENV}={fault!r} must be RANK:STEP (the rank that raises, at which step) or unset")
+
+
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
+
+
+def check_wandb(o) -> None:
+    """--wandb PROJECT: the optional wandb package is importable and WANDB_MODE is one wandb knows,
+    so that the logging rank does not fail after the others wait; its other flags need it."""
+    if o.wandb is None:
+        given = [f for f, v in (("--wandb-entity", o.wandb_entity), ("--wandb-run-name", o.wandb_run_name),
+                                ("--wandb-tags", o.wandb_tags)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} without --wandb PROJECT: nothing is logged to wandb")
+        return
+    if not o.wandb.strip() or any(c in o.wandb for c in "/\\#?%:"):
+        raise ValueError(f"--wandb {o.wandb!r}: a project name, without / \\ # ? % or :")
+    mode = os.environ.get("WANDB_MODE", "").strip()
+    if mode and mode not in WANDB_MODES:
+        raise ValueError(f"WANDB_MODE={mode!r} is not a mode wandb knows; use one of {WANDB_MODES} or leave it unset")
+    if importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"--wandb {o.wandb}: the wandb package is not installed (it is optional: pip install wandb, "
+                         f"or the version requirements.lock pins); without --wandb the run logs to metrics.jsonl and "
+                         f"TensorBoard")
 
 
 def _read_json(path: str):
@@ -373,6 +402,7 @@ def check_run(cfg, prompt_sets, released: str | None = None) -> None:
     prompts' grammar, precomputed prompt embeddings. `prompt_sets`: [(path, records)] of the
     training and evaluation prompts as read once."""
     check_environment()
+    check_wandb(cfg.output)
     check_model(cfg, [(path, r) for path, records in prompt_sets for r in records], released)
     if released is None:
         check_reward_models(cfg)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from checkpointing.manifest import write_json_atomic
 from config import files
 from models import model_names
+from models.lora import read_lora_file
 from rewards import judge_paths, parse_reward_spec, reward_model_paths, reward_scales
 from rl import algorithms
 from rl.loss import KL_FORMS
@@ -42,7 +43,8 @@ class ModelConfig:
                                       "shapes model (flux) if present, else the offline tiny preset")
     preset: str = _f("auto", "without --model-path: auto (the shipped shapes model for flux, else tiny), tiny "
                              "(a random offline model, for tests) or mid (random, ~42M parameters, for benchmarks)")
-    dtype: str = _f("auto", "compute dtype: float32, bfloat16, float16 or auto (bfloat16 on CUDA, float32 on CPU). "
+    dtype: str = _f("auto", "compute dtype: float32, bfloat16 or auto (bfloat16 on CUDA, float32 on CPU; float16, "
+                            "which would need a gradient scaler, is refused). "
                             "Generators, text encoders, the VAE and frozen weights are held in it; trainers keep "
                             "trained weights and AdamW in float32 and compute in it (FSDP2 mixed precision, or "
                             "autocast)")
@@ -156,7 +158,13 @@ class OptimConfig:
     lr: float | None = _f(None, f"learning rate (default: {LORA_LR:g} with LoRA, {FULL_LR:g} for full fine-tuning)")
     lora_rank: int = _f(32, "LoRA rank on the attention projections; 0 = full fine-tuning")
     lora_alpha: float | None = _f(None, "LoRA alpha (default 2 x rank)")
-    lora_targets: str = _f("attn", "LoRA targets: attn (to_q/k/v/out) or attn+ff (also the feed-forward)")
+    lora_targets: str = _f("attn", "LoRA targets: attn (to_q/k/v/out), attn+ff (also the feed-forward), or module-name "
+                                   "suffixes separated by commas (attn.to_q,attn.to_v)")
+    init_lora: str | None = _f(None, "start LoRA training from this adapter: a peft folder (adapter_config.json + "
+                                     "adapter_model.safetensors, as Flow-GRPO saves) or a diffusers LoRA "
+                                     "(pytorch_lora_weights.safetensors, as diffusers and DanceGRPO save); its rank, "
+                                     "alpha and targets replace --lora-rank, --lora-alpha and --lora-targets "
+                                     "(docs/peer-formats.md)", metavar="PATH")
     weight_decay: float = _f(1e-4, "AdamW weight decay")
     adam_betas: tuple = _f((0.9, 0.999), "AdamW betas B1,B2",
                            parse=lambda s: _parse_pair(s, ",", float, "--adam-betas"), metavar="B1,B2")
@@ -171,6 +179,15 @@ class OptimConfig:
         if self.lr is not None:
             return self.lr
         return LORA_LR if self.lora_rank > 0 else FULL_LR
+
+    def take_init_lora(self) -> None:
+        """--init-lora: the adapter's rank, alpha and targets become the run's (config.json records
+        them, and a resume reads them there: the file is not needed again)."""
+        if self.lora_rank == 0:
+            raise ValueError(f"--init-lora {self.init_lora}: it starts LoRA training, and --lora-rank 0 means full "
+                             f"fine-tuning")
+        lora = read_lora_file(self.init_lora)
+        self.lora_rank, self.lora_alpha, self.lora_targets = lora.rank, lora.alpha, lora.lora_targets()
 
 
 @dataclass
@@ -260,6 +277,12 @@ class OutputConfig:
                                "strict rule by a learned detector; 'none': no scorer)",
                            action="append", metavar="NAME")
     trace: bool = _f(True, "write a Chrome trace per rank to DIR/trace/rank{R}.json")
+    wandb: str | None = _f(None, "also log every metric, the config and the sample grids to this Weights & Biases "
+                                 "project, from the logging rank (needs the optional wandb package; WANDB_MODE=offline "
+                                 "writes the run to DIR/wandb/ only, for `wandb sync`)", metavar="PROJECT")
+    wandb_entity: str | None = _f(None, "--wandb: the team or user the project belongs to (default: wandb's)")
+    wandb_run_name: str | None = _f(None, "--wandb: the run's name (default: the --output-dir folder's name)")
+    wandb_tags: str = _f("", "--wandb: the run's tags, separated by commas", metavar="TAG,TAG")
     debug_link_bandwidth: float | None = _f(None, "MBPS: test-only, emulate a link of this many MB/s between "
                                                   "trainers and generators (publication waits each bucket's "
                                                   "transfer time)", metavar="MBPS", carried=False)
@@ -339,6 +362,8 @@ class RunConfig:
             self.topology.placement = "fixed" if given else "auto"
         if self.output.save_every is None:
             self.output.save_every = max(1, self.rl.steps // 10)
+        if self.optim.init_lora and self.output.resume is None:  # a resume has the checkpoint's LoRA shape
+            self.optim.take_init_lora()
         self.optim.lr = self.optim.learning_rate()  # config.json records the value used
         if self.rl.algorithm in algorithms.ALIASES:  # config.json records the current spelling
             self.rl.algorithm = algorithms.algorithm(self.rl.algorithm).name

@@ -12,10 +12,15 @@ block's bf16 weights over all ranks. The profile it writes is read by the planne
 (lab/planning/profile.py; `scripts/plan.py --profile FILE`) in place of the datasheet efficiency and
 bus bandwidth of the GPU it names.
 
-Which model: on CUDA, the released architecture with random weights in bf16 (FLUX.1-dev's block
-configuration; the other families use their tiny preset unless --model-path is given); on CPU,
-the shipped shapes model (flux) or the family's tiny preset. Timings synchronize the device
-before and after each measurement and keep the median of --repeats runs after a warm-up.
+Which model: on CUDA, the released transformer with random weights in bf16 (FLUX.1-dev's; the other
+families use their tiny preset unless --model-path is given), built on the meta device and made on
+the GPU in bf16 (nothing in float32, nothing on the host), timed at the released model's token
+counts: at --height/--width 512 FLUX.1-dev sees 1024 image tokens (VAE factor 8, 2x2 packing) and
+512 text tokens (its T5 length), the conditioning made at the text encoders' output shapes. On CPU
+it measures the shipped shapes model (flux) or the family's tiny preset, at their own token counts
+(the shipped model at 32 x 32: 64 image + 64 text tokens). The output and the profile say which
+tokens were measured. Timings synchronize the device before and after each measurement and keep
+the median of --repeats runs after a warm-up.
 """
 from __future__ import annotations
 
@@ -30,9 +35,9 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from config import cli
-from models import adapter_class, load_model, model_names, resolve_device
+from models import load_model, model_names, resolve_device
 from models.lora import apply_lora
-from models.released import released_config
+from models.released import meta_adapter
 from rl.conditioning import Conditioning, State
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,16 +45,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FORMAT = "digenrl-device-profile/1"
 
-# --preset released: a family's released transformer blocks (models/configs), the text and pooled
-# projections at the small encoders' widths: they run outside the blocks and do not change a
-# block's cost.
 RELEASED = {"flux": "flux1_dev"}
-BLOCK_FIELDS = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads", "axes_dims_rope")
+"""--preset released: the released model (models/configs) whose transformer a family's probe times"""
 
 
-def released_blocks(family: str) -> dict:
-    transformer = released_config(RELEASED[family])["transformer"]
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in transformer.items() if k in BLOCK_FIELDS}
+def released_adapter(family: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """The released model of `family`, its transformer made on `device` in `dtype` with random
+    weights (normal, std 0.02) from the meta device, nothing else made: the text encoders and the
+    VAE stay on meta, their configs and the released tokenizer lengths give the shapes."""
+    adapter = meta_adapter(RELEASED[family])
+    transformer = adapter.transformer.to(dtype).to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in transformer.parameters():
+            p.normal_(0.0, 0.02)
+        for b in transformer.buffers():
+            b.zero_()
+    return adapter
+
+
+def released_conditioning(adapter, batch: int, text_tokens: int | None) -> Conditioning:
+    """What FLUX's text encoders hand the transformer, at their output shapes (zeros): the T5 states
+    at the released text length (or `text_tokens`) and the pooled CLIP embedding."""
+    config, like = adapter.transformer.config, {"device": adapter.device, "dtype": adapter.dtype}
+    length = text_tokens or adapter.max_sequence_length
+    return Conditioning({"prompt_embeds": torch.zeros(batch, length, config.joint_attention_dim, **like),
+                         "pooled": torch.zeros(batch, config.pooled_projection_dim, **like)})
+
 
 GPU_NAMES = {"H100": "h100", "H800": "h800", "H200": "h200", "H20": "h20", "A100": "a100", "L40S": "l40s"}
 
@@ -86,12 +108,13 @@ def build(args, device: torch.device, dtype: torch.dtype):
         if args.model not in RELEASED:
             raise ValueError(f"--preset released is available for {sorted(RELEASED)}; use --model-path for "
                              f"{args.model!r}")
-        adapter = adapter_class(args.model)._random(0, **released_blocks(args.model))
-        return adapter.to(device=device, dtype=dtype), "released block configuration, random weights"
+        return released_adapter(args.model, device, dtype), f"released {RELEASED[args.model]}, random weights"
     return load_model(args.model, preset=preset, dtype=dtype, device=device), f"{preset} preset"
 
 
 def conditioning(adapter, batch: int, text_tokens: int | None) -> Conditioning:
+    if not any(adapter.holds(name) for name in adapter.text_encoders()):  # the released model's stay on meta
+        return released_conditioning(adapter, batch, text_tokens)
     cond = adapter.encode_prompts(["a red circle above a blue square"] * batch)
     if text_tokens is None:
         return cond
@@ -150,8 +173,10 @@ def measure(adapter, args, device: torch.device) -> dict:
         flops.append(row_flops)
         outside.append(embed_s + head_s)
     seq = (state.acts["hidden"].shape[1] if "hidden" in state.acts else None)
+    tokens, image = _tokens(state, seq), adapter.image_seq_len(shape)
     return {"batches": batches, "forward_s": fwd, "forward_backward_s": fwd_bwd, "flops": flops,
-            "outside_blocks_forward_s": outside, "tokens_per_sample": _tokens(state, seq),
+            "outside_blocks_forward_s": outside, "tokens_per_sample": tokens, "image_tokens": image,
+            "text_tokens": tokens - image,
             "blocks": [{"index": i, "params": int(sum(p.numel() for p in blk.parameters()))}
                        for i, blk in enumerate(adapter.blocks)]}
 
@@ -201,13 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="flux", choices=model_names(), help="model family")
     p.add_argument("--model-path", default=None, help="a local diffusers folder to measure instead")
     p.add_argument("--preset", default="auto", choices=("auto", "tiny", "mid", "released"),
-                   help="auto: the released block configuration on CUDA, the shipped or tiny model on CPU")
+                   help="auto: the released model on CUDA (FLUX.1-dev, random bf16 weights made on the GPU), the "
+                        "shipped or tiny model on CPU")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--max-batch", type=int, default=4, help="micro-batches 1..N are measured")
-    p.add_argument("--height", type=int, default=None, help="default: 512 for released, 32 otherwise")
+    p.add_argument("--height", type=int, default=None,
+                   help="pixels; default: 512 for released (FLUX.1-dev: 1024 image tokens; 1024 px: 4096), 32 "
+                        "otherwise (the shipped and tiny models: 64)")
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--frames", type=int, default=None, help="video families: frames per sample")
-    p.add_argument("--text-tokens", type=int, default=None, help="pad the prompt conditioning to this length")
+    p.add_argument("--text-tokens", type=int, default=None,
+                   help="text tokens per sample; default: the model's text length (FLUX.1-dev: 512, the shipped "
+                        "and tiny models: 64)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="time training as LoRA of this rank trains (frozen weights, adapters on --lora-targets); "
                         "0: full fine-tuning")
@@ -247,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(profile, f, indent=1)
         total = [sum(r) + o for r, o in zip(result["forward_s"], result["outside_blocks_forward_s"])]
-        print(f"{name}: {what}, {len(result['blocks'])} blocks, {result['tokens_per_sample']} tokens per sample")
+        print(f"{name}: {what}, {len(result['blocks'])} blocks, {args.height} x {args.width} px: "
+              f"{result['image_tokens']} image + {result['text_tokens']} text tokens per sample")
         for b, t, tb, fl in zip(result["batches"], total, result["forward_backward_s"], result["flops"]):
             print(f"  batch {b}: forward {t * 1e3:.2f} ms, blocks forward+backward {sum(tb) * 1e3:.2f} ms, "
                   f"{sum(fl) / max(sum(result['forward_s'][b - 1]), 1e-12) / 1e12:.3f} TFLOP/s in the blocks")

@@ -26,7 +26,10 @@ import argparse
 import json
 import os
 import sys
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomllib is the standard library's copy of tomli (3.11)
+    import tomli as tomllib
 
 from lab.planning import timeline as plot_timeline
 from planner.hardware import gpu

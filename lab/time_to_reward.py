@@ -35,8 +35,11 @@ import json
 import os
 import shlex
 import sys
-import tomllib
 from dataclasses import dataclass, field
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomllib is the standard library's copy of tomli (3.11)
+    import tomli as tomllib
 
 import matplotlib
 

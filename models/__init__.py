@@ -35,11 +35,12 @@ def model_names() -> list[str]:
 
 def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny", seed: int = 0,
                dtype: torch.dtype | dict = torch.float32, device: str | torch.device = "cpu",
-               release: tuple[str, ...] = ()) -> DiTAdapter:
+               release: tuple[str, ...] = (), host: tuple[str, ...] = ()) -> DiTAdapter:
     """A local diffusers folder when `model_path` is given, else the named preset (built offline).
     `dtype` is one dtype for every component, or {component: dtype, "default": dtype} (`model_dtypes`).
     `release`: components this rank never runs, freed before anything moves to `device`
-    (`DiTAdapter.release_components`)."""
+    (`DiTAdapter.release_components`). `host`: components left in host memory (a sharded trainer's
+    transformer, which FSDP2 moves to the device a unit at a time as it shards it: trainer.py)."""
     cls = adapter_class(name)
     _quiet_loading()
     if model_path:
@@ -57,7 +58,7 @@ def load_model(name: str, model_path: str | None = None, *, preset: str = "tiny"
     else:
         known = [p for p in ("tiny", "mid") if hasattr(cls, p)]
         raise ValueError(f"unknown preset {preset!r} for model {name!r}; use --model-path DIR or one of {known}")
-    return adapter.to(device=device)
+    return adapter.to(device=device, except_for=host)
 
 
 def autocast(device: torch.device, dtype_name: str):

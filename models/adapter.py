@@ -108,9 +108,10 @@ class DiTAdapter:
     def save_pretrained(self, path: str) -> None:
         self.pipe.save_pretrained(path)
 
-    def to(self, device=None, dtype=None) -> "DiTAdapter":
-        for module in self.pipe.components.values():
-            if isinstance(module, nn.Module) and not _on_meta(module):  # released components stay released
+    def to(self, device=None, dtype=None, except_for: tuple[str, ...] = ()) -> "DiTAdapter":
+        """Every component (but those named in `except_for`) to `device` / `dtype`."""
+        for name, module in self.pipe.components.items():
+            if isinstance(module, nn.Module) and not _on_meta(module) and name not in except_for:  # released stay
                 module.to(device=device, dtype=dtype)
         return self
 

@@ -6,15 +6,17 @@ in docs/memory/*.json) for every recipe and topology.
 A rank's peak is the largest of its phases, the ones lab/memory/measure.py measures: a generator's
 "fragment" (encode, K steps per chunk, decode, score) and "publication" (receive, install); a
 trainer's "micro-batch" (forward + backward), "optimizer step", "publication" (make and send a
-version) and "evaluation"; every rank's "start-up probe". Each item has a category: parameters,
-gradients, optimizer, activations, communication, other.
+version) and "evaluation"; every rank's "load" (its weights, a trainer's sharded a unit at a time)
+and "start-up probe". Each item has a category: parameters, gradients, optimizer, activations,
+communication, other.
 
 What the roles hold (runtime/build.py, the roles, parallel/): generators the DiT in the compute
 dtype (--dtype) and no gradient, the text encoders where prompts are encoded, the VAE and the
 rewards (--reward-dtype) where samples are decoded and scored; trainers float32 trained weights,
 gradients and AdamW moments (fused: no temporaries), sharded by FSDP2 under one root with mixed
-precision (a unit gathered in the compute dtype, its reduce-scatter in float32, one at a time), the
-text encoders and VAE when they sample (evaluation, TAG); a publication travels and installs a
+precision (a unit gathered in the compute dtype, its reduce-scatter in float32, one at a time), a
+KL reference (full fine-tuning, beta > 0) in the compute dtype and sharded alike, the text encoders
+and VAE when they sample (evaluation, TAG); a publication travels and installs a
 bucket at a time; a lossy codec's state is sharded in the compute dtype. Working sets are bytes per
 (row, token, hidden unit) per family and precision, or per decoded pixel, measured (`ACTIVATIONS`,
 fitted to docs/memory/*.json); every other item is counted from parameter counts and dtypes. A plan
@@ -205,15 +207,18 @@ def generator_phases(s: RunShape, capacity: float, *, stages: int = 1, stage: in
 
     def base(phase: str) -> MemoryUse:
         m = MemoryUse(f"generator stage {stage}" if stages > 1 else "generator", capacity, phase=phase)
-        m.add("DiT weights", s.dit * s.compute_bytes / stages, "parameters")
-        m.add("adapters", 4 * s.lora / stages, "parameters")
+        # Every stage loads the whole DiT; GAP releases the other stages' blocks once they are planned.
+        held = 1 if phase == "load" else stages
+        m.add("DiT weights", s.dit * s.compute_bytes / held, "parameters")
+        m.add("adapters", 4 * s.lora / held, "parameters")
         if stage == 0 and s.encodes:
             m.add("text encoders", s.text * s.compute_bytes, "parameters")
         if last:
             m.add("VAE", s.vae * s.compute_bytes, "parameters")
             m.add("reward models", s.rewards * s.reward_bytes if scores else 0.0, "parameters")
-        m.add("publication bucket", bucket_bytes(s), "communication")
-        if s.tcss and phase != "start-up probe":  # allocated at the first publication, kept from then on
+        if phase != "load":  # the receiver's buffers are made after the start-up checks
+            m.add("publication bucket", bucket_bytes(s), "communication")
+        if s.tcss and phase not in ("load", "start-up probe"):  # allocated at the first publication, kept from then on
             m.add("idle copy (TCSS)", published_bytes(s) / stages, "communication")
         return m.add("context", CONTEXT_BYTES)
 
@@ -226,7 +231,7 @@ def generator_phases(s: RunShape, capacity: float, *, stages: int = 1, stage: in
     fragment.add("denoising" if denoise >= decode else "VAE decode", max(denoise, decode), "activations")
     install = base("publication").add("install", 4 * bucket_bytes(s), "activations")  # checksums' int64 words
     probe = base("start-up probe").add("probe forward", a.generate * _row_bytes(s, s.gen_micro), "activations")
-    return {"fragment": fragment, "publication": install, "start-up probe": probe}
+    return {"load": base("load"), "fragment": fragment, "publication": install, "start-up probe": probe}
 
 
 def trainer_phases(s: RunShape, capacity: float, *, shard: int, evaluates: bool = True,
@@ -246,17 +251,22 @@ def trainer_phases(s: RunShape, capacity: float, *, shard: int, evaluates: bool 
         if s.trainers_sample:
             m.add("text encoders", s.text * s.compute_bytes if s.encodes else 0.0, "parameters")
             m.add("VAE", s.vae * s.compute_bytes, "parameters")
-        m.add("optimizer", 8 * trained / n if phase != "start-up probe" else 0.0, "optimizer")
+        m.add("optimizer", 8 * trained / n if phase not in ("load", "start-up probe") else 0.0, "optimizer")
         m.add("EMA", 4 * trained / n if s.ema else 0.0, "other")
         for name, copies in s.state_copies:
             m.add(name, 4 * copies * trained / n, "other")
-        m.add("codec copy and residual", 2 * s.compute_bytes * trained / n if s.lossy_codec else 0.0, "other")
+        if phase != "load":  # started after the start-up checks
+            m.add("codec copy and residual", 2 * s.compute_bytes * trained / n if s.lossy_codec else 0.0, "other")
         return m.add("context", CONTEXT_BYTES)
 
     a = _act(s)
     rows = s.train_micro * s.branches
     unit = s.largest_unit if full else s.dit / s.blocks  # what FSDP2 gathers at a time
-    phases = {}
+    # Loading: FSDP2 (over the group, or over the rank for mixed precision) shards the transformer a
+    # unit at a time (trainer.py), each unit whole on the device until its shards are made (a
+    # sharded trainer's comes from host memory: runtime/context.py).
+    fsdp = shard > 1 or s.compute_bytes < 4
+    phases = {"load": base("load").add("unit being sharded", unit * s.weight_bytes if fsdp else 0.0, "parameters")}
     for phase in ("start-up probe", "micro-batch"):  # the probe trains as the trainer trains, before any update
         m = phases[phase] = base(phase).add("gradients", 4 * trained / n, "gradients")
         m.add("activations", (a.train if s.checkpointing else a.train_full) * _row_bytes(s, rows), "activations")

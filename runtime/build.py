@@ -243,8 +243,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int, previous: Rank | None = No
                                   reward_timeout_s=cfg.rl.reward_timeout_s if served else None).start()
     tracer = previous.ctx.tracer if previous is not None else None  # one trace for the whole run
     ctx, shapes = make_context(cfg, facts, rank, groups, tracer)  # every check that needs the model: nothing written yet
-    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, groups.trainers, facts.train_sharding, ctx.slowdown,
-                      groups.own.get(rank)) if topo.is_trainer(rank) else None
+    trainer = make_trainer(ctx) if topo.is_trainer(rank) else None
     cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
     # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
     speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
@@ -254,7 +253,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int, previous: Rank | None = No
         shapes = prompt_shapes.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
     in_place = facts.resume is not None and facts.resume.same_folder and previous is None
     log = StepLog(cfg, rank, rank == facts.log_rank, store, topo.world_size, facts.resume.step if facts.resume else 0,
-                  in_place, algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl).SUMMARY)
+                  in_place, algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl).SUMMARY, run)
     begin = resume.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
     log.std_history = begin.std_history
     all_names = _publish_names(ctx.adapter, facts.lora)
@@ -275,6 +274,15 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int, previous: Rank | None = No
         r.scorer_rewards = ctx.rewards
     run_guard.expect_step(_expected_step_s(r, speeds))
     return r
+
+
+def make_trainer(ctx: RankContext) -> Trainer:
+    """The rank's Trainer, computing on the rank's device: an FSDP2 trainer's transformer is still in
+    host memory (runtime/context.py `shards_from_host`), and FSDP2 moves it there a unit at a time; a
+    replicated one in a compute dtype other than float32 runs FSDP2 over its own group (every rank
+    created it: ProcessGroups.create(own=mixed_replicas(...)))."""
+    return Trainer(ctx.cfg, ctx.adapter, ctx.sampling, ctx.comms.trainers, ctx.facts.train_sharding, ctx.slowdown,
+                   ctx.comms.own.get(ctx.rank), ctx.device)
 
 
 def _expected_step_s(r: Rank, speeds: list) -> float:

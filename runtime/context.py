@@ -14,7 +14,7 @@ from config.schema import RunConfig
 from config.validate import RunFacts
 from models import TEXT_ENCODERS, DiTAdapter, load_model, model_dtypes, resolve_device, resolve_dtype
 from models import set_attention
-from models.lora import apply_lora
+from models.lora import apply_lora, read_lora_file
 from parallel.trainer_intake import TrainingSpec, make_intake
 from parallel.topology import ProcessGroups, Topology
 from prompts import resolutions as prompt_shapes
@@ -48,13 +48,15 @@ class RankContext:
         return self.facts.topology
 
 
-def _load(cfg: RunConfig, device: torch.device, master: bool, release: tuple[str, ...]) -> DiTAdapter:
+def _load(cfg: RunConfig, device: torch.device, master: bool, release: tuple[str, ...],
+          host: tuple[str, ...] = ()) -> DiTAdapter:
     """The base model without the components this rank never runs (`release`), float32 weights
-    where a full fine-tune trains them (`master`); weights that do not fit the folder's config are a
-    user error naming the folder."""
+    where a full fine-tune trains them (`master`), the components in `host` left in host memory;
+    weights that do not fit the folder's config are a user error naming the folder."""
     try:
         return load_model(cfg.model.model, cfg.model.model_path, preset=cfg.model.preset, seed=cfg.seed,
-                          dtype=model_dtypes(cfg.model.dtype, device, master=master), device=device, release=release)
+                          dtype=model_dtypes(cfg.model.dtype, device, master=master), device=device, release=release,
+                          host=host)
     except ValueError as e:
         where = f"--model-path {cfg.model.model_path}" if cfg.model.model_path else f"--preset {cfg.model.preset}"
         raise ValueError(f"{where}: {e}") from None
@@ -70,7 +72,8 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
         torch.set_float32_matmul_precision("high")  # (float32 rewards); --dtype float32 asks for true float32
     torch.manual_seed(cfg.seed)
     master = topo.is_trainer(rank) and not facts.lora  # float32 weights only where a full fine-tune trains them
-    adapter = _load(cfg, device, master, released_components(cfg, facts, rank))
+    host = ("transformer",) if shards_from_host(facts, rank) else ()
+    adapter = _load(cfg, device, master, released_components(cfg, facts, rank), host)
     if topo.gap_stages > len(adapter.blocks):
         raise ValueError(f"--gap-stages {topo.gap_stages}: the model has {len(adapter.blocks)} DiT blocks, fewer than "
                          f"the stages that would split them")
@@ -79,8 +82,10 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
     if cfg.model.offload_text_encoders:
         adapter.offload_text_encoders()  # on the device only while a step encodes (Rank.offload)
     set_attention(adapter, cfg.model.attention)
-    if facts.lora:
-        apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
+    if facts.lora:  # --init-lora: every rank copies the same file (a resume loads the checkpoint's weights instead)
+        init = read_lora_file(cfg.optim.init_lora) if cfg.optim.init_lora and facts.resume is None else None
+        apply_lora(adapter.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed,
+                   init)
     compute = resolve_dtype(cfg.model.dtype, device)
     budget.check_budget(cfg, facts, adapter)  # --memory-budget-gb: the same on every rank, before any wait
     if not topo.is_trainer(rank):  # generators (and scorers) hold frozen weights in the compute dtype, no gradient
@@ -107,6 +112,14 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
     slowdown = Slowdown(slow[1] if slow and slow[0] == rank else 1.0)
     return RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown, groups,
                        rewards), shapes
+
+
+def shards_from_host(facts: RunFacts, rank: int) -> bool:
+    """Whether rank `rank` loads its transformer into host memory for the Trainer to shard: an FSDP2
+    trainer's, whose device then holds its own shards and, while FSDP2 shards a unit, that unit
+    whole (trainer.py; the whole float32 model on the device first would take HunyuanVideo's 48 GiB
+    on every trainer). Other ranks hold their whole transformer and load it onto the device."""
+    return facts.topology.is_trainer(rank) and facts.train_sharding == "fsdp"
 
 
 def released_components(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ records of every rank."""
 from __future__ import annotations
 
 import base64
+import os
 
 import torch
 from tqdm import tqdm
@@ -14,6 +15,7 @@ from parallel.store import StepStore
 from parallel import store_keys as keys
 from rl.advantages import RunningStd
 from telemetry.metrics import MetricsLogger, thumbnails
+from telemetry.wandb_sink import WandbOptions
 from telemetry.tracing import summarize_step
 
 
@@ -21,15 +23,17 @@ class StepLog:
     """One rank's side of the step log: `record` on every rank, `log` on the logging rank."""
 
     def __init__(self, cfg, rank: int, logging: bool, store: StepStore, world_size: int, start: int,
-                 in_place: bool, summary: tuple[str, ...]):
+                 in_place: bool, summary: tuple[str, ...], run: dict | None = None):
         """`in_place`: a resume into the same folder (TensorBoard replays the kept rows); `summary`:
-        the loss statistics the summary line shows (the loss object's SUMMARY)."""
+        the loss statistics the summary line shows (the loss object's SUMMARY); `run`: the run record
+        (config.json's), which wandb gets with the config."""
         self.cfg, self.rank, self.logging, self.store, self.world_size = cfg, rank, logging, store, world_size
         self.summary = summary
         self.running = RunningStd()
         self.std_history: dict[int, float | None] = {}
         out = cfg.output.output_dir
-        self.logger = MetricsLogger(out, enabled=logging, purge_step=start if in_place else None)
+        self.logger = MetricsLogger(out, enabled=logging, purge_step=start if in_place else None,
+                                    wandb=wandb_options(cfg, run or {}), config={**cfg.describe(), "run": run or {}})
         for row in folder.rows_to_replay(out, start) if logging and in_place else []:
             self.logger.log_tensorboard(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")})
         self.progress = tqdm(total=cfg.rl.steps, initial=start, desc="steps", dynamic_ncols=True) if logging else None
@@ -89,6 +93,16 @@ class StepLog:
         if self.progress is not None:
             self.progress.close()
         self.logger.close()
+
+
+def wandb_options(cfg, run: dict) -> WandbOptions | None:
+    """--wandb and its flags; the run's name defaults to the output folder's, its group is the run's id."""
+    o = cfg.output
+    if o.wandb is None:
+        return None
+    name = o.wandb_run_name or os.path.basename(os.path.normpath(o.output_dir))
+    tags = tuple(t.strip() for t in o.wandb_tags.split(",") if t.strip())
+    return WandbOptions(o.wandb, o.wandb_entity, name, tags, run.get("id"))
 
 
 def merge_rewards(parts: list[dict[str, list[float]]]) -> dict[str, list[float]]:

@@ -1,7 +1,8 @@
 """Run metrics: one JSON line per `log` call in `<output_dir>/metrics.jsonl`, the same scalars
-in TensorBoard (`<output_dir>/tb`), and image grids as PNG and in TensorBoard. Videos are written as
-an animated GIF grid and a PNG frame strip; TensorBoard gets the video when moviepy (which its
-`add_video` needs) is installed, else the frame strip.
+in TensorBoard (`<output_dir>/tb`) and, with --wandb, in Weights & Biases (telemetry/wandb_sink.py),
+and image grids as PNG, in TensorBoard and in wandb. Videos are written as an animated GIF grid and
+a PNG frame strip; TensorBoard gets the video when moviepy (which its `add_video` needs) is
+installed, else the frame strip; wandb gets the GIF.
 
 Only rank 0 creates an enabled logger; every other rank may hold a disabled one, whose methods
 do nothing, so call sites need no rank checks. Keys are namespaced: `reward/mean`,
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
+
+from telemetry.wandb_sink import WandbOptions, WandbSink
 
 
 def pad_to_largest(images: list[Tensor]) -> Tensor:
@@ -129,16 +132,21 @@ def _to_float(value: Any) -> float:
 class MetricsLogger:
     """Writes scalars and image grids of a run under `output_dir`."""
 
-    def __init__(self, output_dir: str | os.PathLike, enabled: bool = True, purge_step: int | None = None):
-        """`purge_step`: a run resumed at that step; TensorBoard hides the earlier run's events from it on."""
+    def __init__(self, output_dir: str | os.PathLike, enabled: bool = True, purge_step: int | None = None,
+                 wandb: WandbOptions | None = None, config: dict | None = None):
+        """`purge_step`: a run resumed at that step; TensorBoard hides the earlier run's events from it on.
+        `wandb`: also log to this wandb project, with `config` as the run's config."""
         self.output_dir = os.fspath(output_dir)
         self.enabled = enabled
         self._jsonl = None
         self._writer = None
+        self._wandb = None
         if enabled:
             os.makedirs(self.output_dir, exist_ok=True)
             self._jsonl = open(os.path.join(self.output_dir, "metrics.jsonl"), "a")
             self._writer = SummaryWriter(log_dir=os.path.join(self.output_dir, "tb"), purge_step=purge_step)
+            if wandb is not None:
+                self._wandb = WandbSink(wandb, self.output_dir, config or {})
 
     def log(self, step: int, scalars: dict[str, Any]) -> None:
         """Append {"step", "time", **scalars} (values as floats) to metrics.jsonl and TensorBoard."""
@@ -149,6 +157,8 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         self.log_tensorboard(step, values)
+        if self._wandb is not None:
+            self._wandb.log(int(step), values)
 
     def log_tensorboard(self, step: int, scalars: dict[str, Any]) -> None:
         """The scalars to TensorBoard only (rows metrics.jsonl already holds, after a purge)."""
@@ -181,6 +191,9 @@ class MetricsLogger:
             text = "\n".join(f"{i}. {c}" for i, c in enumerate(captions))
             self._writer.add_text(f"{tag}/captions", text, global_step=int(step))
         self._writer.flush()
+        if self._wandb is not None:
+            video = isinstance(images, Tensor) and images.dim() == 5
+            self._wandb.images(int(step), tag, path, path[:-len(".png")] + ".gif" if video else None, captions)
         return path
 
     def close(self) -> None:
@@ -190,6 +203,9 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         self.enabled = False
 
     def __enter__(self) -> "MetricsLogger":

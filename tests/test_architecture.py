@@ -54,6 +54,7 @@ ALLOWED_IN_FUNCTIONS = {
     "rewards/reward.py": "reward registry helpers: scorer modules and weights are loaded on first use",
     "flash_attn": "optional attention backend, not installed everywhere",
     "sageattention": "optional attention backend, not installed everywhere",
+    "wandb": "optional logging (--wandb), imported only by a run that asks for it; CI installs it (requirements.lock)",
 }
 
 

@@ -25,7 +25,7 @@ from forked import run_cases
 BOUND_S = 20.0  # every rank exits within this (it reads flags and files, or loads a tiny model)
 SHIPPED = os.path.join(ROOT, "assets", "shapes-flux")
 AFTER_LOAD = ("memory budget 0.001", "weights of the wrong shape", "gap stages above blocks",
-              "scorer's reward model incomplete")
+              "scorer's reward model incomplete", "init-lora of another model")
 
 
 def _fake_run(folder, step, config, name=None, run_config=None):
@@ -137,6 +137,7 @@ def _cases(tmp_path):
         ("noise -1", [*tiny, "--noise-level", "-1"], {}, "--noise-level must be a finite number >= 0, got -1.0"),
         ("height 17", [*tiny, "--height", "17"], {}, "height 17 must be a positive multiple of 4"),
         ("dtype fp7", [*tiny, "--dtype", "fp7"], {}, "unknown --dtype 'fp7'"),
+        ("dtype float16", [*tiny, "--dtype", "float16"], {}, "use --dtype bfloat16"),
         ("frames on image", [*tiny, "--num-frames", "5"], {}, "num_frames 5 given for 'flux', an image model"),
         ("save-every -1", [*tiny, "--save-every", "-1"], {}, "--save-every must be >= 0, got -1"),
         ("adv-clip -1", [*tiny, "--adv-clip", "-1"], {}, "--adv-clip must be a finite number > 0, got -1.0"),
@@ -222,7 +223,29 @@ def _cases(tmp_path):
     ]
     if not torch.cuda.is_available():
         cases.append(("cuda on a CPU build", [*tiny, "--device", "cuda"], {}, "--device cuda, but this torch"))
-    return cases + issue39
+    return cases + issue39 + _issue_41_cases(tmp_path, tiny)
+
+
+def _issue_41_cases(tmp_path, tiny):
+    """The LoRA a user brings (--init-lora) and the wandb flags (issue 41): a LoRA of another family
+    (wan) is found once the model has loaded; the rest before anything loads."""
+    from peft import LoraConfig, get_peft_model
+
+    from models import load_model
+
+    wan_lora = str(tmp_path / "wan_lora")
+    get_peft_model(load_model("wan", preset="tiny").transformer,
+                   LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k"])).save_pretrained(wan_lora)
+    return [
+        ("init-lora missing", [*tiny, "--init-lora", "/no/such/lora"], {},
+         "--init-lora '/no/such/lora': no such file or folder"),
+        ("init-lora full fine-tune", [*tiny, "--lora-rank", "0", "--init-lora", wan_lora], {},
+         "it starts LoRA training, and --lora-rank 0 means full fine-tuning"),
+        ("wandb flags alone", [*tiny, "--wandb-tags", "a,b"], {}, "--wandb-tags without --wandb PROJECT"),
+        ("wandb mode", [*tiny, "--wandb", "proj"], {"WANDB_MODE": "ofline"}, "WANDB_MODE='ofline' is not a mode"),
+        ("init-lora of another model", [*TINY, "--init-lora", wan_lora, "--output-dir", str(tmp_path / "after5")], {},
+         "are not linear layers of FluxTransformer2DModel"),
+    ]
 
 
 def _issue_39_cases(tmp_path, lora4, out, tiny):

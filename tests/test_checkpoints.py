@@ -1,7 +1,7 @@
 """Checkpoints that scale (checkpointing/checkpoint.py): the run state is written in shards by every trainer rank
 and resumes bitwise under FSDP; the export is diffusers' layout in --export-dtype, one file per
-trainer rank for a full fine-tune; the EMA is exported in diffusers' LoRA naming and loads with
-`load_lora_weights`."""
+trainer rank for a full fine-tune in a pipeline folder `FluxPipeline.from_pretrained` loads; the EMA
+is exported in diffusers' LoRA naming and loads with `load_lora_weights`."""
 import json
 import os
 import shutil
@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from lab.launch import TINY, torchrun, trained_weights
 
-from checkpointing import checkpoint
+from checkpointing import checkpoint, export
 
 
 def _state(run: str, step: int, prefix: str) -> dict:
@@ -20,12 +20,12 @@ def _state(run: str, step: int, prefix: str) -> dict:
 
 def test_the_export_plan_splits_in_order_into_files_of_about_equal_bytes():
     tensors = {f"w{i}": torch.empty(n) for i, n in enumerate([10, 10, 10, 10, 40, 10, 10])}
-    plan = checkpoint._file_plan(tensors, 4)
+    plan = export._file_plan(tensors, 4)
     assert list(plan.values()) == sorted(plan.values())  # names stay in order
     assert set(plan.values()) == set(range(max(plan.values()) + 1))  # no empty file in between
     per_file = [sum(tensors[n].numel() for n in plan if plan[n] == f) for f in set(plan.values())]
     assert max(per_file) <= 40 + 10 and len(per_file) >= 3
-    one = checkpoint._file_plan({"huge": torch.empty(100), "tiny": torch.empty(1)}, 4)
+    one = export._file_plan({"huge": torch.empty(100), "tiny": torch.empty(1)}, 4)
     assert sorted(set(one.values())) == [0, 1] or sorted(set(one.values())) == [0]
 
 
@@ -33,7 +33,7 @@ def test_fsdp_state_is_written_in_shards_and_resumes_bitwise_with_the_ema_and_op
     """Full fine-tuning with an EMA, colocated FSDP2 over 2 trainer ranks: no rank writes a whole
     weight, the export is two diffusers files in bfloat16 that from_pretrained loads, and a run cut
     back to step 1 resumes to the uninterrupted run's weights, EMA and AdamW state bit for bit."""
-    from diffusers import FluxTransformer2DModel
+    from diffusers import FluxPipeline, FluxTransformer2DModel
 
     args = [*TINY, "--mode", "colocated", "--colocated-sharding", "fsdp", "--lora-rank", "0", "--ema-decay", "0.9",
             "--steps", "2", "--save-every", "1"]
@@ -60,6 +60,9 @@ def test_fsdp_state_is_written_in_shards_and_resumes_bitwise_with_the_ema_and_op
     ema_model = FluxTransformer2DModel.from_pretrained(os.path.join(last, "ema"), subfolder="transformer")
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), whole[n].to(torch.bfloat16).float()), n
+    pipe = FluxPipeline.from_pretrained(last)  # a pipeline folder (checkpointing/export.py), as diffusers loads one
+    assert all(torch.equal(p, whole[n].to(torch.bfloat16).float()) for n, p in pipe.transformer.named_parameters())
+    assert FluxPipeline.from_pretrained(os.path.join(last, "ema")).vae is not None
     assert any(not torch.equal(ema[n], whole[n]) for n in whole)  # the EMA lags the weights
     for n, p in ema_model.named_parameters():
         assert torch.equal(p.detach(), ema[n].to(torch.bfloat16).float()), n

@@ -46,6 +46,7 @@ def test_unparsable_flags_are_argparse_errors(argv, message, capsys):
     (["--tag", "--mode", "colocated"], 2, "--tag needs --mode disagg"),
     (["--generators", "3"], 2, "need at least one generator and one trainer"),
     (["--prompts", "/no/such/prompts.txt"], 2, "/no/such/prompts.txt"),
+    (["--dtype", "float16"], 2, "--dtype float16: training in float16 needs a gradient scaler"),
 ])
 def test_validate_names_the_bad_value(argv, world, message):
     with pytest.raises(ValueError) as e:

@@ -17,6 +17,7 @@ ALLOWED = {
     ("runtime/probe.py", "_timed"): "the start-up speed probe, before any rank posts a send",
     ("parallel/gap.py", "measure_block_costs"): "GAP's start-up block costs, before any rank posts a send",
     ("lab/calibrate.py", "_sync"): "a calibration script timing kernels alone, not a training run",
+    ("scripts/gpu_check/peak_memory.py", "on_device"): "the GPU check's single-process memory phases, no peer rank",
 }
 """(file, function) -> why a device-wide synchronize is allowed there"""
 

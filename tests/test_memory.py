@@ -93,6 +93,29 @@ def test_a_recipe_measured_again_at_the_released_size():
     assert got["generator"].rises["velocity"] > 0 and got["generator"].rises["decode"] > 0
 
 
+def test_a_full_fine_tune_with_a_kl_term_holds_a_sharded_bf16_reference(adapters):
+    """DanceGRPO FLUX.1-dev with beta 0.04 (full fine-tuning, 4 FSDP2 trainers), its first trainer
+    measured (about 70 s here): the KL reference adds its bf16 quarter (5.5 GiB) to what the
+    trainer holds at every phase, no float32 or unsharded copy at its load, and the model says so
+    within 10%. Its load holds shards and one unit whole: less than the 44 GiB float32 model alone."""
+    paths = [os.path.join(ROOT, "recipes", "dance_grpo", "flux_dev.toml"), TOPOLOGIES[0]]
+    cfg, recipe, facts = load_recipe(paths)
+    cfg.rl.beta = 0.04
+    sent = measure.sent_by_generators(cfg, facts, recipe["model_config"])
+    got, _ = measure.measure_trainer(cfg, facts, recipe["model_config"], facts.topology.trainer_ranks[0], sent)
+    with open(os.path.join(ROOT, "docs", "memory", "dance_grpo-flux_dev-8gpus.json")) as f:
+        without = next(r for r in json.load(f)["roles"] if r["role"] == "trainer")["phases"]
+    quarter = 2 * parameter_counts("flux1_dev")["transformer"] / 4
+    for phase in ("load", "optimizer step", "publication"):  # the reference's forwards gather only in a micro-batch
+        added = got.phases[phase]["parameters"] - without[phase]["categories"]["parameters"] * GiB
+        assert added == pytest.approx(quarter, rel=0.01), phase
+    assert got.phases["load"]["total"] < 8 * quarter  # shards, the text encoders: less than the float32 model alone
+    predicted = predict(cfg, facts, adapters("flux1_dev"))["trainer"]
+    for phase, measured in got.phases.items():
+        assert predicted[phase].tensors == pytest.approx(measured["total"], rel=TOLERANCE), phase
+    assert predicted["micro-batch"].items["reference copy"] == pytest.approx(quarter, rel=1e-6)
+
+
 # ----- the recipes' GPUs ----------------------------------------------------------------------------
 def test_recipes_name_80_gb_gpus_and_the_smallest_topology_that_fits(adapters):
     """Every recipe names an 80 GB GPU (the GPUs its source system ran on) and a GPU count at which
@@ -145,8 +168,7 @@ def test_trackers_book_parameters_gradients_optimizer_and_activations_exactly():
     w = n * n * 4  # one float32 weight matrix
     with fake_run.FakeRun() as run:
         m = _linear(run)
-        opt = torch.optim.AdamW(m.parameters())
-        fake_run.optimizer_as_on_gpu(opt)
+        opt = torch.optim.AdamW(m.parameters(), fused=True)  # as trainer.adamw makes it
         x = torch.empty(rows, n)
         tracker = Tracker()
         tracker.hold(run.mode, host=[x])
@@ -192,6 +214,52 @@ def test_fake_run_computes_like_cuda_and_keeps_small_values():
         assert (y.dtype, z.dtype) == (torch.bfloat16, torch.float32)  # CUDA autocast's policy, not the CPU's
         assert not bool((sigma == 0).all()) and sigma.tolist() == [0.5, 0.25]  # small values are real
         assert run.unknown_reads == 0 and float(y.sum()) == 1.0 and run.unknown_reads == 1
+
+
+def test_a_fake_run_reads_lazy_modules_without_importing(monkeypatch):
+    """A FakeRun patches `models.autocast` (and its kin) wherever a module imported it, reading each
+    module's own dict: a lazy module whose missing attribute imports something absent (transformers
+    5.17 without torchvision) is not asked for one."""
+    import types
+
+    import models
+
+    lazy = types.ModuleType("lazy_stand_in")
+
+    def missing(name):
+        raise ModuleNotFoundError(f"No module named 'torchvision' (asked for {name})")
+
+    lazy.__getattr__ = missing
+    lazy.autocast = original = models.autocast
+    monkeypatch.setitem(sys.modules, "lazy_stand_in", lazy)
+    with fake_run.FakeRun():
+        assert lazy.autocast is not original  # as on a GPU: patched where it was imported
+    assert lazy.autocast is original
+
+
+def test_a_fake_run_that_fails_to_start_leaves_nothing_behind(monkeypatch):
+    """A FakeRun that fails after registering CUDA's autocast kernels takes them back (and every
+    other patch), so CPU autocast casts as before and a later run starts."""
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    def exp_dtype():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.exp(torch.ones(2, dtype=torch.bfloat16)).dtype
+
+    def fail():
+        raise RuntimeError("injected")
+
+    limit = fake_tensor.CONSTANT_NUMEL_LIMIT
+    monkeypatch.setattr(fake_run, "uncounted_propagation", fail)  # entered after the kernels
+    with pytest.raises(RuntimeError, match="injected"):
+        with fake_run.FakeRun():
+            pass
+    monkeypatch.undo()
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::exp", "AutocastCPU")
+    assert exp_dtype() == torch.bfloat16 and fake_tensor.CONSTANT_NUMEL_LIMIT == limit  # CPU autocast's own policy
+    with fake_run.FakeRun():
+        assert exp_dtype() == torch.float32  # CUDA's policy: exp in float32
+    assert exp_dtype() == torch.bfloat16
 
 
 def test_replayed_calls_book_the_first_calls_working_set():

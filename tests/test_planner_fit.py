@@ -140,8 +140,29 @@ def test_calibrate_probe_runs_on_cpu(tmp_path, monkeypatch):
     assert sum(raw["flops"][1]) == pytest.approx(2 * sum(raw["flops"][0]), rel=0.05)  # FLOPs scale with the batch
     assert profile.forward_s(2) > 0 and profile.train_s(2) > 0
     assert raw["allgather"] is None  # one process: no collective to time
+    assert (raw["image_tokens"], raw["text_tokens"]) == (64, 64)  # the tiny model at 32 px: its own token counts
     assert raw["finetune"] == "full" and profile.finetune == "full"
     lora = tmp_path / "lora.json"
     assert calibrate.main(["--model", "flux", "--preset", "tiny", "--max-batch", "1", "--repeats", "1",
                            "--device", "cpu", "--lora-rank", "4", "--out", str(lora)]) == 0
     assert DeviceProfile.load(str(lora)).finetune == "lora:4:attn"
+
+
+def test_calibrate_builds_the_released_model_on_meta_at_its_token_counts():
+    """--preset released (CUDA's default): FLUX.1-dev's transformer from the meta device, made where
+    it is asked in bf16 (here: meta again, so nothing is allocated), timed at the real model's token
+    counts: 1024 image + 512 text tokens at 512 px, 4096 image tokens at 1024 px."""
+    import torch
+
+    adapter = calibrate.released_adapter("flux", torch.device("meta"), torch.bfloat16)
+    params = list(adapter.transformer.parameters())
+    assert len(adapter.blocks) == 57 and sum(p.numel() for p in params) > 11.9e9
+    assert all(p.dtype == torch.bfloat16 and p.is_meta for p in params)
+    assert not any(adapter.holds(name) for name in ("vae", *adapter.text_encoders()))  # never made
+    for size, image in ((512, 1024), (1024, 4096)):
+        shape = adapter.latent_shape(size, size)
+        cond = calibrate.conditioning(adapter, 2, None)
+        state = adapter.embed(torch.zeros(2, *shape, dtype=torch.bfloat16, device="meta"),
+                              torch.full((2,), 0.5, device="meta"), cond)
+        assert adapter.image_seq_len(shape) == image and state.acts["hidden"].shape[:2] == (2, image)
+        assert state.acts["text"].shape[:2] == (2, 512) and calibrate._tokens(state, None) == image + 512

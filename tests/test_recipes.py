@@ -3,6 +3,7 @@ the published settings each recipe carries; the released configs of the paper's 
 device (parameter counts, blocks, the embed / blocks / head split at full scale). Whether each recipe
 fits its GPUs: tests/test_memory.py."""
 import glob
+import importlib.metadata
 import json
 import os
 
@@ -99,7 +100,7 @@ def test_config_json_records_provenance_and_reads_back(tmp_path):
     written = json.loads((tmp_path / "config.json").read_text())
     prov = written["provenance"]
     assert prov["commit"] is None or len(prov["commit"]) == 40
-    assert prov["packages"]["torch"] == torch.__version__ and prov["packages"]["python"]
+    assert prov["packages"]["torch"] == importlib.metadata.version("torch") and prov["packages"]["python"]
     again, recipe = load_config_files([str(tmp_path / "config.json")])
     assert again == cfg and recipe == {}
     relaunched = parse_config(["--config", str(tmp_path / "config.json"), "--output-dir", str(tmp_path / "b")])

@@ -189,11 +189,11 @@ def test_a_timestep_shift_that_overflows_or_saturates_is_refused():
     config = dict(adapter_class("flux").scheduler().config)
     tokens = lambda h, w: adapter_class("flux").image_tokens({"vae": 2}, h, w)  # noqa: E731 - the tiny preset's
     check_schedule(config, 3, tokens(1024, 512))
-    with pytest.raises(ValueError, match="saturates the sigmas \[1, 1, 1, 0\] in float32, so steps have zero"):
+    with pytest.raises(ValueError, match=r"saturates the sigmas \[1, 1, 1, 0\] in float32, so steps have zero"):
         check_schedule(config, 3, tokens(2048, 1024))
-    with pytest.raises(ValueError, match="overflows float32 at 1048576 image tokens .*sigmas \[nan, nan, nan, 0\]"):
+    with pytest.raises(ValueError, match=r"overflows float32 at 1048576 image tokens .*sigmas \[nan, nan, nan, 0\]"):
         check_schedule(config, 3, tokens(4096, 4096))
-    with pytest.raises(ValueError, match="its timestep shift overflows at 268435456 image tokens \(mu = 4.544e\+04"):
+    with pytest.raises(ValueError, match=r"its timestep shift overflows at 268435456 image tokens \(mu = 4.544e\+04"):
         check_schedule(config, 3, tokens(65536, 65536))
 
 

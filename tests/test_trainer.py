@@ -1,4 +1,5 @@
 """Trainer options checked in process against the plain trainer: activation checkpointing, KL."""
+import pytest
 import torch
 
 
@@ -43,3 +44,23 @@ def test_kl_to_a_frozen_reference_is_zero_before_the_first_update():
     trainer.train_chunk(chunk)
     assert trainer.sums["kl"] == 0.0  # the policy still equals its frozen copy
     assert trainer.sums["approx_kl"] == 0.0 and trainer.sums["clipfrac"] == 0.0
+
+
+@pytest.mark.integration  # a torchrun world of 2
+def test_sharded_trainers_keep_a_sharded_reference_and_train_with_fused_adamw(tmp_path):
+    """tests/dist_scripts/sharded_trainers.py on 2 gloo ranks, full fine-tuning with beta > 0: the KL
+    reference is a bf16 shard on each FSDP2 trainer (frozen, the initial weights, KL 0 before the
+    first update); two FSDP2 trainers end with the lone trainer's weights, and fused AdamW (what the
+    trainer runs, on CPU as on CUDA) with torch's default AdamW's, both within float32 rounding of
+    the update."""
+    import json
+
+    from lab.launch import torchrun_module
+
+    proc = torchrun_module(2, "tests.dist_scripts.sharded_trainers", [str(tmp_path)], timeout=600, check=False)
+    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) if (tmp_path / f"rank{r}.json").exists()
+               else {"checks": {"missing": True}} for r in range(2)}
+    assert proc.returncode == 0, f"{results}\n{proc.stderr[-3000:]}"
+    for r in range(2):
+        checks = results[r]["checks"]
+        assert len(checks) == 15 and all(v is True for v in checks.values()), results[r]

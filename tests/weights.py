@@ -5,12 +5,19 @@ the step plan shares fragments by measured speed, LPT dispatches by measured cos
 fragment over a different number of trainers. Float32 reassociation then moves a weight by a few
 ulps of the largest terms summed into it, not of the weight itself, so an element-wise relative
 tolerance fails by chance on a weight near zero (a LoRA A entry of 1e-3 differing by 1.1e-7). The
-comparison is per tensor against its own scale: max|a - b| <= 1e-4 * max|b| (seen: 2.6e-8 on a
-LoRA B of scale 7.4e-4 whose every entry is update, 3.4e-5 of it). A placement that trains other
-data moves the update by its own size, orders of magnitude above that."""
+comparison is per tensor against its own scale: max|a - b| <= 3e-4 * max|b|. AdamW amplifies
+the rounding where a weight's gradient is itself a small difference of its transitions' gradients
+(its update is m / sqrt(v), whatever the gradient's size), and TAG's packing follows measured
+timings, so the figure varies from run to run. Seen: 2.6e-8 on a LoRA B of scale 7.4e-4 (3.4e-5 of
+it); 1.0e-4 between forwards of 2 and of 4 transitions under TSP (tests/test_tsp.py); 2.2e-4 once
+in the heterogeneous gap+tag run (4.33e-7 on a LoRA B of scale 2.0e-3, tests/test_heterogeneous.py).
+A placement that trains other data moves the update by its own size, 3 orders of magnitude above."""
+
+REL = 3e-4
+"""The placement comparison's tolerance, per tensor against its own scale (the reasons above)."""
 
 
-def assert_same_weights(a: dict, b: dict, what: str, rel: float = 1e-4) -> None:
+def assert_same_weights(a: dict, b: dict, what: str, rel: float = REL) -> None:
     assert a.keys() == b.keys(), what
     for name in a:
         x, y = a[name].double(), b[name].double()

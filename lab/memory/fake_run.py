@@ -3,8 +3,8 @@
 torch's memory trackers (`MemTracker`, and `FSDPMemTracker` over a fake process group) run the
 real code on FakeTensors, which have shapes, dtypes and devices and no data: a rank of a released
 model is "allocated" in seconds and nothing is. This is how torchtitan estimates a configuration's
-peak (scripts/estimate/estimation.py up to 2025). A CPU-only torch needs five things more, each
-scoped to a `FakeRun` and undone after it:
+peak (scripts/estimate/estimation.py up to 2025). A CPU-only torch needs more, each scoped
+to a `FakeRun` (host memory: to lab/memory/measure.py's `fake_rank`) and undone after it:
 
 - The fake tensors live on the "cpu" device and stand for the GPU's: on a CPU-only build, autograd
   aborts the process (a C++ terminate) as soon as a fake "cuda" tensor needs a gradient, and SDPA
@@ -20,8 +20,9 @@ scoped to a `FakeRun` and undone after it:
 - DTensor's sharding propagation runs ops on global-size fake tensors inside our mode; the
   trackers would book them (fused AdamW over a 4-way shard peaked at 5x the state). They are not
   counted.
-- The optimizer is the one the trainer asks for on CUDA (fused AdamW), where a CPU gets the
-  per-tensor loop.
+- Host memory: a transformer loaded there (an FSDP2 trainer's, runtime/context.py) is on the meta
+  device, never counted, and FSDP2's move of each unit to the device makes its fake tensors
+  (`moved_to_device`, patched in by lab/memory/measure.py).
 - peft's move of a new adapter to its base layer's dtype is left out, and Module.to leaves a module
   already on its device and dtype alone (torch would swap every fake parameter with itself, which a
   FakeTensor refuses; the adapters end float32 either way).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import types
 import warnings
 
 import torch
@@ -190,6 +192,14 @@ class FakeRun(contextlib.ExitStack):
 
     def __enter__(self) -> "FakeRun":
         super().__enter__()
+        try:
+            self._enter()
+        except BaseException:
+            self.close()  # a run that fails part-way leaves nothing patched (the autocast kernels above all)
+            raise
+        return self
+
+    def _enter(self) -> None:
         self.mode = MeasureMode()
         self.enter_context(patched(fake_tensor, "CONSTANT_NUMEL_LIMIT", CONSTANT_NUMEL))
         self.enter_context(cuda_autocast_policy())
@@ -200,8 +210,11 @@ class FakeRun(contextlib.ExitStack):
                      "model_dtypes": lambda name, device, *a, f=originals["model_dtypes"], **k: f(name, cuda, *a, **k),
                      "resolve_dtype": lambda name, device, f=originals["resolve_dtype"]: f(name, cuda)}
         for module in list(sys.modules.values()):
+            # The module's own dict, never getattr: a lazy module (transformers') imports on a missing
+            # attribute, and what it would import may be absent (torchvision) or slow.
+            namespace = vars(module) if isinstance(module, types.ModuleType) else {}
             for name, replacement in as_on_gpu.items():
-                if module is not None and getattr(module, name, None) is originals[name]:
+                if namespace.get(name) is originals[name]:
                     self.enter_context(patched(module, name, replacement))
         # peft moves a new adapter to its base layer's device and dtype with Module.to, which must swap a
         # fake parameter and cannot (FakeTensorMode keeps weak references to it); models.lora makes
@@ -210,7 +223,6 @@ class FakeRun(contextlib.ExitStack):
                                    lambda layer, *a, **k: None))
         self.enter_context(patched(torch.nn.Module, "to", _to_unless_in_place(torch.nn.Module.to)))
         self.enter_context(self.mode)
-        return self
 
     @property
     def unknown_reads(self) -> int:
@@ -250,10 +262,12 @@ def _refake(module: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtype | 
     return module
 
 
-def fake_module(module: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Replace every parameter and buffer of a meta-device module, in place, by a fake tensor of its
-    shape on "cpu" (floating ones in `dtype`), keeping tied tensors tied. (`to_empty` under the mode
-    fails on torch 2.13: a meta module is not fake, and swapping fake parameters trips on their weakrefs.)"""
+def fake_module(module: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None,
+                meta_only: bool = False) -> torch.nn.Module:
+    """Replace every parameter and buffer of a meta-device module (`meta_only`: those on the meta
+    device, of a module that holds others), in place, by a fake tensor of its shape on "cpu" (floating
+    ones in `dtype`), keeping tied tensors tied. (`to_empty` under the mode fails on torch 2.13: a meta
+    module is not fake, and swapping fake parameters trips on their weakrefs.)"""
     made: dict[int, torch.Tensor] = {}
 
     def make(t: torch.Tensor, param: bool) -> torch.Tensor:
@@ -264,14 +278,28 @@ def fake_module(module: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtyp
             made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if param else new
         return made[id(t)]
 
+    def wanted(t: torch.Tensor | None) -> bool:
+        return t is not None and (not meta_only or t.device.type == "meta")
+
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
-            if p is not None:
+            if wanted(p):
                 sub._parameters[name] = make(p, True)
         for name, b in list(sub._buffers.items()):
-            if b is not None:
+            if wanted(b):
                 sub._buffers[name] = make(b, False)
     return module
+
+
+def moved_to_device(fully_shard, mode: FakeTensorMode):
+    """`fully_shard` as it meets a module in host memory (runtime/context.py `shards_from_host`): it
+    moves the module's tensors to the mesh's device, then shards them, so the device holds the unit
+    whole until its shards are made. In a measurement the host copy is on the meta device (never
+    counted), and the move makes fake tensors of it."""
+    def shard(module: torch.nn.Module, **kwargs):
+        fake_module(module, mode, meta_only=True)
+        return fully_shard(module, **kwargs)
+    return shard
 
 
 @contextlib.contextmanager
@@ -284,12 +312,6 @@ def fake_world(world_size: int, rank: int):
         dist.destroy_process_group()
 
 
-def optimizer_as_on_gpu(optimizer: torch.optim.Optimizer) -> None:
-    """The AdamW implementation the trainer asks for on CUDA (trainer.py: fused, which keeps no
-    foreach temporaries), where on a CPU it gets torch's default."""
-    for group in optimizer.param_groups:
-        group["fused"], group["foreach"] = True, False
-
 
 __all__ = ["CONSTANT_NUMEL", "FakeRun", "GiB", "MeasureMode", "cuda_autocast_policy", "fake_module", "fake_world",
-           "gpu_autocast", "optimizer_as_on_gpu"]
+           "gpu_autocast", "moved_to_device"]

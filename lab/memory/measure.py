@@ -13,13 +13,18 @@ the order of a run, each phase's peak taken by category:
 - generator: "publication" (receive the version the first trainer sent and install it), then
   "fragment" (`Generator.generate` of the step's first fragment: encode, K denoising steps per
   chunk, decode, score, cut into chunks);
-- every rank: "start-up probe" (`probe.probe_speed`, before the trainer shards the model).
+- trainers and generators: "load" (its weights as runtime/context.py loads them, its rewards, and a trainer's
+  Trainer: FSDP2 sharding the transformer a unit at a time, from host memory for a sharded
+  trainer, and the KL reference, EMA and old policy copies) and "start-up probe"
+  (`probe.probe_speed`, a trainer's after its model is sharded).
 
 What stands in for what a measurement cannot run, and why:
 - rewards: each reward model's network, built from its released config (rewards/configs/) in the
   reward's dtype, runs one batch of the reward's size on inputs of its processor's size (the
   processors and tokenizers work on the host, on images the fake run has no pixels of);
 - the trainer's input: a `TransitionBatch` with the conditioning shapes a generator rank encodes;
+- host memory: a sharded trainer's transformer waits on the meta device (never counted) until
+  FSDP2 moves a unit of it to the device (`fake_run.moved_to_device`);
 - the wire: the trainer's sends go to a fake process group; the generator receives the header the
   trainer's send carried (replayed), into the buffers its own code allocates.
 """
@@ -31,10 +36,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.fsdp import FSDPModule
 
 from models import autocast, released
-from parallel import compress, publish
+from parallel import compress, fsdp, publish
 from parallel.trainer_intake import TransitionBatch
 from parallel.scoring import LocalScorer
 from parallel.topology import ProcessGroups
@@ -102,11 +108,13 @@ def tensors_of(obj) -> list[torch.Tensor]:
 
 # ----- one rank --------------------------------------------------------------------------------
 @contextlib.contextmanager
-def fake_rank(cfg, facts, release: str, rank: int):
-    """Rank `rank` of the run built as runtime/build.py builds its context, on fake tensors of the
-    released model `release` (models/configs/), its rewards FakeRewards: yields (the FakeRun, the
-    RankContext)."""
-    def load(name, model_path=None, *, preset="tiny", seed=0, dtype=torch.float32, device="cpu", release=()):
+def fake_rank(cfg, facts, release: str, rank: int, memory: RankMemory | None = None, trains: bool = False):
+    """Rank `rank` of the run built as runtime/build.py builds it, on fake tensors of the released
+    model `release` (models/configs/), its rewards FakeRewards: yields (the FakeRun, the RankContext,
+    the Trainer where it `trains`, else None). With `memory`, its "load" phase: the context (weights,
+    rewards) and the Trainer (the model sharded, the KL reference, EMA and old policy copies)."""
+    def load(name, model_path=None, *, preset="tiny", seed=0, dtype=torch.float32, device="cpu", release=(),
+             host=()):
         adapter = released.meta_adapter(release_name)
         if adapter.family != name:
             raise ValueError(f"released config {release_name!r} is a {adapter.family} model, not {name!r}")
@@ -115,20 +123,36 @@ def fake_rank(cfg, facts, release: str, rank: int):
         for component, module in adapter.pipe.components.items():
             if isinstance(module, torch.nn.Module) and next(module.parameters(), None) is not None \
                     and component not in release:
-                fake_run.fake_module(module, run.mode, table.get(component, table.get("default", torch.float32)))
+                wanted = table.get(component, table.get("default", torch.float32))
+                if component in host:  # in host memory: on the meta device until FSDP2 moves a unit
+                    with unset_fake_temporarily():
+                        module.to(dtype=wanted)
+                else:
+                    fake_run.fake_module(module, run.mode, wanted)
         return adapter
 
     def rewards(cfg, device):
         return FakeRewards(cfg.rl.reward, run.mode, context.reward_dtype(cfg, device))
 
+    def built():
+        ctx, _ = context.make_context(cfg, facts, rank, groups)
+        return ctx, (build.make_trainer(ctx) if trains else None)
+
     release_name, topo = release, facts.topology
     with fake_run.fake_world(topo.world_size, rank), fake_run.FakeRun() as run, \
             patched(context, "load_model", load), patched(context, "_reward_set", rewards), \
-            patched(probe, "_timed", _once):
+            patched(probe, "_timed", _once), patched(fsdp, "fully_shard", fake_run.moved_to_device(fsdp.fully_shard,
+                                                                                                  run.mode)):
         groups = ProcessGroups.create(topo, 60, 60, exchange=facts.tsp and not facts.disagg,
                                       own=build.mixed_replicas(cfg, facts))
-        ctx, _ = context.make_context(cfg, facts, rank, groups)
-        yield run, ctx
+        if memory is None:
+            yield (run, *built())
+            return
+        tracker = Tracker()
+        tracker.hold(run.mode)
+        with tracker, tracker.booking(Ref.PARAM):  # what loading makes is weights (and copies of them)
+            ctx, trainer = run_phase(tracker, memory, "load", built)
+        yield run, ctx, trainer
 
 
 def _once(fn, slowdown, device, repeats: int = 1) -> float:
@@ -170,7 +194,7 @@ def start_up(ctx, tracker, memory: RankMemory, sent: Sent, training: bool) -> No
 def sent_by_generators(cfg, facts, release: str) -> Sent:
     """The shapes a generator rank encodes and samples (its text encoders on one chunk's prompts)."""
     g = facts.topology.generator_ranks[0]
-    with fake_rank(cfg, facts, release, g) as (run, ctx):
+    with fake_rank(cfg, facts, release, g) as (run, ctx, _):
         plan = facts.step_plan(cfg, 0)
         generator = build._generator(ctx, LocalScorer(None), Store(), None)
         cond, neg = generator.chunk_inputs(plan, plan.fragments[0].chunks[0])
@@ -190,8 +214,8 @@ def _tracker(ctx, trainer: Trainer | None):
 def measure_trainer(cfg, facts, release: str, rank: int, sent: Sent) -> tuple[RankMemory, dict]:
     """A trainer rank's phases; returns it and the publication header each generator rank receives."""
     started, memory, headers = time.perf_counter(), RankMemory(rank, "trainer"), {}
-    with fake_rank(cfg, facts, release, rank) as (run, ctx):
-        trainer = _trainer(cfg, facts, ctx)
+    with fake_rank(cfg, facts, release, rank, memory, trains=True) as (run, ctx, trainer):
+        _start_codec(cfg, facts, ctx, trainer)
         tracker = _tracker(ctx, trainer)
         tracker.hold(run.mode, [trainer.optimizer])
         with tracker:  # runtime/build.py probes a trainer after its model is sharded, before any update
@@ -214,14 +238,10 @@ def measure_trainer(cfg, facts, release: str, rank: int, sent: Sent) -> tuple[Ra
     return memory, headers
 
 
-def _trainer(cfg, facts, ctx) -> Trainer:
-    """The rank's Trainer as runtime/build.py makes it, its codec too."""
-    trainer = Trainer(cfg, ctx.adapter, ctx.sampling, ctx.comms.trainers, facts.train_sharding, ctx.slowdown,
-                      ctx.comms.own.get(ctx.rank))
-    fake_run.optimizer_as_on_gpu(trainer.optimizer)
+def _start_codec(cfg, facts, ctx, trainer: Trainer) -> None:
+    """The trainer's lossy publication codec, as runtime/build.py starts it (before any update)."""
     if compress.lossy(cfg.topology.publish_compression):
         trainer.start_codec(cfg.topology.publish_compression, build._publish_names(ctx.adapter, facts.lora), None)
-    return trainer
 
 
 def _steady(trainer: Trainer, ctx, sent: Sent) -> TransitionBatch:
@@ -293,7 +313,7 @@ def measure_generator(cfg, facts, release: str, rank: int, sent: Sent, header: d
     """A generator rank's phases: the start-up probe (unless not `probe_too`), a publication
     received and installed (with `header`: what the first trainer sent it), then a fragment."""
     started, memory = time.perf_counter(), RankMemory(rank, "generator")
-    with fake_rank(cfg, facts, release, rank) as (run, ctx):
+    with fake_rank(cfg, facts, release, rank, memory) as (run, ctx, _):
         generator = build._generator(ctx, LocalScorer(ctx.rewards), Store(), None)
         names = build._publish_names(ctx.adapter, facts.lora)
         plan = facts.step_plan(cfg, 0)
@@ -365,7 +385,7 @@ def measure_run(cfg, facts, release: str) -> dict[str, RankMemory]:
 def measure_scorer(cfg, facts, release: str, rank: int) -> RankMemory:
     """A scorer rank: its reward models and one batch scored."""
     started, memory = time.perf_counter(), RankMemory(rank, "scorer")
-    with fake_rank(cfg, facts, release, rank) as (run, ctx):
+    with fake_rank(cfg, facts, release, rank) as (run, ctx, _):
         tracker = Tracker()
         tracker.hold(run.mode)
         s = ctx.sampling
@@ -380,8 +400,8 @@ def measure_colocated(cfg, facts, release: str, rank: int, sent: Sent) -> RankMe
     """A colocated rank: it generates a fragment beside its training state, trains (a micro-batch,
     the optimizer step) and evaluates."""
     started, memory = time.perf_counter(), RankMemory(rank, "colocated")
-    with fake_rank(cfg, facts, release, rank) as (run, ctx):
-        trainer = _trainer(cfg, facts, ctx)
+    with fake_rank(cfg, facts, release, rank, memory, trains=True) as (run, ctx, trainer):
+        _start_codec(cfg, facts, ctx, trainer)
         generator = build._generator(ctx, LocalScorer(ctx.rewards), Store(), trainer)
         plan = facts.step_plan(cfg, 0)
         fragment = next(f for f in plan.fragments if f.replica == ctx.topo.replica_of(rank))

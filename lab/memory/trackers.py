@@ -120,6 +120,13 @@ class _Window:
     def _track(self, reftype, t):
         super()._track(self._booking or reftype, t)
 
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
+        """Tensors on the meta device are not on the GPU (released components, host memory's
+        stand-in: lab/memory/fake_run.py): never booked."""
+        if t.device.type == "meta":
+            return set()
+        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _PROPAGATING[0]:
             return func(*args, **(kwargs or {}))
@@ -198,11 +205,10 @@ class _Window:
         self._peak_mem = {dev: snap.get("Total", 0) for dev, snap in self._curr_mem_snap.items()}
         out: dict[str, float] = {}
         yield out
-        snap = next(iter(self._peak_mem_snap.values()), {})
-        out.update(categories(snap))
+        out.update(categories(self._only(self._peak_mem_snap)))
 
     def current(self) -> dict[str, float]:
-        return categories(next(iter(self._curr_mem_snap.values()), {}))
+        return categories(self._only(self._curr_mem_snap))
 
     @contextlib.contextmanager
     def excursion(self):

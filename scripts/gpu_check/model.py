@@ -161,7 +161,9 @@ def run_config(size: Size, lora: bool, dtype: str, batch: int) -> RunConfig:
 def trainer(size: Size, lora: bool, device, dtype: str, batch: int, build=None) -> Trainer:
     """A trainer as runtime/context.py and runtime/build.py make one: the transformer in
     `models.model_dtypes` (float32 master weights for a full fine-tune, the compute dtype under
-    LoRA adapters), LoRA applied, the Trainer (mixed precision, checkpointing, fused AdamW on CUDA).
+    LoRA adapters), LoRA applied, the Trainer (mixed precision, checkpointing, fused AdamW) as
+    runtime/build.make_trainer makes a replicated one: computing on the rank's device, its mixed
+    precision over a group of the rank alone, here the world of this one process (`one_rank`).
     `build(size, dtype)` makes the adapter (default: `adapter` on `device`)."""
     cfg = run_config(size, lora, dtype, batch)
     weights = model_dtypes(dtype, torch.device(device) if device != "meta" else torch.device("cuda"),
@@ -169,7 +171,9 @@ def trainer(size: Size, lora: bool, device, dtype: str, batch: int, build=None) 
     a = build(size, weights) if build is not None else adapter(size, device, weights)
     if lora:
         apply_lora(a.transformer, cfg.optim.lora_rank, cfg.optim.lora_alpha, cfg.optim.lora_targets, cfg.seed)
-    return Trainer(cfg, a, sampling(a, size), None, "replicate")
+    # In the check's world of one rank (one_rank), the world is the trainer's group of itself alone.
+    own = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() == 1 else None
+    return Trainer(cfg, a, sampling(a, size), None, "replicate", own_group=own, device=a.device)
 
 
 @contextlib.contextmanager

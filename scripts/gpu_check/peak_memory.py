@@ -3,7 +3,7 @@ the GPU (torch.cuda.max_memory_allocated and max_memory_reserved over the phase)
 project predicts for the same configuration without a GPU:
 
 - "fake": the same phase function run under FakeTensorMode with torch's memory trackers, as
-  lab/memory/measure.py measures a rank (runtime/fake_run.py, lab/memory/trackers.py);
+  lab/memory/measure.py measures a rank (lab/memory/fake_run.py, lab/memory/trackers.py);
 - "model": the memory model (planner/memory.py) for the same sizes, the items the phase holds.
 
 The phases, in the order a step runs them:
@@ -130,8 +130,8 @@ def _free(device: torch.device) -> None:
 
 # ----- predicted without a GPU ---------------------------------------------------------------------
 def measure_fake(size: M.Size, dtype: str = "auto") -> dict[str, dict]:
-    """Each phase under FakeTensorMode as on a CUDA device (runtime/fake_run.FakeRun: bf16 autocast,
-    fused AdamW), with torch's trackers: {phase: {category: GiB, "total": GiB}}."""
+    """Each phase under FakeTensorMode as on a CUDA device (lab/memory/fake_run.FakeRun: bf16
+    autocast; trainer.adamw is fused on a CPU as on CUDA), with torch's trackers: {phase: {category: GiB, "total": GiB}}."""
     out = {}
     with fake_run.fake_world(1, 0), fake_run.FakeRun() as run:
         def build(size, weights):
@@ -144,7 +144,6 @@ def measure_fake(size: M.Size, dtype: str = "auto") -> dict[str, dict]:
         del a
         for lora, phase in ((True, "LoRA forward + backward"), (False, "full fine-tune step")):
             trainer = M.trainer(size, lora, "meta", dtype, size.batch, build=build)
-            fake_run.optimizer_as_on_gpu(trainer.optimizer)
             batch = steady(trainer, size)
             got = _tracked(run, _tracker(trainer), [trainer.optimizer], lambda: trainer.train(batch), batch)
             if not lora:
