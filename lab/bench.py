@@ -343,7 +343,9 @@ def summarize(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "samples_per_s": samples_per_step / step_s,
         "bubble_fraction": statistics.median(r["perf/bubble_fraction"] for r in measured),
         "publish_bytes": statistics.median(r.get("publish/bytes", 0.0) for r in measured),
-        "busy_fraction": {role: statistics.median(r[f"perf/busy_fraction/{role}"] for r in measured) for role in roles},
+        # --placement auto: a run that switched placement has each role's steps only
+        "busy_fraction": {role: statistics.median(r[f"perf/busy_fraction/{role}"] for r in measured
+                                                  if f"perf/busy_fraction/{role}" in r) for role in roles},
     }
 
 
