@@ -115,12 +115,15 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     def helper_s() -> float:  # seconds of TAG windows run inside training (FSDP: between forwards)
         return assistant.window_s if assistant is not None else 0.0
 
-    template, seconds = None, {}
+    template, seconds, transfers = None, {}, {}
     for need in intake.needs(plan):
         src = None
         if need.key not in intake.inbox:  # with TAG, this rank may generate fragments while it waits
             src = assistant.source_of(need.fragment) if assistant is not None else intake.static_source(plan, need.fragment)
+        t0 = time.perf_counter()
         item = intake.take(plan, need, src)
+        if assistant is not None and src not in (None, ctx.rank):  # landed before the receive began: a transfer
+            transfers[need.fragment] = transfers.get(need.fragment, 0.0) + time.perf_counter() - t0
         with tracer.span("train", "train", step, item.fragment, **intake.span_args(item)):
             t0, helped = time.perf_counter(), helper_s()
             trainer.train(item)
@@ -163,7 +166,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
             trainer.make_version(list(trainer.codec.held))
     if assistant is not None:
         assistant.observe_training(seconds)
-        assistant.tracker.observe_update(update_s)
-        assistant.tracker.observe_publish(time.perf_counter() - t0)
+        assistant.observe_transfers(transfers)
+        assistant.observe_step_end(update_s, time.perf_counter() - t0)
         stats.update(assistant.end_step())
     return stats
