@@ -301,6 +301,16 @@ class VersionSync:
             self._receive_next(step)
         return self.version
 
+    def take_publication(self, version: int, next_step: int) -> None:
+        """Between steps, before this rank waits on a rank that publishes `version` first (a
+        --placement auto decision, runtime/autoplace.py): take it off the wire without changing the
+        version step `next_step` generates with. What `at_step_start(next_step)` installs is
+        installed now; a version beyond it (TCSS) is staged, as a fragment boundary would stage it.
+        The trainers' send completes, and the step trains what it would have trained."""
+        self.at_step_start(next_step)
+        if self.version < version and self.receiver.staged_version is None:
+            self._receive_next(next_step)  # rank wait: trainer 0 sends `version`
+
     def drain(self, last_version: int, step: int) -> None:
         """Receive every publication still addressed to this rank (the trainers' sends complete)."""
         while self.version < last_version:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from checkpointing import manifest as checkpoint_files
 from config import files
-from config.schema import FLAGS, NOT_CARRIED, SECTIONS, RunConfig
+from config.schema import FLAGS, NOT_CARRIED, PLACEMENT_FLAGS, SECTIONS, RunConfig
 
 ROLE_SPLIT = ("mode", "generators", "trainers", "scorers", "gap_stages")
 """the topology fields that split the world into roles, given together or taken together"""
@@ -111,7 +111,17 @@ def parse_config(argv: list[str] | None, description: str = "DigenRL") -> RunCon
     parser, base, recipe = config_parser(argv, description)
     cfg = config_from_args(parser.parse_args(argv), base)
     files.check_needs(recipe, lambda flag: getattr(getattr(cfg, FLAGS[flag][0]), FLAGS[flag][1]))
+    if cfg.topology.placement is None and names_a_placement(sys.argv[1:] if argv is None else argv):
+        cfg.topology.placement = "fixed"  # `--mode disagg` names the default, and a placement all the same
     return cfg
+
+
+def names_a_placement(argv: list[str]) -> bool:
+    """Whether a command line gives a placement flag (PLACEMENT_FLAGS), whatever its value: the run
+    then takes that placement (--placement fixed) rather than choosing one."""
+    names = {"--" + n.replace("_", "-") for n in PLACEMENT_FLAGS}
+    names |= {"--no-" + n[2:] for n in names}
+    return any(a.split("=", 1)[0] in names for a in argv)
 
 
 def config_parser(argv: list[str] | None, description: str, sections: tuple[str, ...] | None = None):

@@ -19,7 +19,7 @@ import torch
 
 from checkpointing import checkpoint
 from checkpointing.checkpoint import EXPORT_DTYPES
-from config.schema import eval_scorers
+from config.schema import PLACEMENTS, eval_scorers
 from models import ATTENTION_BACKENDS, adapter_class, check_attention
 from models.adapter import check_model_folder, preset_defaults, read_folder_defaults
 from models.lora import split_targets
@@ -78,7 +78,8 @@ def check_numbers(cfg) -> None:
                         ("--eval-num-prompts", cfg.output.eval_num_prompts),
                         ("--eval-samples-per-prompt", cfg.output.eval_samples_per_prompt),
                         ("--train-micro-batch", 1 if t.train_micro_batch is None else t.train_micro_batch),
-                        ("--dist-timeout-s", t.dist_timeout_s)):
+                        ("--dist-timeout-s", t.dist_timeout_s), ("--placement-trials", t.placement_trials),
+                        ("--placement-trial-steps", t.placement_trial_steps)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     for name, value in (("--save-every", cfg.output.save_every), ("--log-images-every", cfg.output.log_images_every),
@@ -107,6 +108,8 @@ def check_numbers(cfg) -> None:
         raise ValueError(f"--eval-ema evaluates the EMA of the trained weights: set --ema-decay > 0 (got "
                          f"{o.ema_decay})")
     _need(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2 ** 63, "--seed", cfg.seed, "an integer in [0, 2**63)")
+    _need(_finite(t.placement_margin) and t.placement_margin >= 0, "--placement-margin", t.placement_margin,
+          "a finite number >= 0")
     _need(_finite(o.lr) and o.lr > 0, "--lr", o.lr, "a finite number > 0")
     _need(_finite(o.weight_decay) and o.weight_decay >= 0, "--weight-decay", o.weight_decay, "a finite number >= 0")
     betas = tuple(o.adam_betas)
@@ -174,6 +177,8 @@ def check_choices(cfg) -> None:
     _choice("--train-sharding", t.train_sharding, SHARDINGS)
     split_targets(cfg.optim.lora_targets, any_layer=bool(cfg.optim.init_lora))  # an adapter's targets: any layer
     _choice("--fragment-split", t.fragment_split, ("auto", "even", "speed"))
+    if t.placement is not None:  # None until resolve_defaults
+        _choice("--placement", t.placement, PLACEMENTS)
     _choice("--dispatch", t.dispatch, DISPATCHES)
     _choice("--export-dtype", o.export_dtype, EXPORT_DTYPES)
     _choice("--ode-solver", s.ode_solver, sampler.ODE_SOLVERS)

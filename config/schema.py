@@ -225,6 +225,23 @@ class OptimConfig:
 
 @dataclass
 class TopologyConfig:
+    placement: str | None = _f(None, "auto: measure this machine at start-up (a denoising and a training forward "
+                                     "per rank, the link), rank every placement the world size and memory allow by "
+                                     "the planner's model and run the fastest, checked against measured steps "
+                                     "(--placement-trials); the placement flags (--mode, --generators, --trainers, "
+                                     "--gap-stages, the shardings, --tag, --tcss) then record its choice. fixed: the "
+                                     "placement the flags give. Default: auto unless a placement flag is given "
+                                     "(docs/placement.md)")
+    placement_stale: bool = _f(False, "--placement auto: rank TCSS placements too (generators at most one version "
+                                      "stale, which trains other weights than on-policy placements)")
+    placement_trials: int = _f(2, "--placement auto: run up to N of the best predicted placements (those within "
+                                  "--placement-margin of the best) for --placement-trial-steps steps each, switching "
+                                  "placement inside the run from its own checkpoint, and keep the fastest measured; "
+                                  "1 runs the best prediction")
+    placement_trial_steps: int = _f(2, "--placement auto: steps each trial runs; its last is measured (the first "
+                                       "after a switch carries the switch)")
+    placement_margin: float = _f(0.1, "--placement auto: a placement predicted within this fraction of the best is "
+                                      "tried (--placement-trials)")
     mode: str = _f("disagg", "disagg: generator and trainer ranks; colocated: every rank does both")
     generators: int | None = _f(None, "number of generator ranks (disagg; default: half the world)")
     trainers: int | None = _f(None, "number of trainer ranks (disagg; default: the rest)")
@@ -377,6 +394,9 @@ class RunConfig:
             self.rl.reward = ["shapes:1.0"]
         if not self.output.eval_scorer:
             self.output.eval_scorer = default_eval_scorers(self.rl.reward)
+        if self.topology.placement is None:  # a placement flag given: the placement it names
+            given = any(getattr(self.topology, name) != getattr(TopologyConfig(), name) for name in PLACEMENT_FLAGS)
+            self.topology.placement = "fixed" if given else "auto"
         if self.output.save_every is None:
             self.output.save_every = max(1, self.rl.steps // 10)
         if self.optim.init_lora and self.output.resume is None:  # a resume has the checkpoint's LoRA shape
@@ -408,6 +428,12 @@ def _parse_pair(text, sep: str, types, flag: str) -> tuple:
     except (TypeError, ValueError):
         raise ValueError(f"{flag} {text!r}: expected two values as A{sep}B") from None
 
+
+PLACEMENT_FLAGS = ("mode", "generators", "trainers", "scorers", "gap_stages", "colocated_sharding", "train_sharding",
+                   "tag", "tcss")
+"""the topology fields that name a placement: given, the run takes it (--placement fixed); all at their
+defaults, the run chooses (--placement auto)"""
+PLACEMENTS = ("auto", "fixed")
 
 SECTIONS = {"model": ModelConfig, "sampling": SamplingArgs, "rl": RLConfig, "optim": OptimConfig,
              "topology": TopologyConfig, "output": OutputConfig}

@@ -2,6 +2,8 @@
 rank waits on another, and the facts a valid config implies (`RunFacts`), decided once."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 
 from checkpointing import folder
@@ -98,7 +100,7 @@ def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> Ru
     recipe checked on a machine without its weights (scripts/check_recipe.py): that released config
     (models/configs/) stands for the model folder, and the reward models' folders are not read."""
     rl, t, o, s = cfg.rl, cfg.topology, cfg.output, cfg.sampling
-    topo = Topology.build(world_size, t.mode, t.generators, t.trainers, t.scorers, t.gap_stages)
+    topo = placed_topology(cfg, world_size)
     preflight.check_numbers(cfg)  # every range, in one place
     preflight.check_choices(cfg)
     algorithms.check(cfg)  # the algorithms' own options, and what the run's algorithm asks of the flags
@@ -107,10 +109,6 @@ def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> Ru
         if not 0 <= rank < world_size or not factor >= 1:
             raise ValueError(f"--debug-slow-rank {rank}:{factor}: the rank must be in [0, {world_size}) and the "
                              f"factor >= 1")
-    if t.tag and topo.mode != "disagg":
-        raise ValueError(f"--tag needs --mode disagg (got {topo.mode}): colocated ranks all generate already")
-    if t.tcss and topo.mode != "disagg":
-        raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
     names = [n for n, _ in parse_reward_specs(rl.reward, reward_model_paths(rl.reward_model))]
     check_scorers(o.eval_scorer, names, reward_model_paths(rl.reward_model))
     scored = [*rl.reward, *eval_scorers(o.eval_scorer)]
@@ -133,10 +131,43 @@ def validate(cfg: RunConfig, world_size: int, released: str | None = None) -> Ru
     preflight.check_run(cfg, sets, released)  # every other flag, the model folder and sizes, the prompts' shapes and grammar
     model_digest = folder_digest(cfg.model.model_path) if cfg.model.model_path and released is None else None
     resume = folder.check(cfg, prompts.sha256, NOT_CARRIED, model_digest)  # the run folder, its lock and --resume
+    facts = RunFacts(topology=topo, disagg=False, tsp=t.tsp, tag=False, tcss=False, train_sharding=t.train_sharding,
+                     train_micro_batch=t.train_micro_batch or rl.micro_batch, fragment_split=t.fragment_split,
+                     lora=cfg.optim.lora_rank > 0, num_prompts=len(prompts.records), log_rank=0, prompts=prompts,
+                     eval_records=held_out, eval_sha256=held_out_sha, resume=resume, model_digest=model_digest)
+    return with_placement(probe_config(cfg) if t.placement == "auto" else cfg, facts, topo)
+
+
+def probe_config(cfg: RunConfig) -> RunConfig:
+    """With --placement auto, the run before it has chosen: colocated, every rank holding the whole
+    model (the start-up probe measures it, runtime/autoplace.py), no memory budget (the planner
+    applies it to each candidate). Its placement flags say nothing yet: what they held (a resumed
+    run's last choice, the user's) is not read."""
+    out = copy.deepcopy(cfg)
+    t = out.topology
+    t.mode, t.generators, t.trainers, t.scorers, t.gap_stages = "colocated", None, None, 0, 1
+    t.colocated_sharding, t.tag, t.tcss, t.memory_budget_gb = "replicate", False, False, None
+    return out
+
+
+def placed_topology(cfg: RunConfig, world_size: int) -> Topology:
+    """The topology of the config's placement flags (--placement auto: the probe's, `probe_config`)."""
+    t = (probe_config(cfg) if cfg.topology.placement == "auto" else cfg).topology
+    return Topology.build(world_size, t.mode, t.generators, t.trainers, t.scorers, t.gap_stages)
+
+
+def with_placement(cfg: RunConfig, facts: RunFacts, topo: Topology | None = None) -> RunFacts:
+    """`facts` with what the config's placement implies (its topology, TSP, TAG, TCSS, sharding,
+    the logging rank), decided once: at validation, and for a placement --placement auto chose."""
+    t = cfg.topology
+    topo = topo or Topology.build(facts.topology.world_size, t.mode, t.generators, t.trainers, t.scorers,
+                                  t.gap_stages)
     disagg = topo.mode == "disagg"
-    return RunFacts(topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
-                    train_sharding=t.train_sharding if disagg else t.colocated_sharding,
-                    train_micro_batch=t.train_micro_batch or rl.micro_batch, fragment_split=t.fragment_split,
-                    lora=cfg.optim.lora_rank > 0, num_prompts=len(prompts.records), log_rank=topo.trainer_ranks[0],
-                    prompts=prompts, eval_records=held_out, eval_sha256=held_out_sha, resume=resume,
-                    model_digest=model_digest)
+    if t.tag and not disagg:
+        raise ValueError(f"--tag needs --mode disagg (got {topo.mode}): colocated ranks all generate already")
+    if t.tcss and not disagg:
+        raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
+    return dataclasses.replace(facts, topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
+                               train_sharding=t.train_sharding if disagg else t.colocated_sharding,
+                               train_micro_batch=t.train_micro_batch or cfg.rl.micro_batch,
+                               fragment_split=t.fragment_split, log_rank=topo.trainer_ranks[0])

@@ -42,7 +42,7 @@ from lab.planning.bench_report import add_predictions, bubble_check, scenario_re
 from planner.memory import peak
 from lab.planning.profile import finetune_flags
 from runtime.budget import predict
-from lab.bench_modes import BASELINES, DEFAULT_MODES, MODES, SCENARIOS
+from lab.bench_modes import AUTO_MODES, BASELINES, DEFAULT_MODES, MODES, SCENARIOS, STALE_MODES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -157,10 +157,11 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
                          "ratio": r["samples_per_s"] / base if ok and base else None,
                          "output_dir": r["output_dir"], "bubble_check": r.get("bubble_check"),
                          "error": r.get("error")})
-        candidates = [row for row in rows[-len(sc.modes):]
-                      if not row["mode"].startswith("colocated") and row["ratio"] is not None]
+        candidates = [row for row in rows[-len(sc.modes):] if not row["mode"].startswith("colocated")
+                      and row["mode"] not in AUTO_MODES and row["ratio"] is not None]
         if candidates:
             max(candidates, key=lambda row: row["ratio"])["best"] = True
+        compare_auto(rows[-len(sc.modes):])
     notes_lines = [f"workload {shlex.join(workload)}; {os.cpu_count()} CPU cores; medians after {args.warmup} "
                    f"warm-up step(s)", BUBBLE_DEFINITION,
                    "every mode of a scenario trains the same transitions in the same packed forwards"
@@ -170,10 +171,45 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
     if budget is not None:
         notes_lines.append(f"sharded: --memory-budget-gb {budget:.6g} (the memory model's peaks: between the sharded "
                            f"plans' and a replicated trainer's) forbids replicated full fine-tuning")
+    notes_lines += auto_notes(rows)
     if args.profile != "none":
         notes_lines.append(add_predictions(rows, args.profile or calibrate(args, bench_dir, rows)))
     scenario_report(rows, notes_lines, bench_dir, args.json or os.path.join(bench_dir, "scenarios.json"))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def compare_auto(rows: list[dict]) -> None:
+    """Each --placement auto row of one scenario against the scenario's best fixed mode (on-policy
+    ones for `auto`; TCSS ones too for `auto+stale`): `vs_best_fixed`, `best_fixed`, and what the
+    run chose and ran (`auto_placement`, `auto_switches`, from its config.json)."""
+    for row in rows:
+        if row["mode"] not in AUTO_MODES or row["samples_per_s"] is None:
+            continue
+        stale = row["mode"] in STALE_MODES
+        fixed = [r for r in rows if r["mode"] not in AUTO_MODES and r["samples_per_s"] is not None
+                 and (stale or r["mode"] not in STALE_MODES)]
+        if fixed:
+            best = max(fixed, key=lambda r: r["samples_per_s"])
+            row["best_fixed"], row["vs_best_fixed"] = best["mode"], row["samples_per_s"] / best["samples_per_s"]
+        path = os.path.join(row["output_dir"], "config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                record = (json.load(f).get("run") or {}).get("placement") or {}
+            row["auto_placement"] = (record.get("running") or {}).get("label")
+            row["auto_chosen"] = (record.get("chosen") or {}).get("label")
+            row["auto_switches"] = len(record.get("switches") or [])
+
+
+def auto_notes(rows: list[dict]) -> list[str]:
+    """One line per --placement auto row: what it ran and how it compares."""
+    out = []
+    for r in rows:
+        if r.get("vs_best_fixed") is None:
+            continue
+        out.append(f"{r['scenario']}: {r['mode']} chose {r.get('auto_chosen')}, ran {r.get('auto_placement')} "
+                   f"({r.get('auto_switches', 0)} switch(es) inside the run): {r['vs_best_fixed']:.2f}x the best fixed "
+                   f"mode ({r['best_fixed']}), {r['ratio']:.2f}x the colocated baseline")
+    return out
 
 
 def calibrate(args: argparse.Namespace, bench_dir: str, rows: list[dict]) -> str:
@@ -307,7 +343,9 @@ def summarize(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "samples_per_s": samples_per_step / step_s,
         "bubble_fraction": statistics.median(r["perf/bubble_fraction"] for r in measured),
         "publish_bytes": statistics.median(r.get("publish/bytes", 0.0) for r in measured),
-        "busy_fraction": {role: statistics.median(r[f"perf/busy_fraction/{role}"] for r in measured) for role in roles},
+        # --placement auto: a run that switched placement has each role's steps only
+        "busy_fraction": {role: statistics.median(r[f"perf/busy_fraction/{role}"] for r in measured
+                                                  if f"perf/busy_fraction/{role}" in r) for role in roles},
     }
 
 

@@ -61,7 +61,16 @@ MODES: dict[str, Mode] = {
                                  "--tcss"], "GAP + TSP + TAG + TCSS"),
     "slow-gen": Mode(2, [*G1T1, "--fragment-groups", "1", "--debug-slow-rank", "0:3"],
                      "GAP with the generator slowed 3x, TAG off"),
+    # --placement auto: the run measures the machine, ranks the placements and runs (and tries) them
+    "auto": Mode(2, ["--placement", "auto"], "--placement auto: the run chooses its placement (on-policy ones)"),
+    "auto+stale": Mode(2, ["--placement", "auto", "--placement-stale"],
+                       "--placement auto --placement-stale: TCSS placements allowed too"),
+    "auto3": Mode(3, ["--placement", "auto"], "--placement auto over 3 ranks (3 ranks on 2 cores: contention)"),
 }
+AUTO_MODES = ("auto", "auto+stale", "auto3")
+"""modes in which the run chooses its placement (compared with the best fixed mode of their scenario)"""
+STALE_MODES = ("gap+tag+tcss", "gap+tcss", "gap+tsp+tag+tcss", "auto+stale")
+"""modes whose generators may run one version stale (TCSS): they train other weights"""
 
 BASELINES = ("colocated-replicate", "colocated-fsdp")
 """With --modes, every mode's samples/s is reported as a ratio to each of these (when they ran)."""
@@ -84,17 +93,19 @@ class Scenario(NamedTuple):
 WINDOW_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_window.toml")
 """the window scenario's sampler and algorithm"""
 SCENARIOS: dict[str, Scenario] = {
-    "fits": Scenario(("colocated-replicate", "gap", "gap+tag", "gap+tag+tcss"), (),
+    "fits": Scenario(("colocated-replicate", "gap", "gap+tag", "gap+tag+tcss", "auto", "auto+stale"), (),
                      "identical ranks, the model replicated"),
-    "sharded": Scenario(("colocated-fsdp3", "gap-fsdp", "gap-fsdp+tag"),
+    "sharded": Scenario(("colocated-fsdp3", "gap-fsdp", "gap-fsdp+tag", "auto3"),
                         ("--lora-rank", "0", "--memory-budget-gb", "auto", "--prompts-per-step", "3"),
                         "full fine-tuning whose training state must be sharded (--memory-budget-gb): colocated FSDP2 "
                         "for both phases against plain inference weights on the generator and FSDP2 trainers"),
-    "hetero": Scenario(("colocated-replicate", "colocated-speed", "gap", "gap+tag", "gap+tcss", "gap+tag+tcss"),
+    "hetero": Scenario(("colocated-replicate", "colocated-speed", "gap", "gap+tag", "gap+tcss", "gap+tag+tcss", "auto",
+                        "auto+stale"),
                        ("--debug-slow-rank", "0:2"),
                        "rank 0 is 2x slower (an older or inference-class GPU): colocated splits evenly (or by speed); "
                        "DigenRL puts generation on the slow rank"),
-    "window": Scenario(("colocated-replicate", "gap+tag", "gap+tag+tcss"), ("--config", WINDOW_CONFIG),
+    "window": Scenario(("colocated-replicate", "gap+tag", "gap+tag+tcss", "auto", "auto+stale"),
+                       ("--config", WINDOW_CONFIG),
                        "a 2-timestep SDE window: training is cheap, rollout dominates"),
     "skew": Scenario(("colocated-replicate3", "gap2x1-rr", "gap2x1-lpt"),
                      ("--prompts", "data/shapes_mixed.jsonl", "--prompts-per-step", "8", "--group-size", "2",

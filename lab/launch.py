@@ -8,7 +8,7 @@ import sys
 from checkpointing.checkpoint import checkpoint_dir, read_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--preset", "tiny", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch", "2",
+TINY = ["--placement", "fixed", "--preset", "tiny", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch", "2",
         "--sample-steps", "3", "--height", "16", "--width", "16", "--reward", "jpeg_compressibility",
         "--log-images-every", "1", "--lr", "1e-3", "--eval-every", "0"]
 

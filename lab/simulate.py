@@ -30,7 +30,7 @@ from lab.planning import plan_cli as plan
 from lab.planning import costs as cm
 from lab.planning import published
 from planner.hardware import GPUS
-from lab.planning.simulator import simulate_run
+from planner.simulator import simulate_run
 from planner.released_specs import model_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -49,7 +49,7 @@ class Decision:
 
 
 def decide(state: StepState, costs: Costs, num_trainers: int, margin: float = DEFAULT_MARGIN,
-           claims_per_window: int = 1) -> Decision:
+           claims_per_window: int = 1, tcss: bool = False) -> Decision:
     """Claim now iff some number n >= 1 of claims (min(n, claims_per_window) now, the others by
     the trainers at their next idle windows) is predicted to end the step sooner than no claim
     at all, by at least `margin` of the time left without a claim. Searching n, not only n = 1, matters: with replicas of different
@@ -61,17 +61,25 @@ def decide(state: StepState, costs: Costs, num_trainers: int, margin: float = DE
     `claims_per_window` 1: a trainer on its own claims one fragment (replicated trainers). M > 1:
     the M trainers are one FSDP group whose idle windows are shared and which generates up to M
     fragments at once, one per trainer, all of them busy for the round (`predict_makespan`'s
-    lockstep), so `claims_now` may be up to M."""
+    lockstep), so `claims_now` may be up to M.
+
+    `tcss`: generators run one version ahead, so a fragment a trainer takes over lets its generator
+    start the next step sooner. The end of this step alone would miss that (the trainers' own
+    training sets it), so each count n is judged by the end of the next step, in which the
+    trainers claim n fragments as well: the claims a steady state of n per step would make."""
     if claims_per_window < 1:
         raise ValueError(f"claims_per_window must be >= 1, got {claims_per_window}")
-    without = predict_makespan(state, costs, num_trainers, 0)
+    if tcss and state.num_fragments is None:
+        raise ValueError("a TCSS decision predicts the next step: the state must give num_fragments")
+    without = predict_makespan(state, costs, num_trainers, 0, next_claims=0 if tcss else None)
     if not state.unclaimed:
         return Decision(False, without, without, 0)
     lockstep = claims_per_window > 1
     best, best_n = None, 0
     for n in _claim_counts(len(state.unclaimed)):
         now = min(n, claims_per_window)
-        predicted = predict_makespan(state, costs, num_trainers, now, later_claims=n - now, lockstep=lockstep)
+        predicted = predict_makespan(state, costs, num_trainers, now, later_claims=n - now, lockstep=lockstep,
+                                     next_claims=n if tcss else None)
         if best is None or predicted < best - 1e-12:
             best, best_n = predicted, n
     claim = best < without - margin * (without - state.now_s)

@@ -1,4 +1,4 @@
-"""The event engine of the step simulator (lab/planning/simulator.py describes the model it runs):
+"""The event engine of the step simulator (planner/simulator.py describes the model it runs):
 costs, the state of a step in progress, the engine, and `predict_makespan`, which BTS asks from
 the state a trainer sees at an idle window."""
 from __future__ import annotations
@@ -104,6 +104,9 @@ class StepState:
     """per trainer: seconds of training of landed fragments it has not started"""
     trainer: int = 0
     """the trainer deciding: it makes the first claim of `predict_makespan`"""
+    num_fragments: int | None = None
+    """the step's fragments, all of them (None: one more than the highest in `unclaimed` and
+    `arrivals_s`); what a prediction of the next step generates"""
 
 
 @dataclass
@@ -136,7 +139,7 @@ class SimResult:
 
 
 def predict_makespan(state: StepState, costs: Costs, num_trainers: int, trainer_claims_now: int,
-                     later_claims: int = 0, lockstep: bool = False) -> float:
+                     later_claims: int = 0, lockstep: bool = False, next_claims: int | None = None) -> float:
     """When the step of `state` ends (its publication), if `trainer_claims_now` trainers claim a
     fragment right now (the deciding trainer first, then the other idle trainers in order), then
     `later_claims` more claims happen in all, each by the first trainer to open an idle window
@@ -148,7 +151,13 @@ def predict_makespan(state: StepState, costs: Costs, num_trainers: int, trainer_
     claims now go to the trainers in order whatever each is doing (each generates after its current
     work, which in the runtime comes after: the same total), and every trainer without a claim is
     held `trainer_fragment_s` as well, the time of the throw-away forwards that keep its collectives
-    in step. Later claims are still modelled one trainer at a time."""
+    in step. Later claims are still modelled one trainer at a time.
+
+    `next_claims` (TCSS): predict the end of the next step instead, a whole step of the same
+    fragments whose generation the replicas start as soon as they have nothing left of this one
+    (their version is the one they hold: staleness 1), and in which the trainers claim
+    `next_claims` fragments at their idle windows. Under TCSS a fragment a trainer takes over
+    frees a generator for the next step, which the end of this step alone does not show."""
     if len(state.replica_free_s) != costs.num_replicas or not (
             len(state.trainer_free_s) == len(state.trainer_backlog_s) == num_trainers):
         raise ValueError(f"state has {len(state.replica_free_s)} replica(s) and {len(state.trainer_free_s)}/"
@@ -157,16 +166,19 @@ def predict_makespan(state: StepState, costs: Costs, num_trainers: int, trainer_
     if not 0 <= state.trainer < num_trainers:
         raise ValueError(f"deciding trainer {state.trainer} is not one of {num_trainers} trainer(s)")
     frags = [*state.unclaimed, *state.arrivals_s]
-    quota = [later_claims]
+    steps = 1 if next_claims is None else 2
+    num_fragments = state.num_fragments or max(frags, default=0) + 1
+    quota = [later_claims, next_claims or 0]  # claims left, by step (this one, the next)
 
     def later(s: StepState, c: Costs, m: int) -> bool:
-        if quota[0] <= 0:
+        k = engine.train_step
+        if quota[k] <= 0:
             return False
-        quota[0] -= 1
+        quota[k] -= 1
         return True
 
-    engine = _Engine(costs, num_trainers, 1, [1] * (max(frags, default=0) + 1), None,
-                     policy=later if later_claims > 0 else None, tcss=False, stages=1, record=False)
+    engine = _Engine(costs, num_trainers, steps, [1] * num_fragments, None,
+                     policy=later if sum(quota) > 0 else None, tcss=steps > 1, stages=1, record=False)
     now = state.now_s
     engine.unclaimed[0] = list(state.unclaimed)
     engine.unstarted[0] = len(state.unclaimed)
@@ -187,7 +199,7 @@ def predict_makespan(state: StepState, costs: Costs, num_trainers: int, trainer_
         for j in claimers[claimed:]:
             engine.trn_free[j] = max(now, engine.trn_free[j]) + costs.trainer_fragment_s
     engine.run(now)
-    return engine.step_end[0]
+    return engine.step_end[-1]
 
 
 @dataclass
@@ -309,7 +321,7 @@ class _Engine:
                 else:
                     backlog[i] += e.dur
         return StepState(t, list(self.unclaimed[self.train_step]), list(self.rep_free), arrivals,
-                         list(self.trn_free), backlog, j)
+                         list(self.trn_free), backlog, j, len(self.units))
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ who writes it, who reads it and when it goes. Keys are relative to `StepStore`'s
 | GAP round | round/{step}/{replica}/{n} | a GAP replica's stage 0 under TAG | its other stages | never |
 | FSDP TAG decision | tagdec/{step}/{slot}/{n} | the first FSDP trainer | the other FSDP trainers | by the first trainer, next step |
 | run record | run/record | rank 0 at start-up (runtime/build.py) | every rank | never |
+| placement decision | placement/decision/{step} | the logging rank at a --placement auto trial's end (runtime/autoplace.py) | every rank | never: one per trial |
+| period across a switch | placement/previous_end/{step} | the logging rank before a placement switch | the new placement's logging rank | never: one per switch |
 | rank exited | exit/{rank} | every rank at its end (runtime/build.py) | every rank before leaving | never |
 | heartbeat | guard/hb/{rank} | every rank's guard thread, every second | every rank's guard | overwritten |
 | rank done | guard/done/{rank} | a rank leaving the loop | the guards (a done rank is not silent) | never |
@@ -87,6 +89,14 @@ def tag_decision(step: int, slot: int, n: int) -> str:
 RUN_RECORD = "run/record"
 
 
+def placement_decision(step: int) -> str:
+    return f"placement/decision/{step}"
+
+
+def previous_end(step: int) -> str:
+    return f"placement/previous_end/{step}"
+
+
 def rank_exited(rank: int) -> str:
     return f"exit/{rank}"
 
@@ -110,6 +120,6 @@ FAULT = "guard/fault"
 FAULT_CLAIM = "guard/fault_claim"
 
 FAMILIES = ("rec", "std", "adv", "begin", "pub", "rv", "claim", "owner", "busy", "landed", "cost", "round",
-            "tagdec", "run", "exit", "guard")
+            "tagdec", "run", "placement", "exit", "guard")
 """the first part of every key: a string starting with one of these and a slash, anywhere else in the
 run's code, is a key written around this registry (tests/test_architecture.py)"""

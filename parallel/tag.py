@@ -158,7 +158,7 @@ class Assistant:
             arrivals[f] = max(now, owner["start"] - start + took) + costs.transfer_s
         return StepState(now_s=now, unclaimed=list(range(claimed, board.n)), replica_free_s=free,
                          arrivals_s=arrivals, trainer_free_s=[now] * self.num_trainers,
-                         trainer_backlog_s=[0.0] * self.num_trainers, trainer=self.me)
+                         trainer_backlog_s=[0.0] * self.num_trainers, trainer=self.me, num_fragments=board.n)
 
     def _decide(self, claims_per_window: int = 1):
         """BTS at an idle window (None until the costs are known or when nothing is left to claim)."""
@@ -173,7 +173,8 @@ class Assistant:
         held = held_fraction(updates.num_updates, updates.split, self.trainer.rule.needs_step_end)
         costs = dataclasses.replace(costs, train_fragment_s=costs.train_fragment_s * counts[0],
                                     train_scale=[n / counts[0] for n in counts], held_fraction=held)
-        decision = decide(self._state(costs), costs, self.num_trainers, claims_per_window=claims_per_window)
+        decision = decide(self._state(costs), costs, self.num_trainers, claims_per_window=claims_per_window,
+                          tcss=self.ctx.facts.tcss)
         if self.predicted_s is None:
             self.predicted_s = decision.predicted_s
         return decision
@@ -211,6 +212,19 @@ class Assistant:
         self.generated += 1
         self.results.append(result)  # its rewards belong to the step's metrics
 
+    def observe_transfers(self, seconds: dict[int, float]) -> None:
+        """This trainer's seconds receiving each fragment generated elsewhere, every piece of it,
+        timed from when the fragment had landed (the sender's data on the way): `Costs.transfer_s`."""
+        for s in seconds.values():
+            self.tracker.observe_transfer(s)
+
+    def observe_step_end(self, update_s: float, publish_s: float) -> None:
+        """The optimizer update's seconds and the publication's (the new version sent to every
+        generator; colocated ranks and TCSS trainers do not wait for it the same way, and BTS's
+        engine models both)."""
+        self.tracker.observe_update(update_s)
+        self.tracker.observe_publish(publish_s)
+
     def observe_training(self, seconds: dict[int, float]) -> None:
         """This trainer's seconds of training on each fragment it had a share of, in the unit of
         `Costs.train_fragment_s` (the trainer group's wall time per fragment, as if every trainer
@@ -223,7 +237,16 @@ class Assistant:
         for h in self.sends:
             h.wait()  # drain this step's sends
         self.sends = []
-        return {"tag_fragments": self.generated, "tag_predicted_s": self.predicted_s}
+        return {"tag_fragments": self.generated, "tag_predicted_s": self.predicted_s, "tag_costs": self.costs_now()}
+
+    def costs_now(self) -> dict[str, float]:
+        """The costs BTS decides with, as learned so far (seconds; a quantity not yet measured is
+        absent): what the step log records as bts/*."""
+        values = {k: v for k, v in self.tracker.values.items() if v is not None}
+        replicas = [x for x in self.tracker.replica_fragment_s if x is not None]
+        if replicas:
+            values["replica_fragment_s"] = sum(replicas) / len(replicas)
+        return values
 
 
 def group_windows(receives: list[list[tuple[int, int]]]) -> list[tuple[int, tuple[int, ...]]]:

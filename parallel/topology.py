@@ -175,6 +175,18 @@ class ProcessGroups:
             return {trainers[0]: group}
         return {t: commhooks.new_group(f"own.t{t}", [t], timeout) for t in trainers}
 
+    def destroy(self) -> None:
+        """Destroy every communicator of this set but the world's (a placement switching inside a
+        run: the next set is created by every rank in its own order). Every rank calls it after its
+        last operation on them; destroying is local to each rank."""
+        seen = {id(dist.group.WORLD)}
+        for group in [self.trainers, self.publish, *self.data.values(), *self.images.values(),
+                      *self.scores.values(), *self.gap.values(), *self.own.values()]:
+            if group is None or id(group) in seen:
+                continue
+            seen.add(id(group))
+            dist.destroy_process_group(group)
+
     def stage_links(self, replica: int, stage: int, num_stages: int) -> tuple:
         """(the link a GAP stage receives on, the link it sends on)."""
         return self.gap.get((replica, (stage - 1) % num_stages)), self.gap.get((replica, stage))

@@ -365,7 +365,7 @@ class ChunkIntake(_Intake):
 
     def fragment_seconds(self, plan: StepPlan, fragment: int, seconds: float) -> float:
         """This trainer's seconds on its chunks of a fragment -> the trainer group's wall time per
-        fragment (the unit of lab.planning.simulator.Costs.train_fragment_s): chunks go round-robin."""
+        fragment (the unit of parallel.event_engine.Costs.train_fragment_s): chunks go round-robin."""
         chunks = plan.fragments[fragment].chunks
         return seconds / sum(c.trainer == self.me for c in chunks) * len(chunks) / self.num_trainers
 

@@ -62,7 +62,7 @@ def reward_parameters(specs: list[str]) -> float:
     return float(sum(_reward_count(n) for n in names if n in REWARD_MODELS))
 
 
-def _units(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+def fsdp_units(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """The FSDP units parallel/fsdp.shard_modules makes: every block and every top-level module."""
     out = []
     for child in transformer.children():
@@ -93,7 +93,7 @@ def run_shape(cfg: RunConfig, facts: RunFacts, adapter) -> model.RunShape:
         text=sum(v for k, v in counts.items() if k.startswith("text_encoder")), vae=counts.get("vae", 0),
         rewards=reward_parameters(rl.reward), hidden=config.num_attention_heads * config.attention_head_dim,
         blocks=len(adapter.blocks), largest_unit=max(sum(p.numel() for p in u.parameters()) for u in
-                                                     _units(adapter.transformer)),
+                                                     fsdp_units(adapter.transformer)),
         largest_tensor=max(p.numel() for p in named.values()), tokens=adapter.image_seq_len(latent) + text,
         latent=math.prod(latent), pixels=height * width * (frames or 1), steps=steps,
         branches=2 if (s.cfg_scale or d.cfg_scale) > 1 else 1, gen_micro=rl.micro_batch,

@@ -7,7 +7,7 @@ error it can before it waits on another rank, and measures its speed once (the s
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -152,9 +152,7 @@ class Rank:
         last = run_guard.stop_at if run_guard.stopping else self.cfg.rl.steps
         run_guard.set_timeouts(relaxed=True)
         run_guard.set_phase("exit")
-        if self.versions is not None:
-            self.versions.drain(last, last)  # the trainers publish after every step
-        drain_sends(self.store, self.deferred)  # after the drain: the trainers need the publications to get there
+        self.settle(last)
         if run_guard.stopping and self.saved != last and last > start:
             self.save(last)  # a signal stopped the run: the steps it finished are kept
         if run_guard.stopping:
@@ -167,6 +165,23 @@ class Rank:
             if self.log.logging:
                 guard.say(line)
         self._meet_at_exit()
+
+    def settle(self, last: int) -> None:
+        """After step `last` - 1: the publications still addressed to this generator are received
+        and its fragment sends (TCSS: deferred) complete, so no traffic of this placement is left."""
+        if self.versions is not None:
+            self.versions.drain(last, last)  # the trainers publish after every step
+        drain_sends(self.store, self.deferred)  # after the drain: the trainers need the publications to get there
+        self.deferred = []
+
+    def release(self) -> None:
+        """Before another placement is built in this process (runtime/autoplace.py): the step log
+        closes (the trace goes on), the communicators go, the model and the roles are dropped."""
+        self.log.close()
+        self.groups.destroy()
+        self.generator = self.replica = self.versions = self.trainer = self.publisher = self.assistant = None
+        self.scorer_rewards = None
+        self.ctx = dataclasses.replace(self.ctx, adapter=None, rewards=None, intake=None)
 
     def _meet_at_exit(self) -> None:
         """Wait, with no time limit (the heartbeats name a dead or silent rank), until every rank is
@@ -208,28 +223,38 @@ class Rank:
 
 
 # ----- building -------------------------------------------------------------------------------
-def build(cfg: RunConfig, facts: RunFacts, rank: int) -> Rank:
-    """Everything rank `rank` runs its steps with. Collective: every rank calls it."""
+def build(cfg: RunConfig, facts: RunFacts, rank: int, previous: Rank | None = None,
+          placement: dict | None = None) -> Rank:
+    """Everything rank `rank` runs its steps with. Collective: every rank calls it. `previous`: the
+    rank as the placement before built it, released, when --placement auto switches inside the run
+    (runtime/autoplace.py; `facts` then resume from its checkpoint): its store, run guard, tracer
+    and run record go on, and the run folder is not prepared again. `placement`: what --placement
+    auto chose, for the run record (config.json)."""
     topo, t = facts.topology, cfg.topology
     commhooks.install()  # DIGENRL_COMM_TRACE: every collective from here on is recorded
-    store = StepStore(t.dist_timeout_s)
+    store = previous.store if previous is not None else StepStore(t.dist_timeout_s)
     groups = ProcessGroups.create(topo, t.dist_timeout_s, guard.pending_timeout_s(t.dist_timeout_s),
                                   exchange=facts.tsp and not facts.disagg, own=mixed_replicas(cfg, facts))
-    served = any(map(reward_url, cfg.rl.reward))  # a reward service scores: the guard's timeouts outwait it
-    run_guard = guard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
-                              stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
-                              groups=_member_groups(topo, rank, groups),
-                              start_step=facts.resume.step if facts.resume else 0,
-                              reward_timeout_s=cfg.rl.reward_timeout_s if served else None).start()
-    ctx, shapes = make_context(cfg, facts, rank, groups)  # every check that needs the model: nothing written yet
+    if previous is not None:
+        run_guard = previous.guard.rebind(topo, _member_groups(topo, rank, groups))
+    else:
+        served = any(map(reward_url, cfg.rl.reward))  # a reward service scores: the guard's timeouts outwait it
+        run_guard = guard.RunGuard(topo, rank, store, heartbeat_timeout_s=t.heartbeat_timeout_s,
+                                  stop_grace_s=t.stop_grace_s, dist_timeout_s=t.dist_timeout_s,
+                                  groups=_member_groups(topo, rank, groups),
+                                  start_step=facts.resume.step if facts.resume else 0,
+                                  reward_timeout_s=cfg.rl.reward_timeout_s if served else None).start()
+    tracer = previous.ctx.tracer if previous is not None else None  # one trace for the whole run
+    ctx, shapes = make_context(cfg, facts, rank, groups, tracer)  # every check that needs the model: nothing written yet
     trainer = make_trainer(ctx) if topo.is_trainer(rank) else None
     cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
     # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
     speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
-    run = _prepare_folder(cfg, facts, rank, store)  # sync point: every rank passed its checks, the folder is ready
+    run = _prepare_folder(cfg, facts, rank, store, placement) if previous is None else \
+        _record_switch(cfg, rank, previous.run, placement)
     if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
         shapes = prompt_shapes.measured_table(shapes, [speeds[g]["shape_s"] for g in topo.generator_ranks])
-    in_place = facts.resume is not None and facts.resume.same_folder
+    in_place = facts.resume is not None and facts.resume.same_folder and previous is None
     log = StepLog(cfg, rank, rank == facts.log_rank, store, topo.world_size, facts.resume.step if facts.resume else 0,
                   in_place, algorithms.algorithm(cfg.rl.algorithm).loss(cfg.rl).SUMMARY, run)
     begin = resume.restore(facts, rank, ctx.adapter, trainer, log.running, store)  # --resume: the checkpoint's
@@ -273,15 +298,26 @@ def _expected_step_s(r: Rank, speeds: list) -> float:
     return (2 if s.cfg_scale != 1.0 else 1) * sum(n * t for n, t in zip(forwards, per_forward))
 
 
-def _prepare_folder(cfg: RunConfig, facts: RunFacts, rank: int, store: StepStore) -> dict:
+def _prepare_folder(cfg: RunConfig, facts: RunFacts, rank: int, store: StepStore, placement: dict | None) -> dict:
     """Rank 0 clears or cuts back the run folder and writes config.json once every rank has loaded
     and passed its checks (a user error found on the way leaves nothing behind); every rank then
-    reads the run record its checkpoints carry."""
+    reads the run record its checkpoints carry (with --placement auto, what it chose)."""
     if rank == 0:
         run = folder.prepare(cfg, facts.resume, facts.digests, say=guard.say)
+        if placement is not None:
+            run = _record_switch(cfg, rank, run, placement)
         store.put(keys.RUN_RECORD, run)
     dist.barrier()  # sync point: the folder is ready before any rank writes into it
     return store.get(keys.RUN_RECORD)
+
+
+def _record_switch(cfg: RunConfig, rank: int, run: dict, placement: dict | None) -> dict:
+    """The run record with --placement auto's record; rank 0 writes config.json again (its
+    placement flags are the placement now running)."""
+    run = {**run, "placement": placement} if placement is not None else run
+    if rank == 0:
+        cfg.save(os.path.join(cfg.output.output_dir, "config.json"), run)
+    return run
 
 
 def _build_generator(r: Rank, layouts: dict, version: int) -> None:

@@ -62,8 +62,10 @@ def _load(cfg: RunConfig, device: torch.device, master: bool, release: tuple[str
         raise ValueError(f"{where}: {e}") from None
 
 
-def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGroups) -> tuple[RankContext, object]:
-    """The model and what every role reads; checks every size and prompt before any rank waits."""
+def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGroups,
+                 tracer: Tracer | None = None) -> tuple[RankContext, object]:
+    """The model and what every role reads; checks every size and prompt before any rank waits.
+    `tracer`: the run's, when a placement is built again inside the run (it takes the new role)."""
     topo = facts.topology
     device = _device(cfg)
     if device.type == "cuda" and cfg.model.dtype != "float32":  # TF32 for the float32 matmuls that remain
@@ -98,8 +100,10 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
     scores = bool(replica) and replica[-1] == rank and not topo.scorer_ranks  # a replica scores on its last stage
     needs_rewards = scores or topo.is_scorer(rank) or (facts.tag and topo.is_trainer(rank))
     rewards = _reward_set(cfg, device) if needs_rewards else None  # a reward model's folder fails before any wait
-    tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,  # timed with device events, never a sync
-                    event=(lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None)
+    if tracer is None:
+        tracer = Tracer(rank, topo.role(rank), enabled=cfg.output.trace,  # timed with device events, never a sync
+                        event=(lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None)
+    tracer.role = topo.role(rank)
     is_train = topo.is_trainer(rank)
     intake = make_intake(facts.tsp, TrainingSpec.of(cfg, sampling), topo.trainer_ranks,
                          lambda r: topo.replica_ranks(r)[-1], facts.train_micro_batch,

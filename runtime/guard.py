@@ -185,6 +185,13 @@ class RunGuard:
         self._thread.start()
         return self
 
+    def rebind(self, topo, groups: list) -> "RunGuard":
+        """The run's placement changed inside the run (--placement auto): the same guard, its
+        heartbeats and signals, watches the roles and communicators of `topo` from here on."""
+        self.topo, self.me, self.groups = topo, topo.describe(self.rank), groups
+        p2p.configure(timeout_s=self.timeout_s, describe=topo.describe)
+        return self
+
     def finish(self, code: int) -> None:
         """After the final barrier: a rank that ended well is not 'silent' to its watchers."""
         if code in (EXIT_OK, EXIT_STOPPED):

@@ -17,12 +17,18 @@ import time
 
 from config.schema import RunConfig
 from config.validate import RunFacts
+from runtime import autoplace
 from runtime.build import build
 
 
 def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
-    """One rank's run; returns its exit code (0 done, guard.EXIT_STOPPED after a signal)."""
-    r = build(cfg, facts, rank)
+    """One rank's run; returns its exit code (0 done, guard.EXIT_STOPPED after a signal). With
+    --placement auto the run first measures the machine and chooses its placement, and may switch
+    placement between steps (runtime/autoplace.py)."""
+    auto = autoplace.start(cfg, facts, rank) if cfg.topology.placement == "auto" else None  # a collective
+    if auto is not None:
+        cfg, facts = auto.config()
+    r = build(cfg, facts, rank, placement=auto.record() if auto is not None else None)
     try:
         if cfg.output.eval_every and r.start == 0:
             r.evaluate(0)  # the base model
@@ -42,6 +48,8 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
                 r.save(done)
             if cfg.output.eval_every and (done % cfg.output.eval_every == 0 or done == cfg.rl.steps):
                 r.evaluate(done)
+            if auto is not None and done < cfg.rl.steps:
+                r = auto.after_step(r, step)  # the next trial's placement, or the fastest measured
         r.finish()
     except BaseException:
         r.close(failing=True)  # what it writes must not hide the error that ends the run (a full disk)

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from rl import sampler
+from rl import algorithms, sampler
 from models import autocast
 from parallel import commhooks
 from prompts import resolutions as prompt_shapes
@@ -137,3 +137,71 @@ def gather_speeds(ctx, out_dir: str, cond, shapes=None, training: bool = False) 
         with open(os.path.join(out_dir, "speeds.json"), "w") as f:
             json.dump([{"rank": r, "role": ctx.topo.role(r), **(s or {})} for r, s in enumerate(everyone)], f, indent=1)
     return everyone
+
+
+def probe_generation(ctx, repeats: int = 2) -> tuple[float, float]:
+    """(seconds, bytes per sample): one chunk of the run's micro-batch as a generator makes it:
+    its prompts (the run's first ones) encoded, K denoising steps with the run's sampler, decoded
+    and scored; and the bytes of what each sample sends to its trainers (the trajectory the
+    algorithm carries and the conditioning). For --placement auto: every rank holds every component
+    (runtime/autoplace.py). Like probe_speed, it leaves the run's RNG as it was."""
+    adapter, s, b = ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch
+    records = [ctx.records[i % len(ctx.records)] for i in range(b)]
+    prompts = [r.prompt for r in records]
+    sigmas = sampler.sigmas_for(adapter, s)
+    amp = lambda: autocast(ctx.device, ctx.cfg.model.dtype)  # noqa: E731
+    carried = algorithms.algorithm(ctx.cfg.rl.algorithm).carried
+    out = {}
+
+    def chunk():
+        with torch.no_grad(), amp():
+            cond = adapter.encode_prompts(prompts)
+            neg = adapter.encode_prompts([ctx.cfg.sampling.negative_prompt or ""] * b) if s.cfg_scale != 1.0 else None
+            traj = sampler.denoise(adapter, cond, neg, list(range(b)), 0, s, sigmas=sigmas)
+            images = adapter.decode(traj.latents[:, -1]).float().cpu()
+        if ctx.rewards is not None:
+            ctx.rewards.score(images, prompts, [r.metadata for r in records])
+        out["traj"], out["cond"] = carried(traj), cond
+
+    with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+        seconds = _timed(chunk, ctx.slowdown, ctx.device, repeats)
+    traj = out["traj"]
+    tensors = [traj.latents, traj.log_probs, *traj.steps.values(), *out["cond"].tensors.values()]
+    return seconds, sum(t.numel() * t.element_size() for t in tensors) / b
+
+
+def probe_link(rank: int, world_size: int, device: torch.device, nbytes: int = 1 << 22,
+               repeats: int = 3) -> tuple[float, float]:
+    """(bytes per second, latency in seconds) between rank 0 and every other rank, one at a time:
+    a send of `nbytes` answered by one byte, and a byte answered by a byte, each the fastest of
+    `repeats`; the slowest pair counts. Every rank calls it (a sync point); the result is rank 0's,
+    broadcast. A world of one rank has no link: (inf, 0)."""
+    if world_size == 1:
+        return float("inf"), 0.0
+    big = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    small = torch.zeros(1, dtype=torch.float32, device=device)
+    result = torch.zeros(2, dtype=torch.float64)
+    if rank == 0:
+        bandwidth, latency = float("inf"), 0.0
+        for peer in range(1, world_size):
+            times = {}
+            for name, payload in (("small", small), ("big", big)):
+                best = float("inf")
+                for _ in range(repeats):
+                    commhooks.synchronize(device)
+                    start = time.perf_counter()
+                    dist.send(payload, peer)  # rank wait: the peer receives, then answers
+                    dist.recv(small, peer)
+                    best = min(best, time.perf_counter() - start)
+                times[name] = best
+            latency = max(latency, times["small"] / 2)
+            bandwidth = min(bandwidth, nbytes / max(times["big"] - times["small"], 1e-9))
+        result[:] = torch.tensor([bandwidth, latency], dtype=torch.float64)
+    else:
+        for name, payload in (("small", small), ("big", big)):
+            for _ in range(repeats):
+                dist.recv(payload, 0)  # rank wait: rank 0 measures one peer at a time
+                dist.send(small, 0)
+    everyone = [result.tolist()]
+    dist.broadcast_object_list(everyone, src=0)  # sync point
+    return everyone[0][0], everyone[0][1]

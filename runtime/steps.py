@@ -155,8 +155,8 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
             trainer.make_version(list(trainer.codec.held))
     if assistant is not None:
         assistant.observe_training(work.seconds)
-        assistant.tracker.observe_update(update_s)
-        assistant.tracker.observe_publish(time.perf_counter() - t0)
+        assistant.observe_transfers(work.transfers)
+        assistant.observe_step_end(update_s, time.perf_counter() - t0)
         stats.update(assistant.end_step())
     return stats
 
@@ -164,10 +164,13 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
 class _Work:
     """A trainer's pieces of one step: what it needs in plan order, what it has taken so far (held
     until the step's last update that trains them), the last piece taken (FSDP padding's
-    template) and its seconds of training per fragment (TAG's cost model)."""
+    template), its seconds of training per fragment and of the transfers of fragments that landed
+    before their receive began (TAG's cost model)."""
 
     def __init__(self, needs: list):
-        self.needs, self.taken, self.num_taken, self.template, self.seconds = needs, {}, 0, None, {}
+        self.needs, self.taken, self.num_taken, self.template = needs, {}, 0, None
+        self.seconds: dict[int, float] = {}
+        self.transfers: dict[int, float] = {}
 
 
 def _train_part(ctx, trainer: Trainer, plan, work: _Work, upto: int, mine: list[int], part: int, assistant) -> None:
@@ -181,7 +184,10 @@ def _train_part(ctx, trainer: Trainer, plan, work: _Work, upto: int, mine: list[
             if need.key not in intake.inbox:  # with TAG, this rank may generate fragments while it waits
                 src = assistant.source_of(need.fragment) if assistant is not None else \
                     intake.static_source(plan, need.fragment)
+            t0 = time.perf_counter()
             work.taken[i] = work.template = intake.take(plan, need, src)
+            if assistant is not None and src not in (None, ctx.rank):  # landed before the receive began: a transfer
+                work.transfers[need.fragment] = work.transfers.get(need.fragment, 0.0) + time.perf_counter() - t0
             work.num_taken += 1
             trainer.admit(work.template)
         if i not in mine:

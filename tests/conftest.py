@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 INTEGRATION = {
-    "test_bad_inputs", "test_bench", "test_gpu_check", "test_checkpoints", "test_comm_check", "test_compress", "test_default_run",
+    "test_autoplace", "test_bad_inputs", "test_bench", "test_gpu_check", "test_checkpoints", "test_comm_check", "test_compress", "test_default_run",
     "test_device_sync", "test_eval_script", "test_faults", "test_families", "test_gap", "test_global_std",
     "test_group_creation",
     "test_heterogeneous", "test_lean_roles", "test_memory", "test_merge_traces", "test_mixed_shapes",

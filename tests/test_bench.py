@@ -60,13 +60,25 @@ def test_unknown_mode_is_a_clear_error(tmp_path):
 
 def test_a_scenario_reports_measured_and_predicted_ratios(tmp_path):
     """--scenarios: a JSON list of rows with the required fields, the ratio to the scenario's
-    baseline, the planner's ratio fitted on the baseline run alone, markdown and both figures."""
+    baseline, the planner's ratio fitted on the baseline run alone, markdown and both figures; the
+    --placement auto modes beside the fixed ones, each against the best fixed mode it may choose
+    (on-policy ones for auto, TCSS ones too for auto+stale)."""
     out = tmp_path / "bench"
     proc = _bench(["--scenarios", "window", *QUICK, "--out", str(out), "--json", str(tmp_path / "rows.json"),
-                   "--", "--reward", "jpeg_compressibility"], timeout=400)
+                   "--", "--reward", "jpeg_compressibility"], timeout=800)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert [r["mode"] for r in rows] == ["colocated-replicate", "gap+tag", "gap+tag+tcss"]
+    assert [r["mode"] for r in rows] == ["colocated-replicate", "gap+tag", "gap+tag+tcss", "auto", "auto+stale"]
+    by_mode = {r["mode"]: r for r in rows}
+    for name, allowed in (("auto", ("colocated-replicate", "gap+tag")),
+                          ("auto+stale", ("colocated-replicate", "gap+tag", "gap+tag+tcss"))):
+        best = max(allowed, key=lambda m: by_mode[m]["samples_per_s"])
+        r = by_mode[name]
+        assert r["best_fixed"] == best and r["vs_best_fixed"] == pytest.approx(
+            r["samples_per_s"] / by_mode[best]["samples_per_s"])
+        assert r["auto_placement"] and r["auto_switches"] == 0  # 2 steps: no room for trials
+        assert f"window: {name} chose" in proc.stdout
+    assert not by_mode["auto"].get("best") and not by_mode["auto+stale"].get("best")  # the best fixed mode is marked
     base = rows[0]
     assert base["baseline"] and not any(r["baseline"] for r in rows[1:])
     for r in rows:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from parallel import bts
-from lab.planning.simulator import MODES, Costs, StepState, predict_makespan, simulate_run, simulate_step
+from planner.simulator import MODES, Costs, StepState, predict_makespan, simulate_run, simulate_step
 from telemetry.tracing import CATEGORIES
 
 
@@ -389,3 +389,37 @@ def test_plan_speeds_balance_the_static_plan():
     assert by_speed.makespan_s < equal.makespan_s
     with pytest.raises(ValueError, match="plan_speeds"):
         simulate_step("gap", 8, c, 1, plan_speeds=[1.0])
+
+
+# ----- TCSS: a claim judged by the end of the next step ---------------------------------------------
+def test_tcss_bts_looks_at_the_next_step_and_shortens_the_steady_step():
+    """Under TCSS the generator runs a version ahead: a fragment a trainer takes over frees it for
+    the next step, which the end of this step alone does not show. Judged by the next step's end,
+    BTS claims more and the steady step is shorter than with the one-step judgement (and than
+    on-policy TAG); the trainers' own end of this step is what the one-step judgement sees."""
+    c = _costs(gen=(1.0,), train=0.3, trainer_gen=1.0, update_s=0.01, publish_s=0.01)
+    one_step = simulate_run("tcss", 8, 4, c, 1, lambda s, cc, m: bts.decide(s, cc, m))
+    two_step = simulate_run("tcss", 8, 4, c, 1, "bts")  # the policy the runtime runs under TCSS
+    never = simulate_run("tcss", 8, 4, c, 1)
+    on_policy = simulate_run("tag", 8, 4, c, 1, "bts")
+    assert never.steady_step_s == pytest.approx(4.0)  # the generator alone bounds the step
+    assert two_step.fragments_by_trainers > one_step.fragments_by_trainers
+    assert two_step.steady_step_s < 0.95 * one_step.steady_step_s
+    assert two_step.steady_step_s < on_policy.steady_step_s < never.steady_step_s
+
+
+def test_next_step_prediction_by_hand():
+    """From the start of a step of 2 fragments (1 replica of 1 s per fragment, 1 trainer of 0.5 s
+    per fragment, nothing else): without claims the replica generates this step's fragments by 2 s
+    and the next step's by 4 s; the trainer trains the next step's last fragment at 4 - 4.5 s. With
+    one claim now, the trainer generates fragment 1 while the replica generates fragment 0 (0-1);
+    the replica, done with this step, starts the next one at once (its version: staleness 1)."""
+    c = _costs(gen=(1.0,), train=0.5, trainer_gen=1.0)
+    state = StepState(0.0, [0, 1], [0.0], {}, [0.0], [0.0], num_fragments=2)
+    assert predict_makespan(state, c, 1, 0, next_claims=0) == pytest.approx(4.5)
+    # the trainer trains 0 and 1 (1-2); next step: the replica generated fragment 0 at 1-2 and,
+    # free at 2 before the trainer's idle window, claims fragment 1 too (2-3): trained 2-2.5, 3-3.5
+    assert predict_makespan(state, c, 1, 1, next_claims=1) == pytest.approx(3.5)
+    assert bts.decide(state, c, 1, tcss=True).claim
+    with pytest.raises(ValueError, match="num_fragments"):
+        bts.decide(StepState(0.0, [0, 1], [0.0], {}, [0.0], [0.0]), c, 1, tcss=True)

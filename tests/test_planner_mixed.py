@@ -15,7 +15,7 @@ from parallel.event_engine import Costs
 from planner.hardware import gpu
 from lab.planning.mixed_shapes import PLAN_SEED, step_plan
 from lab.planning.placements import Pool, colocated, disagg_plan, replica_fragment_s, repredict
-from lab.planning.simulator import simulate_run
+from planner.simulator import simulate_run
 from planner.specs import forward_flops
 from planner.workload import Workload, parse_shape_mix
 

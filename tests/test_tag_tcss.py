@@ -107,6 +107,25 @@ def test_tag_trains_the_colocated_data(tmp_path, colocated):
                  "--output-dir", str(run)], env=traced(run))
     _check_tag_run(run, colocated, 3, [0], [1, 2])
     assert_nccl_ok(run, ["data.to", "publish"])
+    _check_recorded_costs(run, logging_rank=1)
+
+
+def _check_recorded_costs(run, logging_rank):
+    """BTS decides with every cost measured in the run: the step log's bts/* (the logging trainer's
+    costs after each step) hold transfers, the update and publication. After step 0 each is that
+    step's own measurement: the update and publication agree with the trainer's trace spans."""
+    rows = [r for r in read_metrics(str(run / "metrics.jsonl")) if "train/loss" in r]
+    events = json.loads((run / "trace" / f"rank{logging_rank}.json").read_text())["traceEvents"]
+
+    def span_s(name, step):
+        return sum(e["dur"] for e in events if e.get("name") == name and e["args"]["step"] == step) / 1e6
+
+    for r in rows:
+        assert {"bts/transfer_s", "bts/update_s", "bts/publish_s", "bts/train_fragment_s"} <= set(r), sorted(r)
+        assert 0 < r["bts/transfer_s"] < r["perf/step_s"] and 0 < r["bts/publish_s"] < r["perf/step_s"]
+    first = rows[0]
+    for key, name in (("bts/update_s", "optimizer"), ("bts/publish_s", "publish")):
+        assert first[key] == pytest.approx(span_s(name, 0), rel=0.2, abs=2e-3), key
 
 
 def test_tag_with_fsdp_trainers_trains_the_colocated_data(tmp_path, colocated):

@@ -37,7 +37,7 @@ from parallel.tsp import pack
 from lab.planning import costs as cm
 from parallel.event_engine import Costs
 from lab.planning.profile import DeviceProfile
-from lab.planning.simulator import simulate_run
+from planner.simulator import simulate_run
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from planner.hardware import GPU, LINK_LATENCY_S, Sharding, allgather_s, allredu
 from planner.hardware import busbw as hw_busbw
 from lab.planning.mixed_shapes import colocated_phases, step_plan
 from planner.memory import colocated_memory, generator_memory, max_micro_batch, trainer_memory
-from lab.planning.simulator import simulate_run
+from planner.simulator import simulate_run
 from planner.specs import block_flops, hidden_bytes, lora_params
 from lab.planning.peer_systems import Prediction, Segment, lockstep
 from lab.planning.peer_systems import sync_s as staging_s

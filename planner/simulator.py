@@ -111,17 +111,19 @@ def simulate_run(mode: str, num_steps: int, num_fragments: int, costs: Costs, nu
                     sum(costs.scale("transfer_scale", f) for f in mine[r]) / len(mine[r])) for r in owners]
     dynamic = tag_policy is not None
     engine = _Engine(costs, num_trainers, num_steps, units, None if dynamic else owners,
-                     policy=_resolve(tag_policy), tcss=mode == "tcss", stages=stages_per_replica, record=True,
+                     policy=_resolve(tag_policy, mode == "tcss"), tcss=mode == "tcss", stages=stages_per_replica,
+                     record=True,
                      weights=weights, wave=wave)
     engine.run()
     return engine.result()
 
 
-def _resolve(policy: str | Policy | None) -> Policy | None:
+def _resolve(policy: str | Policy | None, tcss: bool = False) -> Policy | None:
     if policy is None or policy == "never":
         return None
     if policy == "always":
         return lambda state, costs, num_trainers: True
-    if policy == "bts":
-        return bts.decide
+    if policy == "bts":  # under TCSS, BTS judges a claim by the end of the next step, as the runtime's does
+        return (lambda state, costs, num_trainers: bts.decide(state, costs, num_trainers, tcss=True)) if tcss \
+            else bts.decide
     return policy

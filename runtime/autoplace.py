@@ -1,0 +1,277 @@
+"""--placement auto (docs/placement.md): the run chooses its placement for the machine it is on, and
+checks the choice against measured steps.
+
+At start-up every rank loads the whole model (as a colocated rank holds it) and measures one chunk's
+generation (encoding, K denoising steps, decoding, scoring) and one training forward and backward at
+the run's shapes; rank 0 measures the link to every other rank (runtime/probe.py). The planner
+(planner/candidates.py) ranks every placement this world size allows from those numbers, the run's
+memory budget refusing what does not fit (runtime/budget.py; on a GPU without --memory-budget-gb,
+the device's memory), and the run builds the fastest.
+
+Every placement trains the same weights, so the choice can be checked by running: the placements
+predicted within --placement-margin of the best (up to --placement-trials of them) each run
+--placement-trial-steps steps, the runner-ups first and the predicted best last, and the run keeps
+the one whose last trial step was fastest (a step's period; a placement's first step, from its own
+start, so that the switch before it does not count). A switch between two steps saves the run state, tears
+the roles down and builds the next placement from that checkpoint, in this process: the state an
+exact resume restores, so the weights after N steps are a fixed placement's. Every decision and
+switch is said on rank 0 and written into config.json's run record ("placement").
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from checkpointing import checkpoint
+from checkpointing import folder
+from config.schema import RunConfig
+from config.validate import RunFacts, probe_config, with_placement
+from models import autocast, resolve_dtype
+from parallel import store_keys as keys
+from parallel.topology import ProcessGroups
+from parallel.trainer_intake import TrainingSpec
+from planner import candidates as planner
+from runtime import budget, guard, probe
+from runtime.build import Rank, build
+from runtime.context import make_context
+
+
+def measure(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[planner.Machine, planner.Workload, object]:
+    """The start-up probe on every rank (sync points: the conditioning, the link, the gather):
+    (the machine, the run's workload, this rank's probe context, whose model the planner's memory
+    check reads)."""
+    pcfg = probe_config(cfg)
+    ctx, _ = make_context(pcfg, facts, rank, ProcessGroups(trainers=dist.group.WORLD))
+    s, a = ctx.sampling, ctx.adapter
+    rows = facts.train_micro_batch if facts.tsp else cfg.rl.micro_batch
+    chunk_s, sample_bytes = probe.probe_generation(ctx)
+    amp = lambda: autocast(ctx.device, cfg.model.dtype)  # noqa: E731
+    train_s = probe.probe_speed(a, s, rows, ctx.slowdown, amp, cond=a.encode_prompts([""] * rows))["train_s"]
+    row_s = train_s * (2 if s.cfg_scale != 1.0 else 1) / rows  # with CFG a transition trains both branches
+    link, latency = probe.probe_link(rank, facts.topology.world_size, ctx.device)  # sync point
+    everyone = [None] * facts.topology.world_size
+    dist.all_gather_object(everyone, (chunk_s, row_s, sample_bytes))  # sync point
+    machine = planner.Machine([e[0] for e in everyone], [e[1] for e in everyone], link, latency)
+    return machine, _workload(cfg, facts, ctx, max(e[2] for e in everyone)), ctx
+
+
+def _workload(cfg: RunConfig, facts: RunFacts, ctx, sample_bytes: float) -> planner.Workload:
+    """The run's step in the sizes the planner's costs follow from."""
+    rl, a = cfg.rl, ctx.adapter
+    spec = TrainingSpec.of(cfg, ctx.sampling)
+    trained = sum(len(spec.timesteps(0, i)) for i in range(rl.group_size)) / rl.group_size
+    compute = resolve_dtype(cfg.model.dtype, ctx.device).itemsize
+    params = dict(a.transformer.named_parameters())
+    trained_numel = sum(p.numel() for n, p in params.items() if ".lora_" in n) if facts.lora else \
+        sum(p.numel() for p in params.values())
+    weights = sum(p.numel() * p.element_size() for p in params.values())
+    return planner.Workload(rl.prompts_per_step, rl.group_size, rl.micro_batch, facts.num_prompts, cfg.seed,
+                            cfg.topology.fragment_groups or None, ctx.sampling.num_steps, trained, sample_bytes,
+                            trained_numel * compute, trained_numel * 4, weights, facts.tsp,
+                            facts.train_micro_batch if facts.tsp else rl.micro_batch, len(a.blocks),
+                            len(budget.fsdp_units(a.transformer)))
+
+
+def placed(cfg: RunConfig, p: planner.Placement) -> RunConfig:
+    """The run's config with placement `p`'s flags (--placement stays auto)."""
+    out = dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology))
+    t = out.topology
+    t.mode, t.generators, t.trainers, t.scorers, t.gap_stages = p.mode, p.generators, p.trainers, 0, p.gap_stages
+    t.tag, t.tcss = p.tag, p.tcss
+    if p.mode == "colocated":
+        t.colocated_sharding = p.sharding
+    else:
+        t.train_sharding = p.sharding
+    t.fragment_split = p.fragment_split if p.fragment_split != "auto" else cfg.topology.fragment_split
+    return out
+
+
+def refusal(cfg: RunConfig, facts: RunFacts, adapter, p: planner.Placement) -> str | None:
+    """Why placement `p` cannot run (its memory over the budget; on a GPU without
+    --memory-budget-gb, over the device's memory), or None."""
+    c = placed(cfg, p)
+    if c.topology.memory_budget_gb is None and adapter.device.type == "cuda":
+        c.topology.memory_budget_gb = torch.cuda.get_device_properties(adapter.device).total_memory / 1e9
+    try:
+        budget.check_budget(c, with_placement(c, facts), adapter)
+    except ValueError as e:
+        return f"{p.label()}: {e}"
+    return None
+
+
+class AutoPlacement:
+    """--placement auto's state: the ranked placements, the trials, what each measured."""
+
+    def __init__(self, cfg: RunConfig, facts: RunFacts, ranked: list[dict], refused: list[str], machine: dict,
+                 first_step: int):
+        t = cfg.topology
+        self.cfg, self.facts, self.ranked, self.refused, self.machine = cfg, facts, ranked, refused, machine
+        best = ranked[0]["predicted_step_s"]
+        near = [i for i in range(1, min(t.placement_trials, len(ranked)))
+                if best is not None and ranked[i]["predicted_step_s"] <= best * (1 + t.placement_margin)]
+        room = cfg.rl.steps - first_step - 1  # the trials must leave a step to run the one kept
+        near = near[:max(0, room // t.placement_trial_steps - 1)]
+        self.trials = [*reversed(near), 0] if near else []  # the runner-ups first, the predicted best last
+        self.tried = list(self.trials)  # the trials planned (self.trials empties once decided)
+        self.current = self.trials[0] if self.trials else 0
+        self.steps_in, self.measured, self.switches = 0, {}, []
+
+    def placement(self, i: int | None = None) -> planner.Placement:
+        return planner.Placement(**self.ranked[self.current if i is None else i]["placement"])
+
+    def config(self, i: int | None = None) -> tuple[RunConfig, RunFacts]:
+        cfg = placed(self.cfg, self.placement(i))
+        return cfg, with_placement(cfg, self.facts)
+
+    def record(self) -> dict:
+        """What config.json's run record says of the choice."""
+        def show(i):
+            return {k: v for k, v in self.ranked[i].items() if k != "placement"}
+        return {"mode": "auto", "chosen": show(0), "runner_up": show(1) if len(self.ranked) > 1 else None,
+                "running": show(self.current), "ranked": [show(i) for i in range(len(self.ranked))],
+                "refused": self.refused, "probe": self.machine, "trials": [show(i) for i in self.tried],
+                "measured_step_s": self._measured_by_label(), "switches": self.switches}
+
+    def after_step(self, r: Rank, step: int) -> Rank:
+        """At the end of a trial: the next trial's placement, or after the last the fastest measured
+        (rank waits: every rank reads the logging rank's decision). Returns the rank to go on with."""
+        if not self.trials:
+            return r
+        self.steps_in += 1
+        if self.steps_in < self.cfg.topology.placement_trial_steps:
+            return r
+        key = keys.placement_decision(step)
+        if r.log.logging:  # the loop's period; a placement's first step counts from its own start (not the switch)
+            first = self.steps_in == 1
+            self.measured[self.current] = r.log.last_span_s if first else r.log.last_scalars["perf/step_s"]
+            k = self.trials.index(self.current)
+            nxt = self.trials[k + 1] if k + 1 < len(self.trials) else min(self.measured, key=self.measured.get)
+            if r.guard.stopping:  # a signal: the run stops before the next step, in this placement
+                nxt = self.current
+            r.store.put(key, {"next": nxt, "measured": self.measured})  # every rank follows this one decision
+        if r.versions is not None:
+            # A generator first takes this step's publication: the trainers (the logging rank among
+            # them) finish their step only once it is received (a send completes at its receive).
+            r.versions.take_publication(step + 1, step + 1)
+        decision = r.store.get(key)  # rank wait: the logging rank measured the trial's last step
+        self.measured = {int(i): s for i, s in decision["measured"].items()}
+        nxt, last = decision["next"], self.trials.index(self.current) == len(self.trials) - 1
+        if last or nxt == self.current:
+            self.trials = []  # decided (or stopping): no more trials
+        if nxt == self.current:
+            _say(r, f"placement: keeping {self.ranked[nxt]['label']} ({self._times()})")
+            _write_record(r, self.record())
+            return r
+        return self._switch(r, nxt, step + 1)
+
+    def _times(self) -> str:
+        return "; ".join(f"{self.ranked[i]['label']} measured {s:.3g} s/step" for i, s in self.measured.items())
+
+    def _switch(self, r: Rank, nxt: int, done: int) -> Rank:
+        frm, self.current, self.steps_in = self.current, nxt, 0
+        _say(r, f"placement: switching after step {done - 1} from {self.ranked[frm]['label']} to "
+                f"{self.ranked[nxt]['label']} (predicted {self.ranked[nxt]['predicted_step_s']:.3g} s/step; "
+                f"{self._times()})")
+        start = time.perf_counter()
+        cfg, facts = self.config()
+        new = switch(r, cfg, facts, done, self.record())
+        self.switches.append({"after_step": done - 1, "from": self.ranked[frm]["label"],
+                              "to": self.ranked[nxt]["label"], "measured_step_s": self._measured_by_label(),
+                              "switch_s": time.perf_counter() - start})
+        _write_record(new, self.record())
+        return new
+
+    def _measured_by_label(self) -> dict:
+        return {self.ranked[i]["label"]: s for i, s in self.measured.items()}
+
+
+def start(cfg: RunConfig, facts: RunFacts, rank: int) -> AutoPlacement:
+    """Measure the machine, rank the placements, choose (a collective: every rank calls it, and
+    every rank gets rank 0's ranking)."""
+    world = facts.topology.world_size
+    allow_stale = cfg.topology.placement_stale
+    machine = workload = ctx = None
+    if world > 1:
+        machine, workload, ctx = measure(cfg, facts, rank)
+    out = [None]
+    if rank == 0:
+        options = planner.candidates(world, machine, allow_stale=allow_stale,
+                                     blocks=workload.blocks if workload else 1)
+        verdicts = [(p, refusal(cfg, facts, ctx.adapter, p) if ctx is not None else None) for p in options]
+        fits, refused = [p for p, why in verdicts if why is None], [why for _, why in verdicts if why]
+        preds = planner.rank(fits, workload, machine) if machine else [planner.Prediction(fits[0], None)]
+        if not preds:
+            raise ValueError(f"--placement auto: no placement fits: {'; '.join(refused)}")
+        ranked = [{**p.to_dict(), "placement": dataclasses.asdict(p.placement)} for p in preds]
+        out = [(ranked, refused, dataclasses.asdict(machine) if machine else None)]
+    dist.broadcast_object_list(out, src=0)  # sync point: rank 0's ranking, the same on every rank
+    del ctx
+    _free()
+    auto = AutoPlacement(cfg, facts, *out[0], first_step=facts.resume.step if facts.resume else 0)
+    if rank == 0:
+        guard.say(_choice_line(auto))
+    return auto
+
+
+def _choice_line(auto: AutoPlacement) -> str:
+    """The run's first line: what it runs and why."""
+    best, ranked = auto.ranked[0], auto.ranked
+    if best["predicted_step_s"] is None:
+        return f"placement: {best['label']} (one rank: the only placement)"
+    others = ", ".join(f"{x['label']} {x['predicted_step_s']:.3g}" for x in ranked[1:4])
+    line = (f"placement: {best['label']}, the fastest of {len(ranked)} placements for this machine "
+            f"(predicted {best['predicted_step_s']:.3g} s/step; then {others} s/step")
+    line += f"; {len(auto.refused)} refused by memory)" if auto.refused else ")"
+    if auto.trials:
+        line += (f"; trying {', '.join(ranked[i]['label'] for i in auto.trials)} for "
+                 f"{auto.cfg.topology.placement_trial_steps} steps each first")
+    return line
+
+
+def switch(r: Rank, cfg: RunConfig, facts: RunFacts, done: int, record: dict) -> Rank:
+    """Rebuild rank `r` as placement (cfg, facts) after `done` steps, from the run's own state: the
+    trainers checkpoint it (unless step `done` saved it), the placement's traffic settles, and the
+    new roles resume from that checkpoint as an exact resume does. A collective."""
+    if r.saved != done:
+        r.save(done)  # every trainer writes its shards (a collective over the trainers)
+    r.settle(done)
+    if r.log.logging:  # the next step's period counts from this one's end, across the switch
+        r.store.put(keys.previous_end(done), r.log.previous_end)
+    dist.barrier()  # sync point: this placement's traffic is over and its checkpoint written
+    path = checkpoint.checkpoint_dir(r.cfg.output.output_dir, done)
+    point = folder.ResumePoint(path, done, (), True, {}, os.path.isfile(os.path.join(path, checkpoint.STALE_FILE)),
+                               {})
+    r.release()
+    _free()
+    new = build(cfg, dataclasses.replace(facts, resume=point), r.ctx.rank, previous=r, placement=record)
+    if new.log.logging:
+        new.log.previous_end = new.store.get(keys.previous_end(done))
+    return new
+
+
+def _free() -> None:
+    """Drop what a released model or probe left (host and device memory) before the next loads."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _say(r: Rank, line: str) -> None:
+    """Said by the logging rank: its progress bar is the one drawn, and tqdm moves only its own."""
+    if r.log.logging:
+        guard.say(line)
+
+
+def _write_record(r: Rank, record: dict) -> None:
+    """config.json's run record with the placement's record, on every rank's Rank (rank 0 writes)."""
+    r.run = {**r.run, "placement": record}
+    if r.ctx.rank == 0:
+        r.cfg.save(os.path.join(r.cfg.output.output_dir, "config.json"), r.run)
+
+
+__all__ = ["AutoPlacement", "measure", "placed", "refusal", "start", "switch"]

@@ -1,0 +1,78 @@
+"""--placement auto through torchrun: the start-up probe and the planner choose, config.json and the
+log say what and why, and a run that switches placement inside the run, between steps, trains the
+weights a fixed placement trains (runtime/autoplace.py)."""
+import json
+
+import pytest
+
+from lab.launch import TINY, torchrun, trained_weights
+from telemetry.metrics import read_metrics
+from weights import assert_same_weights
+
+ARGS = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]
+STEPS = 5
+ARGS += ["--lora-rank", "4", "--fragment-groups", "1", "--steps", str(STEPS)]  # 4 fragments of one group each
+# Every placement of 2 ranks (colocated, colocated FSDP2, 1 + 1, 1 + 1 with TAG) is tried, one step
+# each, whatever the probe ranks first (a disaggregated trial among them, before the decision:
+# its generator must take the trainers' publication first), before the fastest runs the last step.
+TRY_ALL = ["--placement", "auto", "--placement-trials", "4", "--placement-trial-steps", "1",
+           "--placement-margin", "1e9"]
+
+
+def _rows(run):
+    return [r for r in read_metrics(str(run / "metrics.jsonl")) if "train/loss" in r]
+
+
+@pytest.fixture(scope="module")
+def switching(tmp_path_factory):
+    out = tmp_path_factory.mktemp("auto")
+    proc = torchrun(2, [*ARGS, *TRY_ALL, "--output-dir", str(out)], timeout=600)
+    return out, proc.stderr
+
+
+def test_a_run_that_switches_placement_trains_the_fixed_weights(tmp_path, switching):
+    """Four placements for a step each, then the fastest: every step trains the colocated run's
+    transitions and rewards, and the weights after 5 steps are the colocated run's."""
+    run, _ = switching
+    fixed = tmp_path / "fixed"
+    torchrun(2, [*ARGS, "--placement", "fixed", "--mode", "colocated", "--output-dir", str(fixed)])
+    assert_same_weights(trained_weights(str(fixed), STEPS), trained_weights(str(run), STEPS), "auto")
+    rows, ref = _rows(run), _rows(fixed)
+    assert [r["step"] for r in rows] == list(range(STEPS))  # each step logged once, across the switches
+    for r, c in zip(rows, ref):
+        assert r["train/num_transitions"] == c["train/num_transitions"]
+        assert r["reward/mean"] == pytest.approx(c["reward/mean"], rel=1e-6)
+
+
+def test_the_log_and_config_json_say_what_auto_chose_and_why(switching):
+    """The first line names the placement, its predicted step time and the next ones; config.json's
+    run record holds the ranking, the probe, the trials' measured steps and every switch; one trace
+    per rank covers every step, whichever placement ran it."""
+    run, stderr = switching
+    # (a line another rank's output ran into still counts: the ranks share one stderr)
+    said = [line[line.index("placement: "):] for line in stderr.splitlines() if "placement: " in line]
+    assert said[0].startswith("placement: ") and "fastest of" in said[0] and "predicted" in said[0]
+    for k in range(3):
+        assert said[1 + k].startswith(f"placement: switching after step {k}") and "measured" in said[1 + k]
+    assert said[4].startswith("placement: switching after step 3") or said[4].startswith("placement: keeping")
+    record = json.loads((run / "config.json").read_text())["run"]["placement"]
+    ranked = record["ranked"]
+    assert record["chosen"] == ranked[0] and record["runner_up"] == ranked[1]
+    assert [x["predicted_step_s"] for x in ranked] == sorted(x["predicted_step_s"] for x in ranked)
+    assert len(record["probe"]["chunk_s"]) == 2 and record["probe"]["link_bytes_s"] > 0
+    tried = [x["label"] for x in ranked]
+    assert len(tried) == 4 and any("TAG" in t for t in tried)
+    assert set(record["measured_step_s"]) == set(tried) and all(s > 0 for s in record["measured_step_s"].values())
+    switches = record["switches"]
+    assert [s["after_step"] for s in switches] in ([0, 1, 2], [0, 1, 2, 3]) and all(s["switch_s"] > 0 for s in switches)
+    assert [s["from"] for s in switches[:3]] == tried[:0:-1] and [s["to"] for s in switches[:3]] == tried[2::-1]
+    fastest = min(record["measured_step_s"], key=record["measured_step_s"].get)
+    assert record["running"]["label"] == fastest
+    config = json.loads((run / "config.json").read_text())
+    assert config["topology"]["placement"] == "auto"
+    running = next(x for x in ranked if x["label"] == fastest)
+    assert "--mode" in running["flags"] and config["topology"]["mode"] == running["flags"][running["flags"].index("--mode") + 1]
+    for rank in (0, 1):
+        events = json.loads((run / "trace" / f"rank{rank}.json").read_text())["traceEvents"]
+        steps = {e["args"]["step"] for e in events if e.get("ph") == "X" and e["cat"] in ("generate", "optimizer")}
+        assert steps == set(range(STEPS))

@@ -1,0 +1,111 @@
+"""--placement auto's planner (planner/candidates.py): the placements a world size allows, and the
+ranking of the probe's costs, against hand computations and the regimes the bench measures.
+Pure: no process, no model."""
+import pytest
+
+from config.cli import parse_config
+from planner.candidates import Machine, Placement, Workload, candidates, predict, rank
+
+# 4 prompts x 4 samples in fragments of one group, micro-batch 4: one chunk per fragment
+WL = Workload(prompts_per_step=4, group_size=4, micro_batch=4, num_prompts=64, seed=0, fragment_groups=1,
+              sample_steps=8, trained_per_sample=8, sample_bytes=1e4, version_bytes=1e5, grad_bytes=4e5,
+              weight_bytes=7e6, tsp=True, train_micro_batch=16, blocks=4, units=8)
+FAST_LINK = dict(link_bytes_s=1e9, latency_s=1e-4)
+
+
+def _best(machine, stale=False, world=2):
+    return rank(candidates(world, machine, allow_stale=stale, blocks=4), WL, machine)[0].placement
+
+
+def test_the_candidates_of_a_world():
+    """Colocated (replicated, FSDP2; by speed only when the ranks differ), then every split with
+    TAG on and off, GAP stages where the generators divide, FSDP2 trainers where there are several;
+    TCSS only when staleness is allowed."""
+    labels = [p.label() for p in candidates(2)]
+    assert labels == ["colocated", "colocated FSDP2", "1 generator + 1 trainer", "1 generator + 1 trainer, TAG"]
+    assert [p.label() for p in candidates(1)] == ["colocated"]
+    three = candidates(3, blocks=4)
+    assert Placement("disagg", 2, 1, 2, tag=True) in three and Placement("disagg", 1, 2, 1, "fsdp") in three
+    assert not any(p.tcss for p in three) and not any(p.gap_stages > 1 and p.generators == 1 for p in three)
+    stale = candidates(3, blocks=4, allow_stale=True)
+    assert len(stale) == 2 + 2 * (len(three) - 2) and sum(p.tcss for p in stale) == len(three) - 2
+    uneven = Machine([0.2, 0.1], [0.01, 0.01], **FAST_LINK)
+    assert Placement("colocated", fragment_split="speed") in candidates(2, uneven)
+    assert candidates(2, blocks=1) == candidates(2, blocks=4)  # 1 generator: one stage only
+    assert Placement("colocated").flags() == ["--mode", "colocated", "--colocated-sharding", "replicate"]
+    assert Placement("disagg", 1, 2, 1, "fsdp", tag=True).flags() == [
+        "--mode", "disagg", "--generators", "1", "--trainers", "2", "--gap-stages", "1", "--train-sharding", "fsdp",
+        "--tag"]
+
+
+def test_colocated_step_by_hand():
+    """Two equal ranks, 4 fragments of one chunk: each generates 2 (2 x 0.1 s), then the packed
+    transitions move (16 samples x 1e4 bytes, half of them, over 1e9 B/s, plus the latency) and
+    each trains half of 4 x 32 transitions at 0.001 s, then the LoRA gradient all-reduce."""
+    m = Machine([0.1, 0.1], [0.001, 0.001], **FAST_LINK)
+    exchange = 16 * 1e4 * 0.5 / 1e9 + 1e-4
+    allreduce = 2 * 4e5 * 0.5 / 1e9 + 1e-4
+    assert predict(Placement("colocated"), WL, m).step_s == pytest.approx(0.2 + 4 * 16 * 0.001 + allreduce + exchange)
+
+
+def test_streaming_step_by_hand():
+    """1 generator + 1 trainer, GAP streaming: 4 fragments of 0.1 s back to back; each lands after
+    its transfer; the last trains (32 transitions at 0.001 s) and the version goes to the
+    generator (1e5 bytes). The steady step: generation, then the last fragment's tail."""
+    m = Machine([0.1, 0.1], [0.001, 0.001], **FAST_LINK)
+    transfer = 4 * 1e4 / 1e9 + 1e-4
+    publish = 1e5 / 1e9 + 1e-4
+    step = predict(Placement("disagg", 1, 1), WL, m).step_s
+    assert step == pytest.approx(4 * 0.1 + transfer + 32 * 0.001 + publish)
+
+
+def test_the_ranking_follows_the_regime():
+    """Identical ranks with training half the generation: colocated. Rank 0 generating 2x slower:
+    it generates and the fast rank trains and helps (TAG). Training that dwarfs generation: both
+    ranks should train (colocated). TCSS only wins where it is allowed."""
+    even = Machine([0.15, 0.15], [0.003, 0.003], **FAST_LINK)
+    assert _best(even) == Placement("colocated")
+    slow0 = Machine([0.3, 0.15], [0.006, 0.003], **FAST_LINK)
+    assert _best(slow0) == Placement("disagg", 1, 1, tag=True)
+    assert _best(slow0, stale=True).tcss
+    heavy = Machine([0.05, 0.05], [0.02, 0.02], **FAST_LINK)
+    assert _best(heavy).mode == "colocated"
+    by_speed = rank(candidates(2, slow0, blocks=4), WL, slow0)
+    assert Placement("colocated", fragment_split="speed") in [x.placement for x in by_speed]  # 3 fragments to rank 1
+    slightly = Machine([0.12, 0.1], [0.003, 0.003], **FAST_LINK)  # 4 fragments split 2 and 2 either way: one run
+    assert Placement("colocated", fragment_split="speed") in candidates(2, slightly)
+    assert Placement("colocated", fragment_split="speed") not in [x.placement for x in rank(
+        candidates(2, slightly), WL, slightly)]
+    preds = rank(candidates(2, slow0, blocks=4), WL, slow0)
+    assert [p.step_s for p in preds] == sorted(p.step_s for p in preds)
+    tag = next(p for p in preds if p.placement.tag)
+    assert tag.trainer_fragments >= 1  # the fast trainer generates
+
+
+def test_fsdp_pays_its_gathers():
+    """FSDP2 gathers every unit's weights at every forward: on a slow link it loses to replicas, on
+    a free one it ties."""
+    free = Machine([0.1, 0.1], [0.001, 0.001], link_bytes_s=1e15, latency_s=0.0)
+    slow = Machine([0.1, 0.1], [0.001, 0.001], link_bytes_s=1e8, latency_s=1e-3)
+    col, fsdp = Placement("colocated"), Placement("colocated", sharding="fsdp")
+    assert predict(fsdp, WL, free).step_s == pytest.approx(predict(col, WL, free).step_s)
+    assert predict(fsdp, WL, slow).step_s > 1.5 * predict(col, WL, slow).step_s
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ([], "auto"), (["--mode", "colocated"], "fixed"), (["--generators", "1", "--trainers", "1"], "fixed"),
+    (["--tag"], "fixed"), (["--tcss"], "fixed"), (["--train-sharding", "fsdp"], "fixed"),
+    (["--tsp", "--fragment-groups", "2"], "auto"), (["--placement", "auto", "--tag"], "auto"),
+    (["--placement", "fixed"], "fixed"),
+])
+def test_placement_is_auto_unless_a_placement_flag_is_given(flags, expected):
+    cfg = parse_config(flags)
+    cfg.resolve_defaults()
+    assert cfg.topology.placement == expected
+
+
+def test_a_placement_flag_at_its_default_still_names_a_placement():
+    """`--mode disagg` (the default's value) on the command line: the run takes 1 + 1, as asked."""
+    cfg = parse_config(["--mode", "disagg"])
+    cfg.resolve_defaults()
+    assert cfg.topology.placement == "fixed"
