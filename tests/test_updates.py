@@ -219,7 +219,7 @@ def test_step_stats_of_one_update_are_that_updates():
 def test_later_updates_training_waits_for_the_last_fragment():
     """One replica streams 4 fragments of 1 s to one trainer (0.5 s of training each): with 2 updates
     over parts that span the step, half of every fragment's training waits for the last one."""
-    from lab.planning.simulator import simulate_step
+    from planner.simulator import simulate_step
 
     base = Costs([1.0], 1.0, 0.5, update_s=0.1)
     streamed = simulate_step("gap", 4, base, 1).makespan_s
