@@ -192,6 +192,7 @@ def probe_link(rank: int, world_size: int, device: torch.device, nbytes: int = 1
                     start = time.perf_counter()
                     dist.send(payload, peer)  # rank wait: the peer receives, then answers
                     dist.recv(small, peer)
+                    commhooks.synchronize(device)  # on NCCL a recv returns once posted: wait for the answer
                     best = min(best, time.perf_counter() - start)
                 times[name] = best
             latency = max(latency, times["small"] / 2)

@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {
     ("parallel/commhooks.py", "synchronize"): "the one device-wide synchronize, recorded in the trace",
     ("runtime/probe.py", "_timed"): "the start-up speed probe, before any rank posts a send",
+    ("runtime/probe.py", "probe_link"): "the start-up link probe: rank 0 waits for its own send and the answer, "
+                                        "which the peer posts in the same order, before any other send",
     ("parallel/gap.py", "measure_block_costs"): "GAP's start-up block costs, before any rank posts a send",
     ("lab/calibrate.py", "_sync"): "a calibration script timing kernels alone, not a training run",
     ("scripts/gpu_check/peak_memory.py", "on_device"): "the GPU check's single-process memory phases, no peer rank",
