@@ -12,7 +12,7 @@ from models import load_model
 from planner.memory import peak
 from runtime.budget import check_budget, predict
 from lab.launch import TINY, torchrun, trained_weights
-from traced import assert_nccl_ok, traced
+from traced import REDUCE_SCATTER, assert_nccl_ok, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel.stepplan import plan_step, replica_speeds
@@ -136,8 +136,8 @@ def test_sharded_modes_train_the_colocated_data(tmp_path):
     for name, placement in runs.items():
         out = tmp_path / name
         torchrun(3, [*ARGS, *budget, *placement, "--output-dir", str(out)], env=traced(out))
-        assert_nccl_ok(out, collectives=["world:reduce_scatter_single" if "colocated" in name
-                                         else "trainers:reduce_scatter_single"])
+        assert_nccl_ok(out, collectives=[f"world:{REDUCE_SCATTER}" if "colocated" in name
+                                         else f"trainers:{REDUCE_SCATTER}"])
         weights[name] = trained_weights(str(out), 2)
         assert read_metrics(str(out / "metrics.jsonl"))[-1]["train/num_allgathers"] > 0
     assert_same_weights(weights["colocated-fsdp3"], weights["gap-fsdp"], "gap-fsdp")

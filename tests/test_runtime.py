@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lab.launch import TINY, torchrun, trained_weights
-from traced import assert_nccl_ok, created, merged, traced
+from traced import ALL_GATHER, REDUCE_SCATTER, assert_nccl_ok, created, merged, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 
@@ -75,8 +75,8 @@ def test_fsdp_placements_match_replicate(tmp_path):
     runs = {"replicate": (2, ["--mode", "colocated"]),
             "colocated-fsdp": (2, ["--mode", "colocated", "--colocated-sharding", "fsdp"]),
             "disagg-fsdp": (3, ["--generators", "1", "--trainers", "2", "--train-sharding", "fsdp"])}
-    fsdp = {"replicate": [], "colocated-fsdp": ["world:all_gather_single", "world:reduce_scatter_single"],
-            "disagg-fsdp": ["trainers:all_gather_single", "trainers:reduce_scatter_single"]}
+    fsdp = {"replicate": [], "colocated-fsdp": [f"world:{ALL_GATHER}", f"world:{REDUCE_SCATTER}"],
+            "disagg-fsdp": [f"trainers:{ALL_GATHER}", f"trainers:{REDUCE_SCATTER}"]}
     weights = {}
     for name, (nproc, placement) in runs.items():
         out = tmp_path / name

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from lab.launch import TINY, torchrun, torchrun_module, trained_weights
-from traced import assert_nccl_ok, merged, traced
+from traced import ALL_GATHER, assert_nccl_ok, merged, traced
 from weights import assert_same_weights
 from telemetry.metrics import read_metrics
 from parallel.stepplan import plan_step
@@ -136,7 +136,7 @@ def test_tag_with_fsdp_trainers_trains_the_colocated_data(tmp_path, colocated):
     torchrun(3, [*ARGS, "--steps", "2", "--generators", "1", "--trainers", "2", "--tag", "--train-sharding", "fsdp",
                  "--debug-slow-rank", "0:10", "--output-dir", str(run)], env=traced(run))
     _check_tag_run(run, colocated, 2, [0], [1, 2])
-    assert_nccl_ok(run, ["data.to", "publish"], ["trainers:all_gather_single"])
+    assert_nccl_ok(run, ["data.to", "publish"], [f"trainers:{ALL_GATHER}"])
     rows = [r for r in read_metrics(str(run / "metrics.jsonl")) if "train/loss" in r]
     assert len({r["train/num_allgathers"] for r in rows}) == 1  # generation's gathers are not counted as training's
 
