@@ -49,8 +49,9 @@ def test_each_role_holds_what_it_runs(tmp_path):
     compute dtype, its text encoders and VAE; the trainer float32 trained weights and neither text
     encoder nor VAE (it neither generates nor evaluates). Neither probe leaves a gradient, and the
     generator's runs no backward at all."""
-    cfg = _config(tmp_path, ("model", "model", "flux"))
+    cfg = _config(tmp_path, ("model", "model", "flux"), ("topology", "placement", "fixed"))  # the flags' 1 + 1
     facts = validate(cfg, 2)
+    assert facts.topology.generator_ranks == (0,) and facts.topology.trainer_ranks == (1,)
     gen, _ = context.make_context(cfg, facts, 0, ProcessGroups(trainers=None))
     params = list(gen.adapter.transformer.parameters())
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in params)
