@@ -1,9 +1,11 @@
 """Run train_disagg.py, or a module such as a distributed test script, under torchrun in a subprocess
 (tiny settings, a timeout, offline): the tests, the bench and the fault figures start runs through here."""
+import json
 import os
 import socket
 import subprocess
 import sys
+import time
 
 from checkpointing.checkpoint import checkpoint_dir, read_state
 
@@ -38,11 +40,24 @@ def _torchrun(nproc: int, target: list[str], args, env, timeout, check, rdzv=Non
     cmd = [sys.executable, "-m", "torch.distributed.run", *(rdzv or ["--standalone"]), "--nproc_per_node", str(nproc),
            *target, *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    _log_run(nproc, target, args, env, time.perf_counter() - start, proc.returncode)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                              f"--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def _log_run(nproc, target, args, env, seconds, returncode) -> None:
+    """With DIGENRL_RUN_LOG=FILE, one JSON line per run: the test that started it, its world, flags,
+    extra environment, wall seconds and exit code (which runs the suite starts, and what they cost)."""
+    path = os.environ.get("DIGENRL_RUN_LOG")
+    if path:
+        row = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "nproc": nproc, "target": target[-1],
+               "args": list(args), "env": env or {}, "s": round(seconds, 2), "rc": returncode}
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def trained_weights(run_dir: str, step: int):
