@@ -16,6 +16,7 @@ from models import model_names
 from models.lora import read_lora_file
 from rewards import judge_paths, parse_reward_spec, reward_model_paths, reward_scales
 from rl import algorithms
+from rl.algorithms.fields import flag as _f, parse_pair
 from rl.loss import KL_FORMS
 
 
@@ -24,16 +25,6 @@ SHIPPED_MODEL = os.path.join(ROOT, "assets", "shapes-flux")
 DATA_DIR = os.path.join(ROOT, "data")
 PRESETS = ("auto", "tiny", "mid")
 LORA_LR, FULL_LR = 3e-4, 1e-5  # docs/ALGORITHMS.md: LoRA 3e-4, full fine-tuning 1e-5
-
-
-def _f(default, help: str, **kw):
-    """A config field: `help` is its --help text, `parse` (optional) turns the flag's string into
-    the field's typed value, `action="append"` makes it repeatable, `metavar` names its value,
-    `carried=False` keeps a --config file from setting it (`one_command=True` also keeps it out of
-    config.json: it is what one command does, not what the run is)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
@@ -70,13 +61,13 @@ class SamplingArgs:
     cfg_scale: float | None = _f(None, "classifier-free guidance scale, also used at training time; 1 = off")
     negative_prompt: str = _f("", "negative prompt for CFG")
     sde_window: tuple | None = _f(None, "START:END: SDE steps only for t in [START, END), ODE elsewhere "
-                                        "(Flow-GRPO-Fast)", parse=lambda s: _parse_pair(s, ":", int, "--sde-window"),
+                                        "(Flow-GRPO-Fast)", parse=lambda s: parse_pair(s, ":", int, "--sde-window"),
                                   metavar="START:END")
     sde_window_size: int = _f(0, "Flow-GRPO-Fast: a window of N SDE steps whose start is drawn per group within "
                                  "--sde-window-range (its sde_window_size); 0 = none")
     sde_window_range: tuple | None = _f(None, "LO:HI: Flow-GRPO-Fast's window starts at randint(LO, HI - N), per group "
                                               "(its sde_window_range)",
-                                        parse=lambda s: _parse_pair(s, ":", int, "--sde-window-range"),
+                                        parse=lambda s: parse_pair(s, ":", int, "--sde-window-range"),
                                         metavar="LO:HI")
     same_group_noise: bool = _f(False, "all samples of a group share their initial noise")
     ode_solver: str = _f("euler", "deterministic (ODE) steps: euler, or dpm2 (DPM-Solver++(2M), second order after "
@@ -200,7 +191,7 @@ class OptimConfig:
                                      "(docs/peer-formats.md)", metavar="PATH")
     weight_decay: float = _f(1e-4, "AdamW weight decay")
     adam_betas: tuple = _f((0.9, 0.999), "AdamW betas B1,B2",
-                           parse=lambda s: _parse_pair(s, ",", float, "--adam-betas"), metavar="B1,B2")
+                           parse=lambda s: parse_pair(s, ",", float, "--adam-betas"), metavar="B1,B2")
     grad_clip: float = _f(1.0, "gradient-norm clip")
     ema_decay: float = _f(0.0, "EMA of trained weights for export (0 = off; e.g. 0.95)")
     grad_checkpointing: bool = _f(False, "activation checkpointing of every DiT block during training")
@@ -324,7 +315,7 @@ class OutputConfig:
                                                   "trainers and generators (publication waits each bucket's "
                                                   "transfer time)", metavar="MBPS", carried=False)
     debug_slow_rank: tuple | None = _f(None, "R:FACTOR: test-only, rank R sleeps to run FACTOR x slower",
-                                       parse=lambda s: _parse_pair(s, ":", (int, float), "--debug-slow-rank"),
+                                       parse=lambda s: parse_pair(s, ":", (int, float), "--debug-slow-rank"),
                                        metavar="R:FACTOR", carried=False)
 
 
@@ -414,19 +405,6 @@ def default_eval_scorers(reward_specs: list[str]) -> list[str]:
 def eval_scorers(specs: list[str]) -> list[str]:
     """The scorers evaluation reports besides the run's rewards ('none' in --eval-scorer: none)."""
     return [] if "none" in specs else list(specs)
-
-
-def _parse_pair(text, sep: str, types, flag: str) -> tuple:
-    """'A<sep>B' -> (types[0](A), types[1](B)); a tuple or list (from config.json) passes through
-    the same conversion."""
-    types = types if isinstance(types, tuple) else (types, types)
-    parts = text.split(sep) if isinstance(text, str) else list(text)
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        return tuple(t(p) for t, p in zip(types, parts))
-    except (TypeError, ValueError):
-        raise ValueError(f"{flag} {text!r}: expected two values as A{sep}B") from None
 
 
 PLACEMENT_FLAGS = ("mode", "generators", "trainers", "scorers", "gap_stages", "colocated_sharding", "train_sharding",
