@@ -50,7 +50,9 @@ class ModelConfig:
 
 
 @dataclass
-class SamplingArgs:
+class _SamplingCore:
+    """The [sampling] flags of every run; SamplingArgs adds the algorithms' own."""
+
     height: int | None = _f(None, "image height in pixels (default: the model's)")
     width: int | None = _f(None, "image width in pixels (default: the model's)")
     num_frames: int | None = _f(None, "video families: frames per sample")
@@ -63,38 +65,21 @@ class SamplingArgs:
     sde_window: tuple | None = _f(None, "START:END: SDE steps only for t in [START, END), ODE elsewhere "
                                         "(Flow-GRPO-Fast)", parse=lambda s: parse_pair(s, ":", int, "--sde-window"),
                                   metavar="START:END")
-    sde_window_size: int = _f(0, "Flow-GRPO-Fast: a window of N SDE steps whose start is drawn per group within "
-                                 "--sde-window-range (its sde_window_size); 0 = none")
-    sde_window_range: tuple | None = _f(None, "LO:HI: Flow-GRPO-Fast's window starts at randint(LO, HI - N), per group "
-                                              "(its sde_window_range)",
-                                        parse=lambda s: parse_pair(s, ":", int, "--sde-window-range"),
-                                        metavar="LO:HI")
     same_group_noise: bool = _f(False, "all samples of a group share their initial noise")
     ode_solver: str = _f("euler", "deterministic (ODE) steps: euler, or dpm2 (DPM-Solver++(2M), second order after "
                                   "the last SDE step; DiffusionNFT's rollout, MixGRPO-Flash's post-window solver)")
-    window_size: int = _f(4, "MixGRPO: steps in the sliding SDE / training window (MixGRPO: 4)")
-    window_stride: int = _f(1, "MixGRPO: steps the window moves at each shift (MixGRPO: 1; 0 freezes it)")
-    window_interval: int = _f(25, "MixGRPO: training steps between shifts of the window (MixGRPO: 25, Flash: 20)")
-    window_schedule: str = _f("progressive", "MixGRPO: progressive (moves by the stride every interval, back to 0 "
-                                             "after K-2, MixGRPO's scripts), progressive-clamp (stays at K-2) or "
-                                             "random (a seeded start every step)")
     quantize_timestep: bool = _f(False, "feed the model int(sigma*1000)/1000 as its timestep, in sampling and "
                                         "training, while the step uses the exact sigma (DanceGRPO, MixGRPO; their "
                                         "recipes set it)")
     schedule: str | None = _f(None, "timestep schedule: dynamic, static or dance (default: the family's, dance with "
                                     "--sde-type dance); dance is DanceGRPO's and MixGRPO's shift (the family's "
                                     "DanceGRPO shift: 3 for FLUX) of linspace(1, 0, K+1)")
-    post_compress: float = _f(0.0, "MixGRPO: the steps after the window's last SDE step re-gridded to "
-                                   "int((K - last) x RATIO) points (MixGRPO-Flash's dpm_post_compress_ratio: 0.4, "
-                                   "Flash* 0.2; needs --schedule dance); 0 = all K steps")
-    dpm_apply: str = _f("post", "MixGRPO: with a DPM --ode-solver, post (after the window only, MixGRPO-Flash) or all "
-                                "(every step, the SDE-DPM-Solver++ inside the window: dpm_apply_strategy all)")
-    drop_last_sample: bool = _f(False, "MixGRPO: the sample is the last step's data prediction x - sigma v "
-                                       "(drop_last_sample; equal where the schedule ends at 0)")
 
 
 @dataclass
-class RLConfig:
+class _RLCore:
+    """The [rl] flags of every run; RLConfig adds the algorithms' own."""
+
     prompts: str | None = _f(None, "prompt file (.txt one per line, or .jsonl with a 'prompt' field); "
                                    "default: data/shapes_train.txt")
     reward: list = _f([], "reward NAME[:WEIGHT] (registered), module.path:function[:WEIGHT] or "
@@ -139,13 +124,6 @@ class RLConfig:
                                   "trained ones are a multiple of M (Flow-GRPO's num_batches_per_epoch); 1 = none")
     best_of_n: int = _f(0, "train only the ceil(N/2) best and floor(N/2) worst samples of each group by advantage "
                            "(DanceGRPO's --bestofn); 0 = all")
-    trimmed_ratio: float = _f(0.0, "MixGRPO: a group's mean and std leave out its lowest int(G x RATIO) rewards "
-                                   "(trimmed_ratio); 0 = none")
-    kl_to_old: float = _f(0.0, "MixGRPO: adds COEF x 1/2 (log p - log p_old)^2 per trained transition (its kl_coeff; "
-                               "its scripts: 0)")
-    advantage_rerange: str = _f("none", "MixGRPO: the order a step's samples are trained in: none, random or balance "
-                                        "(positives and negatives alternating, zero advantages not trained; "
-                                        "advantage_rerange_strategy)")
     updates_per_rollout: int = _f(1, "N: optimizer updates per step, each after training one part of the step's "
                                      "samples (their every trained transition), the loss of a part the mean over "
                                      "its transitions; after the first the ratio is off-policy and the clip range "
@@ -154,27 +132,23 @@ class RLConfig:
                                       "from (seed, step), cut in N: Flow-GRPO, DiffusionNFT), members (by position "
                                       "in the group: MixGRPO) or groups (whole groups in step order: a disaggregated "
                                       "trainer updates on one part while the next is generated)")
-    nft_beta: float = _f(1.0, "DiffusionNFT: strength beta of the implicit positive and negative policies "
-                              "(NFT: 1.0 for GenEval, PickScore, HPSv2; 0.1 for OCR and the multi-reward run)")
-    old_policy_decay: str = _f("linear_to_0_5", "DiffusionNFT: the old policy's soft update old <- d old + (1-d) "
-                                                "theta after update u: copy (d=0), linear_to_0_5 (d=min(0.001 u, "
-                                                "0.5), NFT's default), delayed_linear_to_0_999 (NFT's OCR run) or "
-                                                "FLAT:UPRATE:UPHOLD (d=0 before FLAT, then "
-                                                "min((u-FLAT) UPRATE, UPHOLD))")
-    old_policy_interval: int = _f(1, "DiffusionNFT: optimizer updates between soft updates of the old policy")
-    adv_mode: str = _f("all", "DiffusionNFT: the advantage the loss weighs by (adv_mode): all, positive_only, "
-                              "negative_only, one_only (1 where positive, else 0) or binary (its sign)")
-    kl_mask_threshold: float = _f(1e-5, "Flow-DPPO: an update is dropped where the KL D_t between the current and the "
-                                        "rollout transition reaches this and the ratio moves away from the rollout "
-                                        "(VeRL-Omni: 1e-5)")
-    add_kl_coefficient: bool = _f(True, "Flow-DPPO: D_t divides the squared mean drift by 2 (std_dev_t sqrt(-dt))^2, "
-                                        "the step's SDE variance (VeRL-Omni's add_kl_coefficient); off: by 2")
 
     def reward_options(self) -> dict:
         """What a RewardSet takes of these flags beside the specs, the device and the dtype: the model
         folders, the services' deadline, the judge files and the scales."""
         return dict(model_paths=reward_model_paths(self.reward_model), timeout_s=self.reward_timeout_s,
                     judges=judge_paths(self.reward_judge), scales=reward_scales(self.reward_scale))
+
+
+@dataclass
+class SamplingArgs(*reversed(algorithms.flags("sampling")), _SamplingCore):
+    """[sampling]: the flags of every run, then each algorithm's own (`flags` in rl/algorithms/NAME.py) in
+    registry order (a dataclass takes its bases' fields from the last base first)."""
+
+
+@dataclass
+class RLConfig(*reversed(algorithms.flags("rl")), _RLCore):
+    """[rl]: the flags of every run, then each algorithm's own, as SamplingArgs."""
 
 
 @dataclass

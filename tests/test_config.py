@@ -1,10 +1,17 @@
 """config/schema.py: typed flags, one validation before any process group, the derived run facts, a
-config.json that reads back as the same config, and a --help without internal names."""
+config.json that reads back as the same config, a --help without internal names, and the
+algorithms' own flags declared in their own files."""
+import ast
+from pathlib import Path
+
 import pytest
 
-from config.schema import RunConfig
+from config.schema import FLAGS, RunConfig
 from config.validate import validate
 from config.cli import build_parser, parse_config
+from rl import algorithms
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _cfg(*argv: str) -> RunConfig:
@@ -89,3 +96,82 @@ def test_the_old_algorithm_spelling_warns_and_is_recorded_in_the_new_one():
         cfg = _cfg("--sde-window", "1:3", "--algorithm", "window")
     assert cfg.rl.algorithm == "flow_grpo_fast"
     assert validate(cfg, 2).tsp is False  # the window checks pass under the new name
+
+
+def declared_fields(path: Path) -> dict[str, int]:
+    """Field name -> line of every annotated name in the class bodies of a Python file."""
+    return {node.target.id: node.lineno for cls in ast.walk(ast.parse(path.read_text()))
+            if isinstance(cls, ast.ClassDef) for node in cls.body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+
+
+def find_misplaced_flags(root: Path, owned: dict[str, list[str]], schema: str = "config/schema.py") -> list[str]:
+    """Flags an algorithm owns (`owned`: its file -> its fields) that its file does not declare,
+    that config/schema.py declares too, or that another algorithm owns too."""
+    in_schema, owner, out = declared_fields(root / schema), {}, []
+    for path, names in owned.items():
+        in_file = declared_fields(root / path)
+        for name in names:
+            if name not in in_file:
+                out.append(f"{path}: {name} is not declared there")
+            if name in in_schema:
+                out.append(f"{schema}:{in_schema[name]} {name}, a flag of {path}")
+            if name in owner:
+                out.append(f"{path}: {name}, a flag of {owner[name]} too")
+            owner[name] = path
+    return out
+
+
+def owned_flags() -> dict[str, list[str]]:
+    """Each algorithm's file -> the fields of its own flags (`Algorithm.flags`)."""
+    return {type(a).__module__.replace(".", "/") + ".py": [o.split(".")[1] for o in a.own_options()]
+            for a in algorithms.ALGORITHMS.values()}
+
+
+def test_an_algorithms_flags_are_declared_in_its_own_file():
+    owned = owned_flags()
+    assert owned["rl/algorithms/flow_dppo.py"] == ["kl_mask_threshold", "add_kl_coefficient"]
+    bad = find_misplaced_flags(ROOT, owned)
+    assert not bad, "algorithm flags declared outside their algorithm's file:\n  " + "\n  ".join(bad)
+
+
+def test_the_flag_checker_can_fail(tmp_path):
+    files = {"config/schema.py": "class Rl:\n    steps: int = 1\n    foo: int = 2\n",
+             "rl/algorithms/alpha.py": "class RLOptions:\n    foo: int = 0\n",
+             "rl/algorithms/beta.py": "class RLOptions:\n    foo: int = 0\n    bar: int = 0\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    owned = {"rl/algorithms/alpha.py": ["foo", "baz"], "rl/algorithms/beta.py": ["foo", "bar"]}
+    assert find_misplaced_flags(tmp_path, owned) == [
+        "config/schema.py:3 foo, a flag of rl/algorithms/alpha.py", "rl/algorithms/alpha.py: baz is not declared there",
+        "config/schema.py:3 foo, a flag of rl/algorithms/beta.py",
+        "rl/algorithms/beta.py: foo, a flag of rl/algorithms/alpha.py too"]
+
+
+OWN_FLAG_VALUES = {
+    "sde_window_size": ("2", 2), "sde_window_range": ("0:5", (0, 5)),
+    "window_size": ("3", 3), "window_stride": ("2", 2), "window_interval": ("5", 5),
+    "window_schedule": ("random", "random"), "post_compress": ("0.4", 0.4), "dpm_apply": ("all", "all"),
+    "drop_last_sample": (None, True), "trimmed_ratio": ("0.25", 0.25), "kl_to_old": ("0.1", 0.1),
+    "advantage_rerange": ("random", "random"),
+    "nft_beta": ("0.1", 0.1), "old_policy_decay": ("copy", "copy"), "old_policy_interval": ("4", 4),
+    "adv_mode": ("binary", "binary"),
+    "kl_mask_threshold": ("0.5", 0.5), "add_kl_coefficient": (None, False),
+}
+"""a value other than the default, as a flag's text (None: a bool, given as --NAME or --no-NAME) and typed"""
+
+
+@pytest.mark.parametrize("owner,option", [(a.name, o) for a in algorithms.ALGORITHMS.values()
+                                          for o in a.own_options()])
+def test_an_algorithms_own_flag_works_for_it_and_is_refused_for_the_others(owner, option):
+    section, name = option.split(".")
+    text, value = OWN_FLAG_VALUES[name]
+    flag = "--" + name.replace("_", "-")
+    assert FLAGS[flag] == (section, name)  # its config.json key sits in the section the algorithm names
+    argv = [flag if value else "--no-" + flag[2:]] if text is None else [flag, text]
+    cfg = _cfg(*argv, "--algorithm", owner)
+    assert getattr(getattr(cfg, section), name) == value != getattr(getattr(RunConfig(), section), name)
+    other = next(a for a in algorithms.names() if option not in algorithms.algorithm(a).read_options())
+    with pytest.raises(ValueError, match=f"^{flag} .* is read by --algorithm {owner} only: use --algorithm {owner}"):
+        algorithms.check(_cfg(*argv, "--algorithm", other))

@@ -43,6 +43,12 @@ def describe() -> str:
     return "; ".join(f"{a.name} ({a.description})" for a in ALGORITHMS.values()) + f" (old spellings: {old})"
 
 
+def flags(section: str) -> tuple[type, ...]:
+    """The dataclasses of the algorithms' own flags in a config section ("rl", "sampling"), in
+    registry order: config/schema.py's section inherits them."""
+    return tuple(a.flags[section] for a in ALGORITHMS.values() if section in a.flags)
+
+
 def _shown(value) -> str:
     return ":".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
@@ -57,17 +63,17 @@ def check(cfg) -> None:
     chosen.check(cfg)
     owners: dict[str, list[str]] = {}
     for a in ALGORITHMS.values():
-        for option in a.options:
+        for option in a.read_options():
             owners.setdefault(option, []).append(a.name)
     for option, who in owners.items():
         section, name = option.split(".")
         values = getattr(cfg, section)
         value, default = getattr(values, name), getattr(type(values)(), name)
-        if option not in chosen.options and value != default:
+        if chosen.name not in who and value != default:
             users = ", ".join(f"--algorithm {n}" for n in who)
             raise ValueError(f"--{name.replace('_', '-')} {_shown(value)} is read by {users} only: use "
                              f"--algorithm {who[0]} (got {chosen.name!r})")
 
 
 __all__ = ["ALGORITHMS", "ALIASES", "DEFAULT", "Algorithm", "Cost", "LossTerms", "algorithm", "check", "describe",
-           "names"]
+           "flags", "names"]

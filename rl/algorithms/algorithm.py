@@ -2,7 +2,8 @@
 algorithm differs from another, as the methods of `Algorithm`. The roles and the mechanisms call
 these methods and never ask which algorithm runs:
 
-    options     check_flags, check, check_steps    its flags' ranges, what it asks of a run's flags
+    options     flags, options, check_flags,       its own flags, those it reads, their ranges, what it
+                check, check_steps                 asks of a run's flags
     rollout     sampling, carried                  what the generators sample and record, what a fragment carries
     training    timesteps, advantages, loss,        which transitions are trained, how rewards become
                 forward                            advantages, each training forward's inputs and loss terms
@@ -79,9 +80,13 @@ class Algorithm:
     """--algorithm NAME"""
     description = ""
     """one line for --help"""
+    flags: dict[str, type] = {}
+    """its own flags: config section ("rl", "sampling") -> a dataclass of fields declared with
+    `rl.algorithms.fields.flag` (default, --help text, parse), in its own file; config/schema.py's
+    section inherits them, so each is a flag and a config.json key of that section"""
     options: tuple[str, ...] = ()
-    """the config fields ("section.field") only this algorithm reads: set by a run of another
-    algorithm, they are an error naming this one (rl.algorithms.check)"""
+    """flags ("section.field") declared elsewhere (config/schema.py) that only some algorithms read,
+    this one among them"""
     std_ddof = 0
     """the advantage std: 0 the population std (Flow-GRPO, np.std), 1 Bessel-corrected (torch.std)"""
     std_eps = STD_EPS
@@ -96,6 +101,15 @@ class Algorithm:
     weighted sum, then one advantage) or advantages (one advantage per reward, then their weighted sum)"""
 
     # ----- options ------------------------------------------------------------------------------
+    def own_options(self) -> tuple[str, ...]:
+        """Every flag ("section.field") it declares in `flags`."""
+        return tuple(f"{section}.{f.name}" for section, cls in self.flags.items() for f in dataclasses.fields(cls))
+
+    def read_options(self) -> tuple[str, ...]:
+        """The flags only some algorithms read that this one reads: its own and `options`. Set by a
+        run of another algorithm, they are an error naming this one (rl.algorithms.check)."""
+        return self.own_options() + self.options
+
     def check_flags(self, cfg) -> None:
         """The ranges and choices of the flags this algorithm owns, checked in every run (a flag
         exists whatever the algorithm: a bad value is an error before anything else)."""

@@ -20,12 +20,14 @@ Trained: Flow-GRPO's first int(K x fraction) steps, or with --sde-window START:E
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from rl import timesteps
 from rl.algorithms.algorithm import Algorithm, Cost, LossTerms, replace
+from rl.algorithms.fields import flag
 from rl.loss import KL_FORMS, kl_to_reference
 
 RECORDED = "mean"
@@ -115,11 +117,24 @@ class MaskedPolicyLoss:
         return out
 
 
+@dataclass
+class RLOptions:
+    """Flow-DPPO's own flags of the [rl] section."""
+
+    kl_mask_threshold: float = flag(1e-5, "Flow-DPPO: an update is dropped where the KL D_t between the current "
+                                          "and the rollout transition reaches this and the ratio moves away from "
+                                          "the rollout (VeRL-Omni: 1e-5)")
+    add_kl_coefficient: bool = flag(True, "Flow-DPPO: D_t divides the squared mean drift by 2 (std_dev_t "
+                                          "sqrt(-dt))^2, the step's SDE variance (VeRL-Omni's add_kl_coefficient); "
+                                          "off: by 2")
+
+
 class FlowDPPO(Algorithm):
     name = "flow_dppo"
     description = ("Flow-DPPO: Flow-GRPO with the ratio clip replaced by a trust-region mask on the KL to the "
                    "rollout's transition (--kl-mask-threshold)")
-    options = ("rl.kl_mask_threshold", "rl.add_kl_coefficient", "sampling.sde_window")
+    flags = {"rl": RLOptions}
+    options = ("sampling.sde_window",)
     std_mode = "global"
 
     def check_flags(self, cfg):

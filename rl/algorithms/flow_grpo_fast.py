@@ -16,6 +16,7 @@ import numpy as np
 
 from rl import timesteps
 from rl.algorithms.algorithm import Algorithm, Cost, replace
+from rl.algorithms.fields import flag, parse_pair
 from rl.seeding import derive_seed
 
 
@@ -43,11 +44,25 @@ class GroupWindow:
         return start, start + self.size
 
 
+@dataclass
+class SamplingOptions:
+    """Flow-GRPO-Fast's own flags of the [sampling] section (--sde-window, which Flow-DPPO reads too,
+    is config/schema.py's)."""
+
+    sde_window_size: int = flag(0, "Flow-GRPO-Fast: a window of N SDE steps whose start is drawn per group within "
+                                   "--sde-window-range (its sde_window_size); 0 = none")
+    sde_window_range: tuple | None = flag(None, "LO:HI: Flow-GRPO-Fast's window starts at randint(LO, HI - N), per "
+                                                "group (its sde_window_range)",
+                                          parse=lambda s: parse_pair(s, ":", int, "--sde-window-range"),
+                                          metavar="LO:HI")
+
+
 class FlowGRPOFast(Algorithm):
     name = "flow_grpo_fast"
     description = ("Flow-GRPO-Fast: SDE and training only inside --sde-window START:END, or a window of "
                    "--sde-window-size steps drawn per group within --sde-window-range")
-    options = ("sampling.sde_window", "sampling.sde_window_size", "sampling.sde_window_range")
+    flags = {"sampling": SamplingOptions}
+    options = ("sampling.sde_window",)
     std_mode = "global"
 
     def check_flags(self, cfg):

@@ -26,6 +26,7 @@ import torch
 
 from rl import solvers, timesteps
 from rl.algorithms.algorithm import Algorithm, Cost, replace
+from rl.algorithms.fields import flag
 from rl.loss import ClippedPolicyLoss
 from rl.seeding import derive_seed
 
@@ -145,12 +146,42 @@ class MixGRPOLoss(ClippedPolicyLoss):
         return out
 
 
+@dataclass
+class SamplingOptions:
+    """MixGRPO's own flags of the [sampling] section."""
+
+    window_size: int = flag(4, "MixGRPO: steps in the sliding SDE / training window (MixGRPO: 4)")
+    window_stride: int = flag(1, "MixGRPO: steps the window moves at each shift (MixGRPO: 1; 0 freezes it)")
+    window_interval: int = flag(25, "MixGRPO: training steps between shifts of the window (MixGRPO: 25, Flash: 20)")
+    window_schedule: str = flag("progressive", "MixGRPO: progressive (moves by the stride every interval, back to 0 "
+                                               "after K-2, MixGRPO's scripts), progressive-clamp (stays at K-2) or "
+                                               "random (a seeded start every step)")
+    post_compress: float = flag(0.0, "MixGRPO: the steps after the window's last SDE step re-gridded to "
+                                     "int((K - last) x RATIO) points (MixGRPO-Flash's dpm_post_compress_ratio: 0.4, "
+                                     "Flash* 0.2; needs --schedule dance); 0 = all K steps")
+    dpm_apply: str = flag("post", "MixGRPO: with a DPM --ode-solver, post (after the window only, MixGRPO-Flash) or "
+                                  "all (every step, the SDE-DPM-Solver++ inside the window: dpm_apply_strategy all)")
+    drop_last_sample: bool = flag(False, "MixGRPO: the sample is the last step's data prediction x - sigma v "
+                                         "(drop_last_sample; equal where the schedule ends at 0)")
+
+
+@dataclass
+class RLOptions:
+    """MixGRPO's own flags of the [rl] section."""
+
+    trimmed_ratio: float = flag(0.0, "MixGRPO: a group's mean and std leave out its lowest int(G x RATIO) rewards "
+                                     "(trimmed_ratio); 0 = none")
+    kl_to_old: float = flag(0.0, "MixGRPO: adds COEF x 1/2 (log p - log p_old)^2 per trained transition (its "
+                                 "kl_coeff; its scripts: 0)")
+    advantage_rerange: str = flag("none", "MixGRPO: the order a step's samples are trained in: none, random or "
+                                          "balance (positives and negatives alternating, zero advantages not "
+                                          "trained; advantage_rerange_strategy)")
+
+
 class MixGRPO(Algorithm):
     name = "mixgrpo"
     description = "MixGRPO: SDE and training only inside a window that slides along the steps (--window-*)"
-    options = ("sampling.window_size", "sampling.window_stride", "sampling.window_interval",
-               "sampling.window_schedule", "sampling.post_compress", "sampling.dpm_apply",
-               "sampling.drop_last_sample", "rl.trimmed_ratio", "rl.kl_to_old", "rl.advantage_rerange")
+    flags = {"sampling": SamplingOptions, "rl": RLOptions}
     std_ddof = 1  # torch.std, train_grpo_flux.py:445-448, 472-475
     std_eps = 1e-8
     quantize_timestep = True  # int(sigma * 1000) / 1000 in rollout and training (sampling_utils.py:64-71, :387)

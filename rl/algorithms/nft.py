@@ -22,6 +22,7 @@ gradient, which AdamW mostly undoes, but not the gradient-norm clip.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -29,6 +30,7 @@ from torch import Tensor
 from rl import sampler, timesteps
 from rl.algorithms import old_policy
 from rl.algorithms.algorithm import Algorithm, Cost, LossTerms, replace
+from rl.algorithms.fields import flag
 from rl.seeding import forward_noise
 
 WEIGHT_MIN = 1e-5
@@ -165,11 +167,27 @@ class NFTLoss:
         return out
 
 
+@dataclass
+class RLOptions:
+    """DiffusionNFT's own flags of the [rl] section."""
+
+    nft_beta: float = flag(1.0, "DiffusionNFT: strength beta of the implicit positive and negative policies "
+                                "(NFT: 1.0 for GenEval, PickScore, HPSv2; 0.1 for OCR and the multi-reward run)")
+    old_policy_decay: str = flag("linear_to_0_5", "DiffusionNFT: the old policy's soft update old <- d old + (1-d) "
+                                                  "theta after update u: copy (d=0), linear_to_0_5 (d=min(0.001 u, "
+                                                  "0.5), NFT's default), delayed_linear_to_0_999 (NFT's OCR run) or "
+                                                  "FLAT:UPRATE:UPHOLD (d=0 before FLAT, then "
+                                                  "min((u-FLAT) UPRATE, UPHOLD))")
+    old_policy_interval: int = flag(1, "DiffusionNFT: optimizer updates between soft updates of the old policy")
+    adv_mode: str = flag("all", "DiffusionNFT: the advantage the loss weighs by (adv_mode): all, positive_only, "
+                                "negative_only, one_only (1 where positive, else 0) or binary (its sign)")
+
+
 class NFT(Algorithm):
     name = "nft"
     description = ("DiffusionNFT: ODE rollout with the old policy, a flow-matching loss on the clean samples "
                    "(--nft-beta, --old-policy-*)")
-    options = ("rl.nft_beta", "rl.old_policy_decay", "rl.old_policy_interval", "rl.adv_mode")
+    flags = {"rl": RLOptions}
     std_mode = "global"  # global_std=True in every NFT config: the std of all of the epoch's rewards
 
     def check_flags(self, cfg):
