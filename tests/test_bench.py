@@ -77,6 +77,9 @@ def test_a_scenario_reports_measured_and_predicted_ratios(tmp_path):
         assert r["best_fixed"] == best and r["vs_best_fixed"] == pytest.approx(
             r["samples_per_s"] / by_mode[best]["samples_per_s"])
         assert r["auto_placement"] and r["auto_switches"] == 0  # 2 steps: no room for trials
+        assert r["switch_s"] == 0 and r["vs_best_fixed_run"] == pytest.approx(
+            by_mode[best]["steps_total_s"] / r["steps_total_s"])
+        assert r["steps_total_s"] == pytest.approx(r["step_s"])  # one measured step
         assert f"window: {name} chose" in proc.stdout
     assert not by_mode["auto"].get("best") and not by_mode["auto+stale"].get("best")  # the best fixed mode is marked
     base = rows[0]
