@@ -12,7 +12,9 @@ Every placement trains the same weights, so the choice can be checked by running
 predicted within --placement-margin of the best (up to --placement-trials of them) each run
 --placement-trial-steps steps, the runner-ups first and the predicted best last, and the run keeps
 the one whose last trial step was fastest (a step's period; a placement's first step, from its own
-start, so that the switch before it does not count). A switch between two steps saves the run state, tears
+start, so that the switch before it does not count). Where the ranks time-share a CPU's cores, which
+the prediction does not model, the best placement of the other family (colocated against
+disaggregated) is tried too, whatever its prediction. A switch between two steps saves the run state, tears
 the roles down and builds the next placement from that checkpoint, in this process: the state an
 exact resume restores, so the weights after N steps are a fixed placement's. Every decision and
 switch is said on rank 0 and written into config.json's run record ("placement").
@@ -104,19 +106,48 @@ def refusal(cfg: RunConfig, facts: RunFacts, adapter, p: planner.Placement) -> s
     return None
 
 
+def trial_order(ranked: list[dict], max_trials: int, margin: float, families: bool = False) -> list[int]:
+    """Which of the `ranked` placements (best predicted first) to try, in the order tried: the
+    runner-ups first, the predicted best (0) last; [] for no trials. Those predicted within `margin`
+    of the best, `max_trials` in all (the best included). `families`: the prediction cannot rank a
+    colocated placement against a disaggregated one on this machine (`unmodeled`), so the best of the
+    other family is tried too, whatever its prediction, before any other runner-up."""
+    best = ranked[0]["predicted_step_s"]
+    if best is None or max_trials < 2:
+        return []
+    near = [i for i in range(1, len(ranked)) if ranked[i]["predicted_step_s"] <= best * (1 + margin)]
+    if families:
+        colocated = [x["placement"]["mode"] == "colocated" for x in ranked]
+        other = next((i for i in range(1, len(ranked)) if colocated[i] != colocated[0]), None)
+        if other is not None:
+            near = [other, *[i for i in near if i != other]]
+    near = sorted(near[:max_trials - 1])
+    return [*reversed(near), 0] if near else []
+
+
+def shared_cores(device: torch.device, local_ranks: int) -> str | None:
+    """Why the prediction cannot rank colocated against disaggregated placements here, or None: on a
+    CPU whose ranks time-share its cores, a colocated placement keeps every rank busy at once while a
+    split leaves ranks idle whose cores the busy ones then use, and the step simulator gives each
+    rank a device of its own."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or local_ranks * threads <= cores:
+        return None
+    return f"{local_ranks} ranks of {threads} thread{'s' * (threads > 1)} time-share {cores} cores"
+
+
 class AutoPlacement:
     """--placement auto's state: the ranked placements, the trials, what each measured."""
 
     def __init__(self, cfg: RunConfig, facts: RunFacts, ranked: list[dict], refused: list[str], machine: dict,
-                 first_step: int):
+                 unmodeled: str | None, first_step: int):
         t = cfg.topology
         self.cfg, self.facts, self.ranked, self.refused, self.machine = cfg, facts, ranked, refused, machine
-        best = ranked[0]["predicted_step_s"]
-        near = [i for i in range(1, min(t.placement_trials, len(ranked)))
-                if best is not None and ranked[i]["predicted_step_s"] <= best * (1 + t.placement_margin)]
+        self.unmodeled = unmodeled
         room = cfg.rl.steps - first_step - 1  # the trials must leave a step to run the one kept
-        near = near[:max(0, room // t.placement_trial_steps - 1)]
-        self.trials = [*reversed(near), 0] if near else []  # the runner-ups first, the predicted best last
+        self.trials = trial_order(ranked, min(t.placement_trials, room // t.placement_trial_steps),
+                                  t.placement_margin, unmodeled is not None)
         self.tried = list(self.trials)  # the trials planned (self.trials empties once decided)
         self.current = self.trials[0] if self.trials else 0
         self.steps_in, self.measured, self.switches = 0, {}, []
@@ -134,7 +165,7 @@ class AutoPlacement:
             return {k: v for k, v in self.ranked[i].items() if k != "placement"}
         return {"mode": "auto", "chosen": show(0), "runner_up": show(1) if len(self.ranked) > 1 else None,
                 "running": show(self.current), "ranked": [show(i) for i in range(len(self.ranked))],
-                "refused": self.refused, "probe": self.machine, "trials": [show(i) for i in self.tried],
+                "refused": self.refused, "probe": self.machine, "unmodeled": self.unmodeled, "trials": [show(i) for i in self.tried],
                 "measured_step_s": self._measured_by_label(), "switches": self.switches}
 
     def after_step(self, r: Rank, step: int) -> Rank:
@@ -208,7 +239,8 @@ def start(cfg: RunConfig, facts: RunFacts, rank: int) -> AutoPlacement:
         if not preds:
             raise ValueError(f"--placement auto: no placement fits: {'; '.join(refused)}")
         ranked = [{**p.to_dict(), "placement": dataclasses.asdict(p.placement)} for p in preds]
-        out = [(ranked, refused, dataclasses.asdict(machine) if machine else None)]
+        shared = shared_cores(ctx.adapter.device, int(os.environ.get("LOCAL_WORLD_SIZE", world))) if ctx else None
+        out = [(ranked, refused, dataclasses.asdict(machine) if machine else None, shared)]
     dist.broadcast_object_list(out, src=0)  # sync point: rank 0's ranking, the same on every rank
     del ctx
     _free()
@@ -230,6 +262,8 @@ def _choice_line(auto: AutoPlacement) -> str:
     if auto.trials:
         line += (f"; trying {', '.join(ranked[i]['label'] for i in auto.trials)} for "
                  f"{auto.cfg.topology.placement_trial_steps} steps each first")
+        if auto.unmodeled:
+            line += f" ({auto.unmodeled}, which the prediction does not model)"
     return line
 
 

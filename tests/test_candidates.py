@@ -109,3 +109,46 @@ def test_a_placement_flag_at_its_default_still_names_a_placement():
     cfg = parse_config(["--mode", "disagg"])
     cfg.resolve_defaults()
     assert cfg.topology.placement == "fixed"
+
+
+def _ranked(*modes_and_steps):
+    return [{"label": f"{m} {s}", "predicted_step_s": s, "placement": {"mode": m}} for m, s in modes_and_steps]
+
+
+def test_the_trials_are_the_placements_predicted_near_the_best():
+    """The runner-ups within the margin first, the predicted best last; none when no other is near,
+    when --placement-trials is 1, or when there is no prediction."""
+    from runtime.autoplace import trial_order
+    ranked = _ranked(("colocated", 1.0), ("disagg", 1.05), ("colocated", 1.08), ("disagg", 1.5))
+    assert trial_order(ranked, 2, 0.1) == [1, 0]
+    assert trial_order(ranked, 3, 0.1) == [2, 1, 0]
+    assert trial_order(ranked, 4, 0.1) == [2, 1, 0]  # the fourth is predicted 50% slower
+    assert trial_order(ranked, 3, 0.01) == []
+    assert trial_order(ranked, 1, 0.1) == []
+    assert trial_order(_ranked(("colocated", None)), 2, 0.1) == []
+
+
+def test_ranks_sharing_cores_try_the_best_of_the_other_family():
+    """Where ranks time-share a CPU's cores (which the simulator does not model), the best
+    disaggregated placement is tried against a colocated best however far its prediction, ahead of
+    nearer colocated runner-ups; and the other way round."""
+    from runtime.autoplace import trial_order
+    ranked = _ranked(("colocated", 1.74), ("colocated", 1.8), ("disagg", 2.22), ("disagg", 2.5))
+    assert trial_order(ranked, 2, 0.1) == [1, 0]
+    assert trial_order(ranked, 2, 0.1, families=True) == [2, 0]
+    assert trial_order(ranked, 3, 0.1, families=True) == [2, 1, 0]
+    flipped = _ranked(("disagg", 1.0), ("disagg", 1.02), ("colocated", 3.0))
+    assert trial_order(flipped, 2, 0.1, families=True) == [2, 0]
+    assert trial_order(_ranked(("colocated", 1.0), ("colocated", 2.0)), 2, 0.1, families=True) == []
+
+
+def test_shared_cores_are_found_on_a_cpu_only(monkeypatch):
+    import torch
+    from runtime import autoplace
+    monkeypatch.setattr(autoplace.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(autoplace.torch, "get_num_threads", lambda: 1)
+    assert autoplace.shared_cores(torch.device("cpu"), 2) is None
+    assert autoplace.shared_cores(torch.device("cpu"), 3) == "3 ranks of 1 thread time-share 2 cores"
+    assert autoplace.shared_cores(torch.device("cuda", 0), 3) is None
+    monkeypatch.setattr(autoplace.torch, "get_num_threads", lambda: 2)
+    assert autoplace.shared_cores(torch.device("cpu"), 2) == "2 ranks of 2 threads time-share 2 cores"
