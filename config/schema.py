@@ -223,7 +223,8 @@ class TopologyConfig:
                           "(FSDP trainers generate together, as trainer 0 decides)")
     tcss: bool = _f(False, "TCSS: generators may start step k+1 with version k (staleness at most 1)")
     fragment_split: str = _f("auto", "how fragments are shared among generator replicas: even, speed (in proportion to "
-                                     "each replica's speed, measured at start-up), or auto (speed when "
+                                     "each replica's speed, measured at start-up; with --tsp replicated trainers' "
+                                     "shares of transitions follow their speeds too), or auto (speed when "
                                      "disaggregated; even when colocated, as colocated systems split)")
     dispatch: str = _f("lpt", "how fragments are ordered and given to generator replicas: lpt (predicted cost from "
                               "each prompt's shape, longest first, to the replica that finishes it first) or "

@@ -241,3 +241,11 @@ def replica_speeds(seconds_by_rank: dict[int, float], replicas: list[tuple[int, 
     raw = [sum(1.0 / seconds_by_rank[g] for g in ranks) for ranks in replicas]
     fastest = max(raw)
     return [1.0 if v / fastest >= 1 - tolerance else round(v / fastest, 2) for v in raw]
+
+
+def trainer_speeds(seconds_by_rank: dict[int, float]) -> tuple[float, ...] | None:
+    """TSP's shares of trainers of different speeds (parallel/tsp.py `pack`): each trainer rank's
+    relative speed from its measured seconds per training forward, rounded as `replica_speeds`
+    rounds, in rank order; None when they count as equal (even shares)."""
+    out = replica_speeds(seconds_by_rank, [(r,) for r in sorted(seconds_by_rank)])
+    return tuple(out) if len(set(out)) > 1 else None

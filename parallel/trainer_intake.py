@@ -246,6 +246,7 @@ class _Intake:
         self.replica_last_rank = replica_last_rank  # replica -> its last stage's rank, which emits
         self.num_trainers = len(trainer_ranks)
         self.inbox: dict = {}
+        self.speeds: tuple[float, ...] | None = None  # TSP: the trainers' relative speeds (None: equal shares)
 
     def group_to(self, dst: int):
         """The communicator training data to trainer rank `dst` travels on, from any sender."""
@@ -387,7 +388,7 @@ class TransitionIntake(_Intake):
         """The step's packing: a pure function of (seed, step, config), computed alike by the
         generator that routes a fragment and by every trainer that receives a share of it."""
         return _packing(tuple(f.sample_ids for f in plan.fragments), plan.step, self.spec, self.micro_batch,
-                        self.num_trainers)
+                        self.num_trainers, self.speeds)
 
     def key_of(self, item: TransitionBatch):
         return ("tsp", item.fragment)
@@ -453,10 +454,11 @@ class TransitionIntake(_Intake):
 
 
 @functools.lru_cache(maxsize=8)
-def _packing(fragment_ids, step, spec: TrainingSpec, micro_batch, num_trainers):
+def _packing(fragment_ids, step, spec: TrainingSpec, micro_batch, num_trainers, speeds=None):
     timesteps = {i: spec.timesteps(step, i) for ids in fragment_ids for i in ids}
     parts = {i: spec.part_of(step, i) for ids in fragment_ids for i in ids}
-    return tsp.pack_step(fragment_ids, timesteps, micro_batch=micro_batch, num_trainers=num_trainers, parts=parts)
+    return tsp.pack_step(fragment_ids, timesteps, micro_batch=micro_batch, num_trainers=num_trainers, parts=parts,
+                         weights=speeds)
 
 
 def _span(tracer, name: str, category: str, step: int, fragment: int):

@@ -14,9 +14,16 @@ The packing of one fragment with T transitions, M trainers and micro-batch size 
   - the T transitions are split into M contiguous shares whose sizes differ by at most one; which
     trainers take the larger shares rotates across the fragments of a step, so per-step totals also
     differ by at most one;
-  - every trainer with a non-empty share cuts it into the same number k = ceil(T / (M b)) of
-    micro-batches (fewer only when its share is smaller than k), with sizes differing by at most
-    one and never above b. Equal counts keep FSDP ranks, whose forwards are collectives, in step.
+  - with trainers of different speeds (`weights`, relative speeds), the shares follow the speeds
+    instead: each trainer's share is T w_m / sum(w) rounded (largest remainders, ties in the
+    rotation's order), so that every trainer finishes its share at the same time;
+  - every trainer with a non-empty share cuts it into the same number k of micro-batches (fewer
+    only when its share is smaller than k), with sizes differing by at most one and never above b:
+    k = ceil(largest share / b), which for equal shares is ceil(T / (M b)). Equal counts keep FSDP
+    ranks, whose forwards are collectives, in step.
+
+Which trainer trains a transition never changes what it contributes: the trainers' gradients are
+summed, so every packing trains the same weights to float32 reassociation.
 """
 from __future__ import annotations
 
@@ -77,17 +84,34 @@ def _split(n: int, parts: int, first_larger: int = 0) -> list[int]:
     return [q + (1 if (j - first_larger) % parts < r else 0) for j in range(parts)]
 
 
+def _split_weighted(n: int, weights: Sequence[float], first_larger: int = 0) -> list[int]:
+    """n split in proportion to `weights`: each part the floor of its exact share, the rest one
+    each to the largest remainders (ties: cyclically from `first_larger`). Equal weights: `_split`."""
+    parts, total = len(weights), sum(weights)
+    exact = [n * w / total for w in weights]
+    out = [int(x) for x in exact]
+    order = sorted(range(parts), key=lambda j: (-(exact[j] - out[j]), (j - first_larger) % parts))
+    for j in order[:n - sum(out)]:
+        out[j] += 1
+    return out
+
+
 def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_trainers: int,
-         parts: Mapping[int, int] | None = None) -> Packing:
+         parts: Mapping[int, int] | None = None, weights: Sequence[float] | None = None) -> Packing:
     """Pack each fragment's transitions (in the given order) into micro-batches of at most
     `micro_batch` transitions, balanced over `num_trainers` trainers (see the module docstring).
     `parts`: sample id -> the step's optimizer update that trains it (rl.updates; None: one
     update): a micro-batch never mixes updates, each update's transitions of a fragment are packed
-    as the module docstring packs a fragment's, update after update."""
+    as the module docstring packs a fragment's, update after update. `weights`: the trainers'
+    relative speeds (None or all equal: even shares)."""
     if micro_batch < 1:
         raise ValueError(f"--train-micro-batch must be >= 1, got {micro_batch}")
     if num_trainers < 1:
         raise ValueError(f"TSP needs at least one trainer, got {num_trainers}")
+    if weights is not None and (len(weights) != num_trainers or not all(w > 0 for w in weights)):
+        raise ValueError(f"TSP needs one positive speed per trainer ({num_trainers}), got {list(weights)}")
+    if weights is not None and len(set(weights)) == 1:
+        weights = None
     units = []
     for f, transitions in enumerate(fragments):
         if len(set(transitions)) != len(transitions):
@@ -97,9 +121,10 @@ def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_tra
     out, rotate = [], 0
     for f, part, transitions in units:
         total = len(transitions)
-        shares = _split(total, num_trainers, first_larger=rotate)
+        shares = _split(total, num_trainers, first_larger=rotate) if weights is None else \
+            _split_weighted(total, weights, first_larger=rotate)
         rotate = (rotate + total % num_trainers) % num_trainers
-        per_trainer = -(-total // (num_trainers * micro_batch))  # k: micro-batches of every full share
+        per_trainer = -(-max(shares) // micro_batch)  # k: micro-batches of the largest share
         start = 0
         for trainer, share in enumerate(shares):
             own = transitions[start:start + share]
@@ -115,9 +140,11 @@ def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_tra
 
 
 def pack_step(fragment_sample_ids: Sequence[Sequence[int]], timesteps: Mapping[int, Sequence[int]], *,
-              micro_batch: int, num_trainers: int, parts: Mapping[int, int] | None = None) -> Packing:
+              micro_batch: int, num_trainers: int, parts: Mapping[int, int] | None = None,
+              weights: Sequence[float] | None = None) -> Packing:
     """The packing of a step: `fragment_sample_ids[f]` are fragment f's samples, `timesteps[i]`
     sample i's trained timesteps (Flow-GRPO in order, a DanceGRPO subset, a window), `parts[i]`
-    the optimizer update that trains sample i (None: one update)."""
+    the optimizer update that trains sample i (None: one update), `weights` the trainers'
+    relative speeds (None: equal)."""
     return pack([fragment_transitions(ids, timesteps) for ids in fragment_sample_ids],
-                micro_batch=micro_batch, num_trainers=num_trainers, parts=parts)
+                micro_batch=micro_batch, num_trainers=num_trainers, parts=parts, weights=weights)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from parallel.event_engine import Costs
 from parallel.schedule import fragments_in_flight, makespan_slots
-from parallel.stepplan import plan_step
+from parallel.stepplan import plan_step, trainer_speeds
 from planner.simulator import simulate_run
 
 SPEED_SPREAD = 1.1
@@ -200,12 +200,18 @@ def _plan(p: Placement, w: Workload, replicas: int, trainers: int, speeds: list[
                      replica_speeds=speeds)
 
 
-def _train_s(w: Workload, m: Machine, samples: int, trainer_ranks: list[int], fsdp: bool) -> float:
-    """Wall seconds of one fragment's training on its trainers, each an equal share (TSP), at the
-    slowest trainer's speed; FSDP2 trainers gather the weights three times per forward."""
+def _train_s(w: Workload, m: Machine, samples: int, trainer_ranks: list[int], fsdp: bool,
+             by_speed: bool = False) -> float:
+    """Wall seconds of one fragment's training on its trainers (TSP): each an equal share, at the
+    slowest trainer's speed, or with `by_speed` (replicated TSP trainers whose fragments are split
+    by speed) shares in proportion to the trainers' rounded speeds, as the runtime packs them
+    (`trainer_speeds`); FSDP2 trainers gather the weights three times per forward."""
     transitions = samples * w.trained_per_sample
     t = len(trainer_ranks)
     share = transitions / t * max(m.row_s[r] for r in trainer_ranks)
+    speeds = trainer_speeds({r: m.row_s[r] for r in trainer_ranks}) if by_speed and w.tsp and not fsdp else None
+    if speeds is not None:
+        share = max(transitions * v / sum(speeds) * m.row_s[r] for v, r in zip(speeds, sorted(trainer_ranks)))
     if fsdp:
         share += math.ceil(transitions / t / w.train_micro_batch) * 3 * _gathers_s(w, m, t)
     return share
@@ -228,7 +234,7 @@ def _colocated(p: Placement, w: Workload, m: Machine) -> Prediction:
     if fsdp:  # every rank in lockstep at the slowest, gathering the weights at every forward
         per_chunk = [max(m.chunk_s) + w.sample_steps * _gathers_s(w, m, n)] * n
     costs = Costs([c * chunks[0] for c in per_chunk], max(per_chunk) * chunks[0],
-                  _train_s(w, m, samples[0], ranks, fsdp),
+                  _train_s(w, m, samples[0], ranks, fsdp, by_speed=speeds is not None),
                   update_s=0.0 if fsdp else _allreduce_s(w.grad_bytes, m, n),
                   chunks_per_fragment=None if w.tsp else chunks[0],
                   gen_scale=[c / chunks[0] for c in chunks], train_scale=[s / samples[0] for s in samples])
@@ -267,7 +273,7 @@ def _disagg(p: Placement, w: Workload, m: Machine) -> Prediction:
         trainer_gen += chunks[0] * w.sample_steps * _gathers_s(w, m, t)
     transfer = samples[0] * w.sample_bytes / m.link_bytes_s + m.latency_s
     costs = Costs([_replica_s(p, w, m, ranks, chunks[0]) for ranks in replicas], trainer_gen,
-                  _train_s(w, m, samples[0], trainer_ranks, fsdp), transfer_s=transfer,
+                  _train_s(w, m, samples[0], trainer_ranks, fsdp, by_speed=True), transfer_s=transfer,
                   update_s=0.0 if fsdp else _allreduce_s(w.grad_bytes, m, t),
                   publish_s=g * (w.version_bytes / m.link_bytes_s + m.latency_s),  # one generator rank at a time
                   chunks_per_fragment=None if w.tsp else chunks[0],

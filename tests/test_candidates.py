@@ -48,6 +48,20 @@ def test_colocated_step_by_hand():
     assert predict(Placement("colocated"), WL, m).step_s == pytest.approx(0.2 + 4 * 16 * 0.001 + allreduce + exchange)
 
 
+def test_colocated_split_by_speed_by_hand():
+    """Rank 0 2x slower at everything, 4 fragments: by speed it generates 1 (0.3 s) while rank 1
+    generates 3 (0.45 s); then each fragment's 32 transitions train in shares by speed (rank 0 a
+    third, rank 1 two thirds: 0.064 s each at once), not in halves at the slow rank's pace."""
+    m = Machine([0.3, 0.15], [0.006, 0.003], **FAST_LINK)
+    exchange = 16 * 1e4 * 0.5 / 1e9 + 1e-4
+    allreduce = 2 * 4e5 * 0.5 / 1e9 + 1e-4
+    by_speed = predict(Placement("colocated", fragment_split="speed"), WL, m)
+    assert by_speed.shares == (4, 12)
+    assert by_speed.step_s == pytest.approx(0.45 + 4 * 32 / 3 * 0.006 + allreduce + exchange)
+    even = predict(Placement("colocated"), WL, m)
+    assert even.step_s == pytest.approx(2 * 0.3 + 4 * 16 * 0.006 + allreduce + exchange)
+
+
 def test_streaming_step_by_hand():
     """1 generator + 1 trainer, GAP streaming: 4 fragments of 0.1 s back to back; each lands after
     its transfer; the last trains (32 transitions at 0.001 s) and the version goes to the

@@ -112,6 +112,20 @@ def test_hetero_modes_train_the_colocated_data(tmp_path):
     trace = json.loads((tmp_path / "colocated-speed" / "trace" / "rank0.json").read_text())["traceEvents"]
     fragments = {e["args"]["fragment"] for e in trace if e.get("name") == "generate" and e["args"]["step"] == 1}
     assert len(fragments) < 2, fragments  # of 4 fragments, the slow rank generated at most one
+    # TSP's shares follow the trainers' speeds too: the slow rank trains about a fifth (4x slower),
+    # where the even split gives each rank half.
+    trained = {name: [_transitions(tmp_path / name, rank, step=1) for rank in (0, 1)]
+               for name in ("colocated", "colocated-speed")}
+    assert abs(trained["colocated"][0] - trained["colocated"][1]) <= 4, trained  # within one per fragment
+    assert sum(trained["colocated-speed"]) == sum(trained["colocated"]), trained
+    assert trained["colocated-speed"][0] < 0.4 * trained["colocated-speed"][1], trained
+
+
+def _transitions(run, rank: int, step: int) -> int:
+    """Transitions rank `rank` trained in step `step`, from its trace."""
+    events = json.loads((run / "trace" / f"rank{rank}.json").read_text())["traceEvents"]
+    return sum(e["args"]["transitions"] for e in events if e.get("ph") == "X" and e.get("name") == "train"
+               and e["args"]["step"] == step)
 
 
 def test_sharded_modes_train_the_colocated_data(tmp_path):

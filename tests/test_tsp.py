@@ -71,6 +71,44 @@ def test_packing_is_deterministic_and_validates():
         tsp.pack([[(0, 1), (0, 1)]], micro_batch=2, num_trainers=1)
 
 
+@pytest.mark.parametrize("sizes,micro_batch,weights", [
+    ([4, 4, 4, 4], 16, (0.5, 1.0)), ([4, 4], 4, (0.25, 1.0, 1.0)), ([3, 5, 2], 3, (1.0, 0.33)), ([1], 4, (0.5, 1.0)),
+])
+def test_trainers_of_different_speeds_take_shares_in_proportion(sizes, micro_batch, weights):
+    """With the trainers' relative speeds, every transition is still packed once; each trainer's share
+    of a fragment is its exact share rounded (within one), the whole step's too (within one per
+    fragment); every trainer cuts its share into as many micro-batches as the largest share needs."""
+    fragments, m = _fragments(sizes), len(weights)
+    packing = tsp.pack(fragments, micro_batch=micro_batch, num_trainers=m, weights=weights)
+    for f, transitions in enumerate(fragments):
+        mine = [x for x in packing.micro_batches if x.fragment == f]
+        assert sorted(tr for x in mine for tr in x.transitions) == sorted(transitions)
+        shares = [sum(len(x.transitions) for x in mine if x.trainer == r) for r in range(m)]
+        exact = [len(transitions) * w / sum(weights) for w in weights]
+        assert all(abs(s - e) < 1 for s, e in zip(shares, exact)), (shares, exact)
+        k = -(-max(shares) // micro_batch)
+        counts = [sum(1 for x in mine if x.trainer == r) for r in range(m)]
+        assert counts == [min(k, s) for s in shares], (counts, shares)
+        assert all(1 <= len(x.transitions) <= micro_batch for x in mine)
+    exact = [sum(len(t) for t in fragments) * w / sum(weights) for w in weights]
+    assert all(abs(s - e) < len(fragments) for s, e in zip(packing.num_transitions(), exact))
+    totals = packing.num_transitions()
+    slow = weights.index(min(weights))
+    assert all(totals[slow] < n for r, n in enumerate(totals) if r != slow), totals  # the slow trainer takes less
+    # Equal speeds pack as no speeds do; bad speeds are refused, naming them.
+    assert tsp.pack(fragments, micro_batch=micro_batch, num_trainers=m, weights=(2.0,) * m) == \
+        tsp.pack(fragments, micro_batch=micro_batch, num_trainers=m)
+    with pytest.raises(ValueError, match=r"one positive speed per trainer \(2\), got \[1.0, 0.0\]"):
+        tsp.pack(fragments, micro_batch=micro_batch, num_trainers=2, weights=(1.0, 0.0))
+
+
+def test_trainer_speeds_round_as_replica_speeds_do():
+    from parallel.stepplan import trainer_speeds
+    assert trainer_speeds({1: 1.0, 2: 1.1}) is None  # noise on identical trainers: even shares
+    assert trainer_speeds({0: 4.0, 1: 1.0}) == (0.25, 1.0)
+    assert trainer_speeds({3: 1.0, 2: 3.0}) == (0.33, 1.0)  # rank order
+
+
 @pytest.mark.parametrize("name,window", [("flow_grpo", None), ("dance_grpo", None), ("flow_grpo_fast", (1, 3))])
 def test_packing_of_trained_timestep_selections(name, window):
     num_steps, ids = 6, [list(range(0, 4)), list(range(4, 8)), list(range(8, 12))]
