@@ -10,8 +10,6 @@ verifies it. Each rank writes OUT_DIR/rank{r}.json with its checks and exits 0 o
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import traceback
 from datetime import timedelta
@@ -29,6 +27,7 @@ from parallel.checksums import checksum
 from parallel.publish import WeightPublisher, WeightReceiver
 from rl import sampler
 from trainer import Trainer
+from tests.dist_scripts.rank_report import finish
 
 BUCKET_BYTES = 4096  # several buckets per publication
 BF16 = torch.bfloat16
@@ -123,16 +122,9 @@ def main() -> None:
             trainer_checks(rank, group, checks)
         else:
             generator_checks(checks)
-        code = 0 if all(v is True for v in checks.values()) else 1
     except Exception:  # noqa: BLE001 - reported in the rank's file
         checks["exception"] = traceback.format_exc()
-        code = 1
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(checks, f, indent=1)
-    print(json.dumps({"rank": rank, "code": code}), flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    finish(out_dir, rank, checks)
 
 
 if __name__ == "__main__":

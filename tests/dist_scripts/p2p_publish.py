@@ -7,7 +7,6 @@ exits 0 only if all of them passed.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -21,6 +20,7 @@ from parallel.p2p import comm_device, isend_payload, recv_payload, send_payload
 from parallel.publish import (
     CORRUPT_ENV, PublicationError, WeightPublisher, WeightReceiver, checksum, state_checksum,
 )
+from tests.dist_scripts.rank_report import finish
 
 BUCKET_BYTES = 1024  # forces several buckets per publication
 
@@ -169,23 +169,15 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     checks: dict = {}
-    code = 0
     try:
         run(rank, checks)
-        code = 0 if all(v is True for v in checks.values()) else 1
-    except Exception:
+    except Exception:  # noqa: BLE001 - reported in the rank's file
         checks["exception"] = traceback.format_exc()
-        code = 1
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(checks, f, indent=1)
-    if code == 0:
-        # Clean ending (docs/MODELS.md): barrier, destroy, flush, _exit.
+
+    def clean_exit():  # docs/MODELS.md: barrier, destroy, flush, _exit
         dist.barrier()
         dist.destroy_process_group()
-    print(json.dumps({"rank": rank, "code": code}), flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    finish(out_dir, rank, checks, clean_exit=clean_exit)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ checks passed.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import traceback
 from datetime import timedelta
@@ -30,6 +28,7 @@ from parallel.fsdp import full_tensor
 from parallel.trainer_intake import TrainChunk
 from rl import sampler
 from trainer import Trainer, adamw
+from tests.dist_scripts.rank_report import finish
 
 STEPS = 2
 TOLERANCE = 1e-5
@@ -130,16 +129,9 @@ def main() -> None:
     try:
         reference_checks(dist.group.WORLD, checks, figures)
         optimizer_checks(dist.group.WORLD, checks, figures)
-        code = 0 if all(v is True for v in checks.values()) else 1
     except Exception:  # noqa: BLE001 - reported in the rank's file
         checks["exception"] = traceback.format_exc()
-        code = 1
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"checks": checks, "figures": figures}, f, indent=1)
-    print(json.dumps({"rank": rank, "code": code}), flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    finish(out_dir, rank, checks, {"checks": checks, "figures": figures})
 
 
 if __name__ == "__main__":
