@@ -45,7 +45,7 @@ def shard_modules(transformer: torch.nn.Module, group, param_dtype: torch.dtype 
     (cast_forward_inputs=False): the adapters cast them, as they do on generators, which hold the
     weights in the compute dtype, so a trainer's forward computes what the generator computed."""
     device_type = "cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu"
-    mesh = DeviceMesh.from_group(group, device_type=device_type)
+    mesh = mesh_of(group, device_type)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
                                   cast_forward_inputs=False)
     for child in transformer.children():
@@ -54,6 +54,15 @@ def shard_modules(transformer: torch.nn.Module, group, param_dtype: torch.dtype 
             if any(True for _ in unit.parameters()):
                 fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
     return fully_shard(Root(transformer), mesh=mesh, mp_policy=policy)
+
+
+def mesh_of(group, device_type: str) -> DeviceMesh:
+    """The 1-D DeviceMesh over `group`, its dimension named after the group. DTensor caches its
+    sharding propagation by mesh equality, which compares ranks and dimension names, not groups: a
+    placement switched inside a run (runtime/autoplace.py) shards over a new group of the same ranks
+    as a destroyed one, and an unnamed mesh would take the destroyed group's mesh from that cache
+    (its parameters' `detach()` then carry it). The group's name keeps every group's mesh its own."""
+    return DeviceMesh.from_group(group, device_type=device_type, mesh_dim_names=(f"pg{group.group_name}",))
 
 
 def spans_ranks(t: Tensor) -> bool:

@@ -128,11 +128,17 @@ def _transitions(run, rank: int, step: int) -> int:
                and e["args"]["step"] == step)
 
 
+SHARDED_STEPS = 4  # --placement auto: three trials of a step each, then the one kept
+
+
 def test_sharded_modes_train_the_colocated_data(tmp_path):
     """Full fine-tuning under a memory budget that forbids replicated training state: colocated
     FSDP2 over 3 ranks and 1 generator + 2 FSDP2 trainers reach the same weights; replicated
-    training is refused, naming the numbers (a budget between the memory model's peaks for them)."""
-    full = ["--lora-rank", "0", "--prompts-per-step", "3"]
+    training is refused, naming the numbers (a budget between the memory model's peaks for them).
+    --placement auto under that budget tries every sharded placement a step each, switching between
+    FSDP2 groups inside the run (a new trainers' group of the ranks of a destroyed one among them),
+    and trains the same weights."""
+    full = ["--lora-rank", "0", "--prompts-per-step", "3", "--steps", str(SHARDED_STEPS)]
     runs = {"colocated-fsdp3": ["--mode", "colocated", "--colocated-sharding", "fsdp"],
             "gap-fsdp": ["--generators", "1", "--trainers", "2", "--train-sharding", "fsdp"]}
 
@@ -152,8 +158,16 @@ def test_sharded_modes_train_the_colocated_data(tmp_path):
         torchrun(3, [*ARGS, *budget, *placement, "--output-dir", str(out)], env=traced(out))
         assert_nccl_ok(out, collectives=[f"world:{REDUCE_SCATTER}" if "colocated" in name
                                          else f"trainers:{REDUCE_SCATTER}"])
-        weights[name] = trained_weights(str(out), 2)
+        weights[name] = trained_weights(str(out), SHARDED_STEPS)
         assert read_metrics(str(out / "metrics.jsonl"))[-1]["train/num_allgathers"] > 0
     assert_same_weights(weights["colocated-fsdp3"], weights["gap-fsdp"], "gap-fsdp")
+    auto = tmp_path / "auto"
+    torchrun(3, [*ARGS, *budget, "--placement", "auto", "--placement-trials", "3", "--placement-trial-steps", "1",
+                 "--placement-margin", "1e9", "--output-dir", str(auto)])
+    record = json.loads((auto / "config.json").read_text())["run"]["placement"]
+    tried = [x["label"] for x in record["trials"]]
+    assert len(tried) == 3 and all("FSDP2" in t for t in tried), tried
+    assert [s["after_step"] for s in record["switches"]][:2] == [0, 1], record["switches"]
+    assert_same_weights(weights["colocated-fsdp3"], trained_weights(str(auto), SHARDED_STEPS), "auto")
     refused = torchrun(2, [*ARGS, *budget, "--mode", "colocated", "--output-dir", str(tmp_path / "r")], check=False)
     assert refused.returncode != 0 and f"--memory-budget-gb {limit}: a colocated needs" in refused.stderr
