@@ -208,9 +208,10 @@ def _train_s(w: Workload, m: Machine, samples: int, trainer_ranks: list[int], fs
     (`trainer_speeds`); FSDP2 trainers gather the weights three times per forward."""
     transitions = samples * w.trained_per_sample
     t = len(trainer_ranks)
-    share = transitions / t * max(m.row_s[r] for r in trainer_ranks)
     speeds = trainer_speeds({r: m.row_s[r] for r in trainer_ranks}) if by_speed and w.tsp and not fsdp else None
-    if speeds is not None:
+    if speeds is None:
+        share = transitions / t * max(m.row_s[r] for r in trainer_ranks)
+    else:
         share = max(transitions * v / sum(speeds) * m.row_s[r] for v, r in zip(speeds, sorted(trainer_ranks)))
     if fsdp:
         share += math.ceil(transitions / t / w.train_micro_batch) * 3 * _gathers_s(w, m, t)

@@ -165,7 +165,8 @@ class AutoPlacement:
             return {k: v for k, v in self.ranked[i].items() if k != "placement"}
         return {"mode": "auto", "chosen": show(0), "runner_up": show(1) if len(self.ranked) > 1 else None,
                 "running": show(self.current), "ranked": [show(i) for i in range(len(self.ranked))],
-                "refused": self.refused, "probe": self.machine, "unmodeled": self.unmodeled, "trials": [show(i) for i in self.tried],
+                "refused": self.refused, "probe": self.machine, "unmodeled": self.unmodeled,
+                "trials": [show(i) for i in self.tried],
                 "measured_step_s": self._measured_by_label(), "switches": self.switches}
 
     def after_step(self, r: Rank, step: int) -> Rank:
