@@ -16,8 +16,9 @@ start, so that the switch before it does not count). Where the ranks time-share 
 the prediction does not model, the best placement of the other family (colocated against
 disaggregated) is tried too, whatever its prediction. A switch between two steps saves the run state, tears
 the roles down and builds the next placement from that checkpoint, in this process: the state an
-exact resume restores, so the weights after N steps are a fixed placement's. Every decision and
-switch is said on rank 0 and written into config.json's run record ("placement").
+exact resume restores, so the weights after N steps are a fixed placement's; a placement built
+again (the switch back to the fastest) keeps the speeds its ranks measured the first time. Every
+decision and switch is said on rank 0 and written into config.json's run record ("placement").
 """
 from __future__ import annotations
 
@@ -151,6 +152,7 @@ class AutoPlacement:
         self.tried = list(self.trials)  # the trials planned (self.trials empties once decided)
         self.current = self.trials[0] if self.trials else 0
         self.steps_in, self.measured, self.switches = 0, {}, []
+        self.speeds: dict[int, list] = {}  # each placement's speed probes, once built (a switch back reuses them)
 
     def placement(self, i: int | None = None) -> planner.Placement:
         return planner.Placement(**self.ranked[self.current if i is None else i]["placement"])
@@ -205,16 +207,17 @@ class AutoPlacement:
         return "; ".join(f"{self.ranked[i]['label']} measured {s:.3g} s/step" for i, s in self.measured.items())
 
     def _switch(self, r: Rank, nxt: int, done: int) -> Rank:
-        frm, self.current, self.steps_in = self.current, nxt, 0
+        self.speeds[self.current] = r.speeds
+        frm, self.current, self.steps_in, probed = self.current, nxt, 0, nxt not in self.speeds
         _say(r, f"placement: switching after step {done - 1} from {self.ranked[frm]['label']} to "
                 f"{self.ranked[nxt]['label']} (predicted {self.ranked[nxt]['predicted_step_s']:.3g} s/step; "
                 f"{self._times()})")
         start = time.perf_counter()
         cfg, facts = self.config()
-        new = switch(r, cfg, facts, done, self.record())
+        new = switch(r, cfg, facts, done, self.record(), self.speeds.get(nxt))
         self.switches.append({"after_step": done - 1, "from": self.ranked[frm]["label"],
                               "to": self.ranked[nxt]["label"], "measured_step_s": self._measured_by_label(),
-                              "switch_s": time.perf_counter() - start})
+                              "switch_s": time.perf_counter() - start, "probed": probed})
         _write_record(new, self.record())
         return new
 
@@ -268,10 +271,12 @@ def _choice_line(auto: AutoPlacement) -> str:
     return line
 
 
-def switch(r: Rank, cfg: RunConfig, facts: RunFacts, done: int, record: dict) -> Rank:
+def switch(r: Rank, cfg: RunConfig, facts: RunFacts, done: int, record: dict, speeds: list | None = None) -> Rank:
     """Rebuild rank `r` as placement (cfg, facts) after `done` steps, from the run's own state: the
     trainers checkpoint it (unless step `done` saved it), the placement's traffic settles, and the
-    new roles resume from that checkpoint as an exact resume does. A collective."""
+    new roles resume from that checkpoint as an exact resume does. `speeds`: the placement's speed
+    probes if the run built it before (its ranks hold the same roles; not measured again). A
+    collective."""
     if r.saved != done:
         r.save(done)  # every trainer writes its shards (a collective over the trainers)
     r.settle(done)
@@ -283,7 +288,8 @@ def switch(r: Rank, cfg: RunConfig, facts: RunFacts, done: int, record: dict) ->
                                {})
     r.release()
     _free()
-    new = build(cfg, dataclasses.replace(facts, resume=point), r.ctx.rank, previous=r, placement=record)
+    new = build(cfg, dataclasses.replace(facts, resume=point), r.ctx.rank, previous=r, placement=record,
+                speeds=speeds)
     if new.log.logging:
         new.log.previous_end = new.store.get(keys.previous_end(done))
     return new

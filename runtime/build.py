@@ -72,6 +72,8 @@ class Rank:
     """the last step a checkpoint holds"""
     run: dict = field(default_factory=dict)
     """the run record (checkpointing/runrecord.py) that config.json and every checkpoint carry"""
+    speeds: list = field(default_factory=list)
+    """every rank's start-up speed probe (runtime/probe.py gather_speeds; None for a scorer)"""
 
     @property
     def cfg(self) -> RunConfig:
@@ -224,12 +226,14 @@ class Rank:
 
 # ----- building -------------------------------------------------------------------------------
 def build(cfg: RunConfig, facts: RunFacts, rank: int, previous: Rank | None = None,
-          placement: dict | None = None) -> Rank:
+          placement: dict | None = None, speeds: list | None = None) -> Rank:
     """Everything rank `rank` runs its steps with. Collective: every rank calls it. `previous`: the
     rank as the placement before built it, released, when --placement auto switches inside the run
     (runtime/autoplace.py; `facts` then resume from its checkpoint): its store, run guard, tracer
     and run record go on, and the run folder is not prepared again. `placement`: what --placement
-    auto chose, for the run record (config.json)."""
+    auto chose, for the run record (config.json). `speeds`: this placement's speed probes when the
+    run built it before (--placement auto switching back to it: its ranks hold the same roles), not
+    measured again."""
     topo, t = facts.topology, cfg.topology
     commhooks.install()  # DIGENRL_COMM_TRACE: every collective from here on is recorded
     store = previous.store if previous is not None else StepStore(t.dist_timeout_s)
@@ -249,7 +253,10 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int, previous: Rank | None = No
     trainer = make_trainer(ctx) if topo.is_trainer(rank) else None
     cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
     # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
-    speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
+    if speeds is None:
+        speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
+    else:
+        probe.write_speeds(ctx, cfg.output.output_dir, speeds)
     run = _prepare_folder(cfg, facts, rank, store, placement) if previous is None else \
         _record_switch(cfg, rank, previous.run, placement)
     if shapes is not None:  # the dispatch's costs, calibrated by the generators' chunk times
@@ -270,7 +277,7 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int, previous: Rank | None = No
         ctx.intake.speeds = trainer_speeds({t: speeds[t]["train_s"] for t in topo.trainer_ranks})
     publish_names = {g: _stage_names(ctx.adapter, all_names, layouts.get(g)) for g in topo.generator_ranks}
     r = Rank(ctx, store, groups, run_guard, log, begin.step, shares, shapes, publish_names, trainer=trainer,
-             saved=begin.step, run=run)
+             saved=begin.step, run=run, speeds=speeds)
     _build_generator(r, layouts, begin.version)
     if trainer is not None:
         _build_trainer_side(r, speeds, all_names)

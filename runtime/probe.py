@@ -133,10 +133,15 @@ def gather_speeds(ctx, out_dir: str, cond, shapes=None, training: bool = False) 
             mine["shape_s"] = {prompt_shapes.shape_name(k): s for k, s in seconds.items()}
     everyone = [None] * ctx.topo.world_size
     dist.all_gather_object(everyone, mine)  # sync point
+    write_speeds(ctx, out_dir, everyone)
+    return everyone
+
+
+def write_speeds(ctx, out_dir: str, speeds: list[dict | None]) -> None:
+    """DIR/speeds.json (the first rank writes it): every rank's speeds, with its role."""
     if ctx.rank == 0:
         with open(os.path.join(out_dir, "speeds.json"), "w") as f:
-            json.dump([{"rank": r, "role": ctx.topo.role(r), **(s or {})} for r, s in enumerate(everyone)], f, indent=1)
-    return everyone
+            json.dump([{"rank": r, "role": ctx.topo.role(r), **(s or {})} for r, s in enumerate(speeds)], f, indent=1)
 
 
 def probe_generation(ctx, repeats: int = 2) -> tuple[float, float]:

@@ -66,6 +66,8 @@ def test_the_log_and_config_json_say_what_auto_chose_and_why(switching):
     switches = record["switches"]
     assert [s["after_step"] for s in switches] in ([0, 1, 2], [0, 1, 2, 3]) and all(s["switch_s"] > 0 for s in switches)
     assert [s["from"] for s in switches[:3]] == tried[:0:-1] and [s["to"] for s in switches[:3]] == tried[2::-1]
+    # a placement's ranks probe their speeds when it is first built; a switch back to it reuses them
+    assert [s["probed"] for s in switches] == [s["to"] not in tried[::-1][:i + 1] for i, s in enumerate(switches)]
     fastest = min(record["measured_step_s"], key=record["measured_step_s"].get)
     assert record["running"]["label"] == fastest
     config = json.loads((run / "config.json").read_text())
