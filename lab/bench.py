@@ -27,7 +27,6 @@ import os
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +41,8 @@ from lab.planning.bench_report import add_predictions, bubble_check, scenario_re
 from planner.memory import peak
 from lab.planning.profile import finetune_flags
 from runtime.budget import predict
-from lab.bench_modes import AUTO_MODES, BASELINES, DEFAULT_MODES, MODES, SCENARIOS, STALE_MODES
+from lab.bench_modes import AUTO_MODES, BASELINES, DEFAULT_MODES, MODES, SCENARIOS
+from lab.bench_summary import auto_notes, compare_auto, median_row, pool_rounds, round_notes, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,6 +85,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument("--workload", default="", help="more train_disagg.py flags, as one shell-quoted string")
     r = p.add_argument_group("runs")
     r.add_argument("--timeout", type=float, default=600, help="seconds before a mode's run is killed")
+    r.add_argument("--rounds", type=int, default=1,
+                   help="scenarios: run every mode this many times, the modes in turn in each round (a drift of "
+                        "the machine's speed then falls on every mode alike), and pool each mode's measured steps")
     r.add_argument("--threads", type=int, default=None,
                    help="OMP_NUM_THREADS per rank (default: CPU cores // ranks, at least 1)")
     r.add_argument("--profile", default=None, help="scenarios: the lab/calibrate.py profile of the planner's "
@@ -95,6 +98,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     return args
 
 
@@ -140,10 +145,7 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
             budget = budget or memory_budget_gb(args, workload)
             flags[flags.index("auto")] = f"{budget:.6g}"
         print(f"scenario {sc_name}: {sc.description}; {shlex.join(flags)}", flush=True)
-        results = []
-        for name in sc.modes:
-            print(f"  {name}: {MODES[name].nproc} ranks, {shlex.join(MODES[name].flags)}", flush=True)
-            results.append(measure_mode(name, workload + flags, os.path.join(bench_dir, sc_name), args))
+        results = measure_rounds(sc.modes, workload + flags, os.path.join(bench_dir, sc_name), args)
         base = results[0].get("samples_per_s") if results[0]["status"] == "ok" else None
         for name, r in zip(sc.modes, results):
             ok = r["status"] == "ok"
@@ -157,15 +159,17 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
                          "publish_bytes": r.get("publish_bytes") if ok else None,
                          "busy_fraction": r.get("busy_fraction", {}),
                          "ratio": r["samples_per_s"] / base if ok and base else None,
-                         "output_dir": r["output_dir"], "bubble_check": r.get("bubble_check"),
+                         "output_dir": r["output_dir"], "output_dirs": r["output_dirs"],
+                         "round_step_s": r.get("round_step_s"), "bubble_check": r.get("bubble_check"),
                          "error": r.get("error")})
         candidates = [row for row in rows[-len(sc.modes):] if not row["mode"].startswith("colocated")
                       and row["mode"] not in AUTO_MODES and row["ratio"] is not None]
         if candidates:
             max(candidates, key=lambda row: row["ratio"])["best"] = True
         compare_auto(rows[-len(sc.modes):])
+    rounds = f", pooled over {args.rounds} rounds of the modes in turn" if args.rounds > 1 else ""
     notes_lines = [f"workload {shlex.join(workload)}; {os.cpu_count()} CPU cores; medians after {args.warmup} "
-                   f"warm-up step(s)", BUBBLE_DEFINITION,
+                   f"warm-up step(s){rounds}", BUBBLE_DEFINITION,
                    "every mode of a scenario trains the same transitions in the same packed forwards"
                    if args.packing else "no packing: one timestep of a chunk per forward in every mode"]
     if any(r["exceeds_cores"] for r in rows):
@@ -173,53 +177,39 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
     if budget is not None:
         notes_lines.append(f"sharded: --memory-budget-gb {budget:.6g} (the memory model's peaks: between the sharded "
                            f"plans' and a replicated trainer's) forbids replicated full fine-tuning")
-    notes_lines += auto_notes(rows)
+    notes_lines += auto_notes(rows) + round_notes(rows)
     if args.profile != "none":
         notes_lines.append(add_predictions(rows, args.profile or calibrate(args, bench_dir, rows)))
     scenario_report(rows, notes_lines, bench_dir, args.json or os.path.join(bench_dir, "scenarios.json"))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
-def compare_auto(rows: list[dict]) -> None:
-    """Each --placement auto row of one scenario against the scenario's best fixed mode (on-policy
-    ones for `auto`; TCSS ones too for `auto+stale`): `vs_best_fixed`, `best_fixed`, and what the
-    run chose and ran (`auto_placement`, `auto_switches`, from its config.json)."""
-    for row in rows:
-        if row["mode"] not in AUTO_MODES or row["samples_per_s"] is None:
-            continue
-        stale = row["mode"] in STALE_MODES
-        fixed = [r for r in rows if r["mode"] not in AUTO_MODES and r["samples_per_s"] is not None
-                 and (stale or r["mode"] not in STALE_MODES)]
-        if fixed:
-            best = max(fixed, key=lambda r: r["samples_per_s"])
-            row["best_fixed"], row["vs_best_fixed"] = best["mode"], row["samples_per_s"] / best["samples_per_s"]
-        path = os.path.join(row["output_dir"], "config.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                record = (json.load(f).get("run") or {}).get("placement") or {}
-            row["auto_placement"] = (record.get("running") or {}).get("label")
-            row["auto_chosen"] = (record.get("chosen") or {}).get("label")
-            row["auto_switches"] = len(record.get("switches") or [])
-            # The whole measured stretch: its steps (trial steps included) and the switches inside it,
-            # against the best fixed mode's steps: what a run of this length gains or loses.
-            first = row["measured_steps"][0]  # a switch after the step before it precedes a measured step
-            switch_s = sum(s["switch_s"] for s in record.get("switches") or [] if s["after_step"] >= first - 1)
-            if fixed:
-                row["switch_s"] = switch_s
-                row["vs_best_fixed_run"] = best["steps_total_s"] / (row["steps_total_s"] + switch_s)
+def measure_rounds(modes: tuple[str, ...], workload: list[str], sc_dir: str, args: argparse.Namespace) -> list[dict]:
+    """Each of `modes` run `args.rounds` times, the modes in turn within a round (round k's runs in
+    SC_DIR/roundk when there are several), and each mode's rounds pooled (`pool_rounds`)."""
+    rounds = []
+    for k in range(args.rounds):
+        out = sc_dir if args.rounds == 1 else os.path.join(sc_dir, f"round{k + 1}")
+        if args.rounds > 1:
+            print(f"  round {k + 1} of {args.rounds}", flush=True)
+        results = []
+        for name in modes:
+            print(f"  {name}: {MODES[name].nproc} ranks, {shlex.join(MODES[name].flags)}", flush=True)
+            results.append(measure_mode(name, workload, out, args))
+        rounds.append(results)
+    return [pool_rounds([results[i] for results in rounds], args.warmup) for i in range(len(modes))]
 
 
-def auto_notes(rows: list[dict]) -> list[str]:
-    """One line per --placement auto row: what it ran and how it compares."""
-    out = []
-    for r in rows:
-        if r.get("vs_best_fixed") is None:
-            continue
-        out.append(f"{r['scenario']}: {r['mode']} chose {r.get('auto_chosen')}, ran {r.get('auto_placement')} "
-                   f"({r.get('auto_switches', 0)} switch(es) inside the run): {r['vs_best_fixed']:.2f}x the best fixed "
-                   f"mode ({r['best_fixed']}) by median step, {r.get('vs_best_fixed_run', float('nan')):.2f}x over the "
-                   f"measured steps with trials and switches, {r['ratio']:.2f}x the colocated baseline")
-    return out
+
+
+
+
+
+
+
+
+
+
 
 
 def calibrate(args: argparse.Namespace, bench_dir: str, rows: list[dict]) -> str:
@@ -336,35 +326,8 @@ def first_error(text: str) -> str | None:
     return errors[-1] if errors else None
 
 
-def summarize(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """Medians over the steps after the first `warmup`: step time, samples/s, bubble and busy
-    fractions. samples/s is the trained samples of a step over the median step time, so that the
-    step-time and throughput columns agree."""
-    measured = rows[warmup:]
-    if not measured:
-        raise ValueError(f"{len(rows)} step(s) logged, none left after {warmup} warm-up step(s)")
-    step_s = statistics.median(r["perf/step_s"] for r in measured)
-    samples_per_step = statistics.median(round(r["perf/samples_per_s"] * r["perf/step_s"]) for r in measured)
-    roles = sorted({k[len("perf/busy_fraction/"):] for r in measured for k in r if k.startswith("perf/busy_fraction/")})
-    return {
-        "measured_steps": [r["step"] for r in measured],
-        "step_s": step_s,
-        "steps_total_s": sum(r["perf/step_s"] for r in measured),
-        "samples_per_step": samples_per_step,
-        "samples_per_s": samples_per_step / step_s,
-        "bubble_fraction": statistics.median(r["perf/bubble_fraction"] for r in measured),
-        "publish_bytes": statistics.median(r.get("publish/bytes", 0.0) for r in measured),
-        # --placement auto: a run that switched placement has each role's steps only
-        "busy_fraction": {role: statistics.median(r[f"perf/busy_fraction/{role}"] for r in measured
-                                                  if f"perf/busy_fraction/{role}" in r) for role in roles},
-    }
 
 
-def median_row(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """The measured step whose time is closest to the median step time."""
-    measured = rows[warmup:]
-    step_s = statistics.median(r["perf/step_s"] for r in measured)
-    return min(measured, key=lambda r: abs(r["perf/step_s"] - step_s))
 
 
 def run_info(out_dir: str) -> dict[str, Any]:

@@ -1,0 +1,63 @@
+"""lab/bench.py --rounds (lab/bench_summary.py): each mode's runs of several rounds pooled into one result, and a
+--placement auto mode's trials and switches counted over every round (no run is started: the runs'
+folders are written here)."""
+import json
+import statistics
+
+import pytest
+
+from lab.bench_summary import compare_auto, pool_rounds, round_notes
+
+
+def _run(folder, step_s, placement=None):
+    """A finished run's folder: one metrics row per step, and an auto run's placement record."""
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.jsonl", "w") as f:
+        for step, s in enumerate(step_s):
+            f.write(json.dumps({"step": step, "perf/step_s": s, "perf/samples_per_s": 16 / s,
+                                "perf/bubble_fraction": 0.1, "perf/busy_fraction/colocated": 0.9}) + "\n")
+    if placement is not None:
+        (folder / "config.json").write_text(json.dumps({"run": {"placement": placement}}))
+    return {"mode": folder.name, "status": "ok", "output_dir": str(folder), "wall_s": 10.0,
+            "step_s": statistics.median(step_s[1:])}
+
+
+def test_rounds_pool_every_rounds_measured_steps(tmp_path):
+    """The median and the total over both rounds' steps after each round's warm-up step; each
+    round's own median beside them."""
+    rounds = [_run(tmp_path / "r1" / "m", [9.0, 1.0, 2.0, 3.0]), _run(tmp_path / "r2" / "m", [9.0, 4.0, 5.0, 6.0])]
+    out = pool_rounds(rounds, warmup=1)
+    assert out["step_s"] == pytest.approx(3.5) and out["steps_total_s"] == pytest.approx(21.0)
+    assert out["measured_steps"] == [1, 2, 3, 1, 2, 3]
+    assert out["samples_per_s"] == pytest.approx(16 / 3.5)
+    assert out["round_step_s"] == [2.0, 5.0] and out["wall_s"] == 20.0
+    assert out["output_dir"] == rounds[0]["output_dir"] and out["output_dirs"] == [r["output_dir"] for r in rounds]
+    line, = round_notes([{**out, "scenario": "fits"}])
+    assert line == "fits: median step s by round: m 2.000 / 5.000"
+
+
+def test_a_failed_round_fails_the_mode(tmp_path):
+    ok = _run(tmp_path / "r1" / "m", [9.0, 1.0])
+    failed = {"mode": "m", "status": "failed (exit 1)", "error": "boom", "output_dir": str(tmp_path / "r2" / "m")}
+    out = pool_rounds([ok, failed], warmup=1)
+    assert out["status"] == "failed (exit 1)" and out["error"] == "boom" and out["output_dir"] == failed["output_dir"]
+
+
+def test_auto_counts_the_switches_of_every_round(tmp_path):
+    """Switches inside the measured stretch of each round add up (one after the warm-up step's
+    predecessor does not count); the placements each round ran are named, once if they agree."""
+    def record(running, switches):
+        return {"running": {"label": running}, "chosen": {"label": "colocated"},
+                "switches": [{"after_step": a, "switch_s": s} for a, s in switches]}
+    rounds = [_run(tmp_path / "r1" / "auto", [9.0, 1.0, 1.0], record("colocated", [(0, 1.5), (1, 2.0)])),
+              _run(tmp_path / "r2" / "auto", [9.0, 2.0, 2.0], record("1 + 1", [(-1, 7.0), (1, 0.5)]))]
+    fixed = [_run(tmp_path / "r1" / "fixed", [9.0, 1.0, 1.0]), _run(tmp_path / "r2" / "fixed", [9.0, 1.0, 1.0])]
+    rows = [{**pool_rounds(runs, warmup=1), "mode": mode} for mode, runs in (("colocated-replicate", fixed),
+                                                                             ("auto", rounds))]
+    compare_auto(rows)
+    auto = rows[1]
+    assert auto["best_fixed"] == "colocated-replicate"
+    assert auto["vs_best_fixed"] == pytest.approx(1.0 / 1.5)
+    assert auto["auto_switches"] == 4 and auto["switch_s"] == pytest.approx(4.0)  # the switch before step 0 left out
+    assert auto["vs_best_fixed_run"] == pytest.approx(4.0 / (6.0 + 4.0))
+    assert auto["auto_placement"] == "colocated / 1 + 1" and auto["auto_chosen"] == "colocated"
