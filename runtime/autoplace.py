@@ -14,7 +14,7 @@ predicted within --placement-margin of the best (up to --placement-trials of the
 the one whose last trial step was fastest (a step's period; a placement's first step, from its own
 start, so that the switch before it does not count). Where the ranks time-share a CPU's cores, which
 the prediction does not model, the best placement of the other family (colocated against
-disaggregated) is tried too, whatever its prediction. A switch between two steps saves the run state, tears
+disaggregated) is tried too, whatever its prediction, and a disaggregated one last. A switch between two steps saves the run state, tears
 the roles down and builds the next placement from that checkpoint, in this process: the state an
 exact resume restores, so the weights after N steps are a fixed placement's; a placement built
 again (the switch back to the fastest) keeps the speeds its ranks measured the first time. Every
@@ -109,21 +109,28 @@ def refusal(cfg: RunConfig, facts: RunFacts, adapter, p: planner.Placement) -> s
 
 def trial_order(ranked: list[dict], max_trials: int, margin: float, families: bool = False) -> list[int]:
     """Which of the `ranked` placements (best predicted first) to try, in the order tried: the
-    runner-ups first, the predicted best (0) last; [] for no trials. Those predicted within `margin`
-    of the best, `max_trials` in all (the best included). `families`: the prediction cannot rank a
-    colocated placement against a disaggregated one on this machine (`unmodeled`), so the best of the
-    other family is tried too, whatever its prediction, before any other runner-up."""
+    runner-ups first, the predicted best (0) last (the last tried is kept without a switch back
+    when it measures fastest); [] for no trials. Those predicted within `margin` of the best,
+    `max_trials` in all (the best included). `families`: the prediction cannot rank a colocated
+    placement against a disaggregated one on this machine (`unmodeled`), so the best of the other
+    family is tried too, whatever its prediction, before any other runner-up; and a disaggregated
+    one is tried last, since there a split runs faster than predicted (the cores of its idle ranks
+    go to the busy ones)."""
     best = ranked[0]["predicted_step_s"]
     if best is None or max_trials < 2:
         return []
     near = [i for i in range(1, len(ranked)) if ranked[i]["predicted_step_s"] <= best * (1 + margin)]
+    other = None
     if families:
         colocated = [x["placement"]["mode"] == "colocated" for x in ranked]
         other = next((i for i in range(1, len(ranked)) if colocated[i] != colocated[0]), None)
         if other is not None:
             near = [other, *[i for i in near if i != other]]
     near = sorted(near[:max_trials - 1])
-    return [*reversed(near), 0] if near else []
+    order = [*reversed(near), 0] if near else []
+    if other is not None and not colocated[other]:
+        order = [i for i in order if i != other] + [other]
+    return order
 
 
 def shared_cores(device: torch.device, local_ranks: int) -> str | None:
