@@ -87,7 +87,8 @@ def compare_auto(rows: list[dict]) -> None:
             # The whole measured stretch: its steps (trial steps included) and the switches inside it,
             # against the best fixed mode's steps: what a run of this length gains or loses.
             first = row["measured_steps"][0]  # a switch after the step before it precedes a measured step
-            switch_s = sum(s["switch_s"] for r in records for s in r.get("switches") or [] if s["after_step"] >= first - 1)
+            switch_s = sum(s["switch_s"] for r in records for s in r.get("switches") or []
+                           if s["after_step"] >= first - 1)
             if fixed:
                 row["switch_s"] = switch_s
                 row["vs_best_fixed_run"] = best["steps_total_s"] / (row["steps_total_s"] + switch_s)

@@ -14,11 +14,12 @@ predicted within --placement-margin of the best (up to --placement-trials of the
 the one whose last trial step was fastest (a step's period; a placement's first step, from its own
 start, so that the switch before it does not count). Where the ranks time-share a CPU's cores, which
 the prediction does not model, the best placement of the other family (colocated against
-disaggregated) is tried too, whatever its prediction, and a disaggregated one last. A switch between two steps saves the run state, tears
-the roles down and builds the next placement from that checkpoint, in this process: the state an
-exact resume restores, so the weights after N steps are a fixed placement's; a placement built
-again (the switch back to the fastest) keeps the speeds its ranks measured the first time. Every
-decision and switch is said on rank 0 and written into config.json's run record ("placement").
+disaggregated) is tried too, whatever its prediction, and a disaggregated one last. A switch
+between two steps saves the run state, tears the roles down and builds the next placement from that
+checkpoint, in this process: the state an exact resume restores, so the weights after N steps are a
+fixed placement's; a placement built again (the switch back to the fastest) keeps the speeds its
+ranks measured the first time. Every decision and switch is said on rank 0 and written into
+config.json's run record ("placement").
 """
 from __future__ import annotations
 

@@ -254,7 +254,8 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int, previous: Rank | None = No
     cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
     # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
     if speeds is None:
-        speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes, training=trainer is not None)  # sync point
+        speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes,  # sync point
+                                     training=trainer is not None)
     else:
         probe.write_speeds(ctx, cfg.output.output_dir, speeds)
     run = _prepare_folder(cfg, facts, rank, store, placement) if previous is None else \
