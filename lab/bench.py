@@ -200,18 +200,6 @@ def measure_rounds(modes: tuple[str, ...], workload: list[str], sc_dir: str, arg
     return [pool_rounds([results[i] for results in rounds], args.warmup) for i in range(len(modes))]
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def calibrate(args: argparse.Namespace, bench_dir: str, rows: list[dict]) -> str:
     """A device profile of the bench's model and size on this machine (lab/calibrate.py), timing
     training as the runs train (LoRA or full, from a finished run's config)."""
@@ -324,10 +312,6 @@ def first_error(text: str) -> str | None:
             return line[len("error: "):]
     errors = [line for line in lines if line and not line[0].isspace() and "Error" in line.split(":")[0]]
     return errors[-1] if errors else None
-
-
-
-
 
 
 def run_info(out_dir: str) -> dict[str, Any]:

@@ -251,7 +251,10 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int, previous: Rank | None = No
     tracer = previous.ctx.tracer if previous is not None else None  # one trace for the whole run
     ctx, shapes = make_context(cfg, facts, rank, groups, tracer)  # every check that needs the model: nothing written yet
     trainer = make_trainer(ctx) if topo.is_trainer(rank) else None
-    cond = probe.probe_conditioning(ctx)  # sync point: rank 0 encodes the probes' prompts for every rank
+    # The probes' conditioning (sync point: rank 0 encodes it for every rank), for the speed probe and
+    # the GAP stages' block costs: not needed where the speeds are reused and no replica has stages.
+    probing = speeds is None or topo.gap_stages > 1  # the same on every rank
+    cond = probe.probe_conditioning(ctx) if probing else None
     # After FSDP shards the model: trainers probe training as they train (sharded, checkpointed).
     if speeds is None:
         speeds = probe.gather_speeds(ctx, cfg.output.output_dir, cond, shapes,  # sync point
