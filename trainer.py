@@ -53,9 +53,10 @@ COUNTS = ("staleness_mean", "staleness_frac_1")
 class Trainer:
     def __init__(self, cfg: RunConfig, adapter: DiTAdapter, sampling: sampler.SamplingConfig, group=None,
                  sharding: str = "replicate", slowdown: Slowdown | None = None, own_group=None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, helper: bool = False):
         """`slowdown` (--debug-slow-rank) wraps every training forward + backward. `own_group`: a
         replicated trainer's group of itself alone (ProcessGroups.own), which every rank created.
+        `helper`: a tail assist's trainer on a generator rank (parallel/tail_assist.py): no optimizer.
         `device`: where this rank computes (default: the transformer's). An FSDP2 trainer's
         transformer may arrive in host memory (runtime/context.py `shards_from_host`): FSDP2 moves
         each unit to the device as it shards it, so the device holds this rank's shards and at most
@@ -98,8 +99,8 @@ class Trainer:
         if cfg.optim.grad_checkpointing:
             self._checkpoint_blocks()
         self.params = self.trained_params()
-        self.optimizer = adamw(self.params, cfg, self.device)
-        self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
+        self.optimizer = adamw(self.params, cfg, self.device) if not helper else None
+        self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 and not helper else None
         # What the algorithm keeps beside the weights (DiffusionNFT: the old policy the generators sample with).
         self.state = self.algorithm.trainer_state(cfg, self.params)
         self.num_updates = 0

@@ -6,11 +6,14 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from checkpointing import folder
 from checkpointing.digests import folder_digest
 from config import preflight
 from config.schema import NOT_CARRIED, RunConfig, eval_scorers
-from models import adapter_class, model_names
+from models import adapter_class, model_names, resolve_device, resolve_dtype
+from parallel import compress
 from parallel.stepplan import ShapeTable, StepPlan, plan_step
 from parallel.topology import Topology
 from prompts.sets import PromptRecord, PromptSet, eval_records, read_prompt_file
@@ -65,6 +68,8 @@ class RunFacts:
     """--resume: the verified checkpoint the run continues from"""
     model_digest: dict | None = None
     """the base model folder's bytes (checkpointing/digests.py); None for a preset"""
+    tail_assist: bool = False
+    """the rank that generates a step's last fragment trains a share of it (docs/DESIGN.md 5.9)"""
 
     @property
     def digests(self) -> dict:
@@ -167,7 +172,43 @@ def with_placement(cfg: RunConfig, facts: RunFacts, topo: Topology | None = None
         raise ValueError(f"--tag needs --mode disagg (got {topo.mode}): colocated ranks all generate already")
     if t.tcss and not disagg:
         raise ValueError("--tcss needs --mode disagg (colocated ranks are never stale)")
+    refusal = tail_assist_refusal(cfg, topo) if t.tail_assist else None
+    if refusal is not None and t.placement != "auto":  # auto: on where the chosen placement allows it
+        raise ValueError(f"--tail-assist {refusal}")
     return dataclasses.replace(facts, topology=topo, disagg=disagg, tsp=t.tsp, tag=t.tag, tcss=t.tcss,
                                train_sharding=t.train_sharding if disagg else t.colocated_sharding,
                                train_micro_batch=t.train_micro_batch or cfg.rl.micro_batch,
-                               fragment_split=t.fragment_split, log_rank=topo.trainer_ranks[0])
+                               fragment_split=t.fragment_split, log_rank=topo.trainer_ranks[0],
+                               tail_assist=t.tail_assist and refusal is None)
+
+
+def tail_assist_refusal(cfg: RunConfig, topo: Topology) -> str | None:
+    """Why the placement cannot run tail assist (None: it can). The rank that generated the step's
+    last fragment trains a share of it with the weights it generated with, and its gradient is
+    added to the trainers': that is the trainers' gradient only where it holds exactly the trainers'
+    weights of the step, whole, and the loss needs nothing else a trainer keeps."""
+    t, rl = cfg.topology, cfg.rl
+    algorithm = algorithms.algorithm(rl.algorithm)
+    compute = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
+    reasons = [
+        (topo.mode != "disagg", f"needs --mode disagg (got {topo.mode}): colocated ranks all train already"),
+        (not t.tsp, "needs --tsp: the share it trains is packed transitions"),
+        (t.train_sharding != "replicate", f"needs replicated trainers (got --train-sharding {t.train_sharding})"),
+        (topo.gap_stages > 1, f"needs whole generator replicas (got --gap-stages {topo.gap_stages}): a stage holds "
+                              f"only its blocks"),
+        (t.tcss, "is on-policy: with --tcss a generator may hold the version before the trainers'"),
+        (compute != torch.float32, f"needs float32 compute (got {compute}): generators hold the weights in the "
+                                   f"compute dtype, the trainers' gradients are float32"),
+        (compress.lossy(t.publish_compression), f"needs exact publication (got --publish-compression "
+                                                f"{t.publish_compression})"),
+        (rl.updates_per_rollout > 1, f"needs one update per step (got --updates-per-rollout "
+                                      f"{rl.updates_per_rollout})"),
+        (algorithm.advantages(rl).needs_step_end, "needs advantages decided fragment by fragment (the global std "
+                                                  "or re-admission decide at the step's end, where trainers train "
+                                                  "again what they kept)"),
+        (type(algorithm).trainer_state is not algorithms.Algorithm.trainer_state,
+         f"cannot run {rl.algorithm}: its trainers keep a policy beside the weights the generators hold"),
+        (cfg.optim.lora_rank == 0 and algorithm.loss(rl).needs_reference, "with full fine-tuning and a KL term "
+                                                                          "needs a reference copy on the generator"),
+    ]
+    return next((why for bad, why in reasons if bad), None)

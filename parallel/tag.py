@@ -117,6 +117,7 @@ class Assistant:
         self.board = FragmentBoard(self.store, plan.step, len(plan.fragments))
         self.step_start = time.time()
         self.generated, self.predicted_s, self.sends, self.results = 0, None, [], []
+        self.helper_share = None  # tail assist: this trainer generated the last fragment and trains this share too
         self.window_s = 0.0  # seconds of windows run inside training (GroupAssistant)
         for r in range(self.ctx.topo.num_replicas):
             if self.store.ready(keys.replica_cost(r)):
@@ -203,6 +204,8 @@ class Assistant:
     def _deliver(self, f: int, result) -> None:
         """Routed as a generator routes a fragment: this trainer's share into its own intake, the
         others' sent; then the fragment is marked landed."""
+        if self.ctx.facts.tail_assist and f == self.intake.helped(self.plan):
+            self.helper_share = self.intake.helper_share(self.plan, result.chunks)
         for dst, tensors, meta in self.intake.route(self.plan, result.chunks):
             if dst == self.ctx.rank:
                 self.intake.accept(tensors, meta)

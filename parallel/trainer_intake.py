@@ -380,15 +380,22 @@ class TransitionIntake(_Intake):
     record = TransitionBatch
 
     def __init__(self, spec: TrainingSpec, trainer_ranks, replica_last_rank, micro_batch: int, me=None, tracer=None,
-                 comms=None):
+                 comms=None, tail_assist: bool = False):
+        """`tail_assist`: the rank that generates the step's last fragment trains a share of it too
+        (docs/DESIGN.md 5.9)."""
         super().__init__(spec, trainer_ranks, replica_last_rank, me, tracer, comms)
-        self.micro_batch = micro_batch
+        self.micro_batch, self.tail_assist = micro_batch, tail_assist
+
+    def helped(self, plan: StepPlan) -> int | None:
+        """The fragment whose generating rank trains a share of it (tail assist: the last in plan
+        order, the last the trainers train), or None."""
+        return len(plan.fragments) - 1 if self.tail_assist else None
 
     def packing(self, plan: StepPlan) -> tsp.Packing:
         """The step's packing: a pure function of (seed, step, config), computed alike by the
         generator that routes a fragment and by every trainer that receives a share of it."""
         return _packing(tuple(f.sample_ids for f in plan.fragments), plan.step, self.spec, self.micro_batch,
-                        self.num_trainers, self.speeds)
+                        self.num_trainers, self.speeds, self.helped(plan))
 
     def key_of(self, item: TransitionBatch):
         return ("tsp", item.fragment)
@@ -400,8 +407,14 @@ class TransitionIntake(_Intake):
         return [(r, TransitionBatch.gather(chunks, packing.of(fragment, r))) for r in packing.trainers_of(fragment)]
 
     def route(self, plan: StepPlan, chunks: list[TrainChunk]) -> list[tuple[int, dict[str, Tensor], dict]]:
-        """Every trainer that trains part of the fragment gets exactly its transitions."""
-        return [(self.trainer_ranks[r], *b.to_payload()) for r, b in self.batches(plan, chunks)]
+        """Every trainer that trains part of the fragment gets exactly its transitions (the tail
+        assist's share stays with the rank that generated it: `helper_share`)."""
+        return [(self.trainer_ranks[r], *b.to_payload()) for r, b in self.batches(plan, chunks)
+                if r < self.num_trainers]
+
+    def helper_share(self, plan: StepPlan, chunks: list[TrainChunk]) -> TransitionBatch | None:
+        """The share of a scored fragment that the rank which generated it trains (tail assist), or None."""
+        return next((b for r, b in self.batches(plan, chunks) if r == self.num_trainers), None)
 
     def needs_of(self, plan: StepPlan, trainer: int) -> list[Need]:
         """Trainer `trainer`'s share of every fragment it has a share of, in plan order: per update,
@@ -454,11 +467,11 @@ class TransitionIntake(_Intake):
 
 
 @functools.lru_cache(maxsize=8)
-def _packing(fragment_ids, step, spec: TrainingSpec, micro_batch, num_trainers, speeds=None):
+def _packing(fragment_ids, step, spec: TrainingSpec, micro_batch, num_trainers, speeds=None, helped=None):
     timesteps = {i: spec.timesteps(step, i) for ids in fragment_ids for i in ids}
     parts = {i: spec.part_of(step, i) for ids in fragment_ids for i in ids}
     return tsp.pack_step(fragment_ids, timesteps, micro_batch=micro_batch, num_trainers=num_trainers, parts=parts,
-                         weights=speeds)
+                         weights=speeds, helped=helped)
 
 
 def _span(tracer, name: str, category: str, step: int, fragment: int):
@@ -467,8 +480,8 @@ def _span(tracer, name: str, category: str, step: int, fragment: int):
 
 def make_intake(tsp_on: bool, spec: TrainingSpec, trainer_ranks: tuple[int, ...],
                 replica_last_rank: Callable[[int], int], micro_batch: int, me: int | None = None,
-                tracer=None, comms=None) -> _Intake:
-    """The one place that decides between the two intakes."""
+                tracer=None, comms=None, tail_assist: bool = False) -> _Intake:
+    """The one place that decides between the two intakes (tail assist needs TSP's)."""
     if tsp_on:
-        return TransitionIntake(spec, trainer_ranks, replica_last_rank, micro_batch, me, tracer, comms)
+        return TransitionIntake(spec, trainer_ranks, replica_last_rank, micro_batch, me, tracer, comms, tail_assist)
     return ChunkIntake(spec, trainer_ranks, replica_last_rank, me, tracer, comms)

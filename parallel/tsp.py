@@ -20,7 +20,10 @@ The packing of one fragment with T transitions, M trainers and micro-batch size 
   - every trainer with a non-empty share cuts it into the same number k of micro-batches (fewer
     only when its share is smaller than k), with sizes differing by at most one and never above b:
     k = ceil(largest share / b), which for equal shares is ceil(T / (M b)). Equal counts keep FSDP
-    ranks, whose forwards are collectives, in step.
+    ranks, whose forwards are collectives, in step;
+  - with tail assist (`helped`, docs/DESIGN.md 5.9) one fragment, the step's last, is shared by
+    M + 1: share M goes to the rank that generated the fragment, which trains it beside the
+    trainers (its weight in a split by speed: the trainers' mean).
 
 Which trainer trains a transition never changes what it contributes: the trainers' gradients are
 summed, so every packing trains the same weights to float32 reassociation.
@@ -50,6 +53,7 @@ class Packing:
 
     micro_batches: tuple[MicroBatch, ...]
     num_trainers: int
+    num_helpers: int = 0  # 1 with tail assist: micro-batches of trainer index num_trainers are the helper's
 
     def of(self, fragment: int, trainer: int) -> tuple[MicroBatch, ...]:
         return tuple(m for m in self.micro_batches if m.fragment == fragment and m.trainer == trainer)
@@ -60,13 +64,13 @@ class Packing:
 
     def num_forwards(self) -> list[int]:
         """Micro-batches (forward passes) per trainer."""
-        counts = [0] * self.num_trainers
+        counts = [0] * (self.num_trainers + self.num_helpers)
         for m in self.micro_batches:
             counts[m.trainer] += 1
         return counts
 
     def num_transitions(self) -> list[int]:
-        counts = [0] * self.num_trainers
+        counts = [0] * (self.num_trainers + self.num_helpers)
         for m in self.micro_batches:
             counts[m.trainer] += len(m.transitions)
         return counts
@@ -97,13 +101,15 @@ def _split_weighted(n: int, weights: Sequence[float], first_larger: int = 0) -> 
 
 
 def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_trainers: int,
-         parts: Mapping[int, int] | None = None, weights: Sequence[float] | None = None) -> Packing:
+         parts: Mapping[int, int] | None = None, weights: Sequence[float] | None = None,
+         helped: int | None = None) -> Packing:
     """Pack each fragment's transitions (in the given order) into micro-batches of at most
     `micro_batch` transitions, balanced over `num_trainers` trainers (see the module docstring).
     `parts`: sample id -> the step's optimizer update that trains it (rl.updates; None: one
     update): a micro-batch never mixes updates, each update's transitions of a fragment are packed
     as the module docstring packs a fragment's, update after update. `weights`: the trainers'
-    relative speeds (None or all equal: even shares)."""
+    relative speeds (None or all equal: even shares). `helped`: the fragment whose transitions a
+    helper (trainer index `num_trainers`) shares too (None: none)."""
     if micro_batch < 1:
         raise ValueError(f"--train-micro-batch must be >= 1, got {micro_batch}")
     if num_trainers < 1:
@@ -112,6 +118,8 @@ def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_tra
         raise ValueError(f"TSP needs one positive speed per trainer ({num_trainers}), got {list(weights)}")
     if weights is not None and len(set(weights)) == 1:
         weights = None
+    if helped is not None and not 0 <= helped < len(fragments):
+        raise ValueError(f"the helped fragment {helped} is not one of the step's {len(fragments)}")
     units = []
     for f, transitions in enumerate(fragments):
         if len(set(transitions)) != len(transitions):
@@ -121,9 +129,13 @@ def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_tra
     out, rotate = [], 0
     for f, part, transitions in units:
         total = len(transitions)
-        shares = _split(total, num_trainers, first_larger=rotate) if weights is None else \
-            _split_weighted(total, weights, first_larger=rotate)
-        rotate = (rotate + total % num_trainers) % num_trainers
+        if f == helped:  # one more share, the helper's last: the trainers' rotation goes on unchanged
+            shares = _split(total, num_trainers + 1) if weights is None else \
+                _split_weighted(total, [*weights, sum(weights) / num_trainers])
+        else:
+            shares = _split(total, num_trainers, first_larger=rotate) if weights is None else \
+                _split_weighted(total, weights, first_larger=rotate)
+            rotate = (rotate + total % num_trainers) % num_trainers
         per_trainer = -(-max(shares) // micro_batch)  # k: micro-batches of the largest share
         start = 0
         for trainer, share in enumerate(shares):
@@ -136,15 +148,15 @@ def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_tra
             for size in sizes:
                 out.append(MicroBatch(len(out), f, trainer, tuple(own[offset:offset + size]), part))
                 offset += size
-    return Packing(tuple(out), num_trainers)
+    return Packing(tuple(out), num_trainers, 0 if helped is None else 1)
 
 
 def pack_step(fragment_sample_ids: Sequence[Sequence[int]], timesteps: Mapping[int, Sequence[int]], *,
               micro_batch: int, num_trainers: int, parts: Mapping[int, int] | None = None,
-              weights: Sequence[float] | None = None) -> Packing:
+              weights: Sequence[float] | None = None, helped: int | None = None) -> Packing:
     """The packing of a step: `fragment_sample_ids[f]` are fragment f's samples, `timesteps[i]`
     sample i's trained timesteps (Flow-GRPO in order, a DanceGRPO subset, a window), `parts[i]`
     the optimizer update that trains sample i (None: one update), `weights` the trainers'
-    relative speeds (None: equal)."""
+    relative speeds (None: equal), `helped` the fragment a helper shares too (None: none)."""
     return pack([fragment_transitions(ids, timesteps) for ids in fragment_sample_ids],
-                micro_batch=micro_batch, num_trainers=num_trainers, parts=parts, weights=weights)
+                micro_batch=micro_batch, num_trainers=num_trainers, parts=parts, weights=weights, helped=helped)

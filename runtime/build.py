@@ -65,6 +65,8 @@ class Rank:
     trainer: Trainer | None = None
     publisher: publish.WeightPublisher | None = None
     assistant: Assistant | None = None
+    helper: Trainer | None = None
+    """tail assist: a generator rank's trainer of its share of the step's last fragment"""
     scorer_rewards: RewardSet | None = None
     deferred: list = field(default_factory=list)
     """TCSS: (step, sends) still in flight"""
@@ -94,7 +96,7 @@ class Rank:
         if self.generator is None:
             return [], {}
         out = generator_step(self.ctx, self.generator, self.versions, plan, lambda: self._reward_std(plan.step),
-                             self.replica, self.store, self.deferred if self.ctx.facts.tcss else None)
+                             self.replica, self.store, self.deferred if self.ctx.facts.tcss else None, self.helper)
         self._offload()
         return out
 
@@ -182,6 +184,7 @@ class Rank:
         self.log.close()
         self.groups.destroy()
         self.generator = self.replica = self.versions = self.trainer = self.publisher = self.assistant = None
+        self.helper = None
         self.scorer_rewards = None
         self.ctx = dataclasses.replace(self.ctx, adapter=None, rewards=None, intake=None)
 
@@ -347,6 +350,8 @@ def _build_generator(r: Rank, layouts: dict, version: int) -> None:
         release_other_blocks(ctx.adapter, layout.blocks)
         links = r.groups.stage_links(topo.replica_of(rank), layout.stage, layout.num_stages)
         r.replica = PipelinedReplica(r.generator, layout, links)
+    if facts.tail_assist:  # trains a share of the fragments it ends a step with, with this rank's model
+        r.helper = Trainer(ctx.cfg, ctx.adapter, ctx.sampling, slowdown=ctx.slowdown, device=ctx.device, helper=True)
     if facts.disagg:
         receiver = publish.WeightReceiver(_params(ctx.adapter, r.publish_names[rank]))
         r.versions = VersionSync(receiver, r.store, topo.trainer_ranks[0], version, 1 if facts.tcss else 0,

@@ -14,7 +14,7 @@ from config.schema import RunConfig
 from config.validate import RunFacts
 from models import TEXT_ENCODERS, DiTAdapter, load_model, model_dtypes, resolve_device, resolve_dtype
 from models import set_attention
-from models.lora import apply_lora, read_lora_file
+from models.lora import apply_lora, read_lora_file, trainable_names
 from parallel.trainer_intake import TrainingSpec, make_intake
 from parallel.topology import ProcessGroups, Topology
 from prompts import resolutions as prompt_shapes
@@ -89,7 +89,10 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
     compute = resolve_dtype(cfg.model.dtype, device)
     budget.check_budget(cfg, facts, adapter)  # --memory-budget-gb: the same on every rank, before any wait
     if not topo.is_trainer(rank):  # generators (and scorers) hold frozen weights in the compute dtype, no gradient
+        trained = set(trainable_names(adapter.transformer)) if facts.tail_assist and topo.is_generator(rank) else set()
         adapter.transformer.requires_grad_(False).to(compute)
+        for n, p in adapter.transformer.named_parameters():  # tail assist: a generator trains a share (float32)
+            p.requires_grad_(n in trained)
     sampling = run_sampling(cfg, adapter)
     adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails alike everywhere
     records = list(facts.prompts.records)  # as read before anything loaded
@@ -107,7 +110,7 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
     is_train = topo.is_trainer(rank)
     intake = make_intake(facts.tsp, TrainingSpec.of(cfg, sampling), topo.trainer_ranks,
                          lambda r: topo.replica_ranks(r)[-1], facts.train_micro_batch,
-                         topo.trainer_ranks.index(rank) if is_train else None, tracer, groups)
+                         topo.trainer_ranks.index(rank) if is_train else None, tracer, groups, facts.tail_assist)
     slow = cfg.output.debug_slow_rank
     slowdown = Slowdown(slow[1] if slow and slow[0] == rank else 1.0)
     return RankContext(cfg, facts, rank, device, tracer, adapter, sampling, records, intake, slowdown, groups,

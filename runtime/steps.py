@@ -10,7 +10,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from parallel import p2p
+from parallel import p2p, tail_assist
 from parallel import forward_rows, fragment_records
 from parallel.publish import WeightPublisher
 from parallel.stepplan import StepPlan
@@ -22,23 +22,27 @@ from trainer import Trainer
 
 def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan: StepPlan,
                    get_reward_std: Callable[[], float | None], replica=None, store=None,
-                   deferred: list | None = None) -> tuple[list[FragmentResult], dict]:
+                   deferred: list | None = None, helper: Trainer | None = None) -> tuple[list[FragmentResult], dict]:
     """One step of a generator rank: generate, decode and score this replica's fragments
     depth-first, streaming every chunk to its trainer as soon as its fragment is scored; new
     versions are installed only between fragments. Colocated ranks keep their chunks (returned).
     With TAG the replica's fragments are the ones it claims as it gets to them (a GAP replica: a
     round at a time, parallel.tag.claimed_rounds). `get_reward_std` gives the advantage std; it is
-    called once this step's weights are installed, since the trainer publishes the std after them."""
+    called once this step's weights are installed, since the trainer publishes the std after them.
+    `helper` (tail assist): trains this rank's share of the step's last fragment if it generated it,
+    after its last fragment is on the way, and sends what it trained to the first trainer."""
     tracer, topo, facts, step = ctx.tracer, ctx.topo, ctx.facts, plan.step
     version = versions.at_step_start(step) if versions is not None else step
     reward_std = get_reward_std()
     me = topo.replica_of(ctx.rank)
     results, local, handles = [], {}, []
     board = FragmentBoard(store, step, len(plan.fragments)) if facts.tag else None
-    cost, last_emit = None, time.time()
+    cost, last_emit, helped = None, time.time(), None
 
     def emit(result: FragmentResult) -> None:
-        nonlocal cost, last_emit
+        nonlocal cost, last_emit, helped
+        if helper is not None and result.fragment == ctx.intake.helped(plan):  # a share of it is trained here
+            helped = [ctx.intake.helper_share(plan, result.chunks)]
         if facts.disagg:
             for dst, tensors, meta in ctx.intake.route(plan, result.chunks):
                 handles.append(p2p.isend_payload(tensors, meta, dst=dst, group=ctx.intake.group_to(dst)))
@@ -69,6 +73,14 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
                 stream.submit(generator.denoise(plan, fragment), version)
             stream.collect()
         stream.close()
+    if helped is not None:  # the first trainer waits for what it trained (a share too small to split: nothing)
+        helper.begin_step()
+        helper.current_step = step
+        if helped[0] is not None:
+            with tracer.span("assist_train", "train", step, helped[0].fragment):
+                helper.train(helped[0])
+        first = topo.trainer_ranks[0]
+        handles.append(tail_assist.send(helper, first, ctx.intake.group_to(first)))
     due = [(step, handles)]
     if deferred is not None:
         # TCSS: step k's sends complete while step k+1 is generated; the caller drains them later.
@@ -114,9 +126,11 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
     if assistant is not None:
         assistant.begin_step(plan, reward_std, trainer, intake)
     work = _Work(intake.needs(plan))
-    end, update_s = None, 0.0
+    end, update_s, tail = None, 0.0, {}
     for part, (upto, mine) in enumerate(intake.passes(plan, padded=any(pad_to))):
         _train_part(ctx, trainer, plan, work, upto, mine, part, assistant)
+        if facts.tail_assist:  # one update a step: its share of the last fragment joins it
+            tail = _join_tail(ctx, trainer, plan, assistant)
         if pad_to[part]:
             with tracer.span("pad", "train", step):
                 trainer.pad_forwards(pad_to[part], work.template)
@@ -127,7 +141,7 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
         with tracer.span("optimizer", "optimizer", step, part=part):
             trainer.update(end.scale if end is not None else 1.0)  # sync point: all trainers
         update_s += time.perf_counter() - t0
-    stats = trainer.end_step()
+    stats = {**trainer.end_step(), **tail}
     if end is not None:
         stats.update(end.metrics)
         if ctx.rank == topo.trainer_ranks[0]:  # every trainer has read the facts before the first update's all-reduce
@@ -159,6 +173,24 @@ def trainer_step(ctx, trainer: Trainer, plan, local: dict, publish_names: dict[i
         assistant.observe_step_end(update_s, time.perf_counter() - t0)
         stats.update(assistant.end_step())
     return stats
+
+
+def _join_tail(ctx, trainer: Trainer, plan, assistant) -> dict[str, float]:
+    """Tail assist: the helper's share of the last fragment joins the update. If this trainer
+    generated that fragment (TAG) it trains the share itself; else the first trainer adds what the
+    generator that generated it trained (parallel/tail_assist.py). Returns the step's statistics of
+    it: the share's transitions and whether a trainer generated the fragment and trained the share."""
+    last = ctx.intake.helped(plan)
+    if assistant is not None and assistant.helper_share is not None:
+        with ctx.tracer.span("assist_train", "train", plan.step, last):
+            trainer.train(assistant.helper_share)
+        assistant.helper_share = None
+    src = assistant.board.wait_owner(last)["rank"] if assistant is not None else ctx.intake.static_source(plan, last)
+    if ctx.rank == ctx.topo.trainer_ranks[0] and not ctx.topo.is_trainer(src):
+        with ctx.tracer.span("recv_assist", "comm", plan.step, last):
+            tail_assist.receive(trainer, src, ctx.intake.group_to(ctx.rank))
+    return {"train/assist_transitions": float(ctx.intake.packing(plan).num_transitions()[-1]),
+            "train/assist_by_trainer": float(ctx.topo.is_trainer(src))}
 
 
 class _Work:

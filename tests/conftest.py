@@ -23,7 +23,8 @@ INTEGRATION = {
     "test_heterogeneous", "test_lean_roles", "test_memory", "test_merge_traces", "test_mixed_shapes",
     "test_model_bytes", "test_multinode", "test_new_algorithms_runs", "test_p2p_publish", "test_peer_formats_runs",
     "test_peer_protocols", "test_pretrain_tiny", "test_reliability",
-    "test_remote_reward", "test_reward_server", "test_run_folders", "test_runtime", "test_tag_tcss", "test_tsp",
+    "test_remote_reward", "test_reward_server", "test_run_folders", "test_runtime", "test_tag_tcss",
+    "test_tail_assist_runs", "test_tsp",
 }
 """Test modules of the integration tier: they start processes (torchrun worlds, servers, scripts).
 Every other test is in the fast tier (`pytest -m fast`, under 2 minutes on 2 cores), unless marked

@@ -1,0 +1,71 @@
+"""Tail assist through torchrun (docs/DESIGN.md 5.9): the rank that generated a step's last
+fragment trains a share of it, and the run trains the colocated run's weights; its communication
+completes under NCCL's rules. The pure parts are in tests/test_tail_assist.py."""
+import json
+
+import pytest
+
+from lab.launch import TINY, torchrun, trained_weights
+from traced import assert_nccl_ok, traced
+from weights import assert_same_weights
+from telemetry.metrics import read_metrics
+
+ARGS = [a if a != "2" or TINY[i - 1] != "--prompts-per-step" else "4" for i, a in enumerate(TINY)]
+ARGS += ["--lora-rank", "4", "--fragment-groups", "1", "--tsp", "--train-micro-batch", "4", "--steps", "3"]
+"""4 fragments of one group (2 samples x 2 trained timesteps = 4 transitions) a step"""
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("colocated")
+    torchrun(2, [*ARGS, "--mode", "colocated", "--output-dir", str(out)])
+    return out
+
+
+def _rows(run):
+    return [r for r in read_metrics(str(run / "metrics.jsonl")) if "train/loss" in r]
+
+
+def _assist_spans(run, rank):
+    events = json.loads((run / "trace" / f"rank{rank}.json").read_text())["traceEvents"]
+    return [(e["args"]["step"], e["args"]["fragment"]) for e in events if e.get("name") == "assist_train"]
+
+
+@pytest.mark.parametrize("name,nproc,placement,share", [
+    # the generator trains 2 of the last fragment's 4 transitions, the trainer the other 2
+    ("1g1t", 2, ["--generators", "1", "--trainers", "1"], 2),
+    # 2 trainers and the generator: 2, 1 and 1 (even shares: 3 ranks time-share 2 cores, probes differ)
+    ("1g2t", 3, ["--generators", "1", "--trainers", "2", "--fragment-split", "even"], 1),
+])
+def test_the_generator_trains_a_share_of_the_last_fragment_and_the_weights_are_colocated(
+        tmp_path, colocated, name, nproc, placement, share):
+    run = tmp_path / name
+    torchrun(nproc, [*ARGS, *placement, "--tail-assist", "--trace", "--output-dir", str(run)], env=traced(run))
+    assert_nccl_ok(run, ["data.to", "publish"])
+    assert_same_weights(trained_weights(str(colocated), 3), trained_weights(str(run), 3), name)
+    rows, ref = _rows(run), _rows(colocated)
+    assert len(rows) == 3
+    for r, c in zip(rows, ref):
+        assert r["train/num_transitions"] == c["train/num_transitions"] == 16  # the helper's share counted once
+        assert r["train/assist_transitions"] == share and r["train/assist_by_trainer"] == 0
+        assert r["reward/mean"] == pytest.approx(c["reward/mean"], rel=1e-6)
+    assert _assist_spans(run, 0) == [(s, 3) for s in range(3)]  # the generator trained the last fragment's share
+
+
+def test_a_trainer_that_generated_the_last_fragment_trains_the_share_itself(tmp_path, colocated):
+    """TAG with a slowed generator: idle trainers claim fragments, the last one among them in some
+    steps; whoever generated it trains the helper's share, and the weights stay the colocated ones."""
+    run = tmp_path / "tag"
+    torchrun(3, [*ARGS, "--generators", "1", "--trainers", "2", "--fragment-split", "even", "--tag",
+                 "--debug-slow-rank", "0:5", "--tail-assist", "--trace", "--output-dir", str(run)], env=traced(run))
+    assert_nccl_ok(run, ["data.to", "publish"])
+    assert_same_weights(trained_weights(str(colocated), 3), trained_weights(str(run), 3), "tag")
+    rows = _rows(run)
+    for r, c in zip(rows, _rows(colocated)):
+        assert r["train/num_transitions"] == c["train/num_transitions"] == 16
+    by_trainer = [int(r["train/assist_by_trainer"]) for r in rows]
+    spans = {rank: _assist_spans(run, rank) for rank in range(3)}
+    # each step's share was trained exactly once, by the generator or by the trainer that generated it
+    assert sorted(x for s in spans.values() for x in s) == [(s, 3) for s in range(3)]
+    assert [s for s, _ in spans[0]] == [s for s, b in enumerate(by_trainer) if not b]
+    assert 1 in by_trainer, by_trainer  # the slowed generator leaves the last fragment to a trainer
