@@ -33,6 +33,8 @@ MODES: dict[str, Mode] = {
     "gap+tag+tcss": Mode(2, [*G1T1, "--fragment-groups", "1", "--tag", "--tcss"],
                          "+ TCSS: generators run at most one version stale"),
     "gap+tcss": Mode(2, [*G1T1, "--fragment-groups", "1", "--tcss"], "GAP + TCSS, TAG off"),
+    "gap+tag+assist": Mode(2, [*G1T1, "--fragment-groups", "1", "--tag", "--tail-assist"],
+                           "+ tail assist: the generator trains a share of the step's last fragment"),
     "gap+bf16": Mode(2, [*G1T1, "--fragment-groups", "1", "--publish-compression", "bf16"],
                      "GAP, publication cast to bf16"),
     "gap+topk": Mode(2, [*G1T1, "--fragment-groups", "1", "--publish-compression", "delta-topk:0.01"],
@@ -93,7 +95,8 @@ class Scenario(NamedTuple):
 WINDOW_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_window.toml")
 """the window scenario's sampler and algorithm"""
 SCENARIOS: dict[str, Scenario] = {
-    "fits": Scenario(("colocated-replicate", "gap", "gap+tag", "gap+tag+tcss", "auto", "auto+stale"), (),
+    "fits": Scenario(("colocated-replicate", "gap", "gap+tag", "gap+tag+assist", "gap+tag+tcss", "auto", "auto+stale"),
+                     (),
                      "identical ranks, the model replicated"),
     "sharded": Scenario(("colocated-fsdp3", "gap-fsdp", "gap-fsdp+tag", "auto3"),
                         ("--lora-rank", "0", "--memory-budget-gb", "auto", "--prompts-per-step", "3"),
@@ -104,7 +107,7 @@ SCENARIOS: dict[str, Scenario] = {
                        ("--debug-slow-rank", "0:2"),
                        "rank 0 is 2x slower (an older or inference-class GPU): colocated splits evenly (or by speed); "
                        "DigenRL puts generation on the slow rank"),
-    "window": Scenario(("colocated-replicate", "gap+tag", "gap+tag+tcss", "auto", "auto+stale"),
+    "window": Scenario(("colocated-replicate", "gap+tag", "gap+tag+assist", "gap+tag+tcss", "auto", "auto+stale"),
                        ("--config", WINDOW_CONFIG),
                        "a 2-timestep SDE window: training is cheap, rollout dominates"),
     "skew": Scenario(("colocated-replicate3", "gap2x1-rr", "gap2x1-lpt"),

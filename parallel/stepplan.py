@@ -249,3 +249,17 @@ def trainer_speeds(seconds_by_rank: dict[int, float]) -> tuple[float, ...] | Non
     rounds, in rank order; None when they count as equal (even shares)."""
     out = replica_speeds(seconds_by_rank, [(r,) for r in sorted(seconds_by_rank)])
     return tuple(out) if len(set(out)) > 1 else None
+
+
+def helper_weight(generator_s: Sequence[float], trainer_s: Sequence[float],
+                  trainer_weights: Sequence[float] | None, tolerance: float = 0.15) -> float | None:
+    """Tail assist's weight for TSP's split of the last fragment (parallel/tsp.py `pack`, `helped`):
+    the generators' mean speed over the trainers', both from the seconds per denoising forward that
+    every rank probes (a generator does not probe training; a forward's cost stands for a
+    backward's), times the trainers' mean weight (`trainer_speeds`; None: 1). None (the trainers'
+    mean) within `tolerance` of equal, as `replica_speeds` rounds."""
+    ratio = (sum(1.0 / s for s in generator_s) / len(generator_s)) / (sum(1.0 / s for s in trainer_s) / len(trainer_s))
+    if abs(ratio - 1.0) <= tolerance:
+        return None
+    base = sum(trainer_weights) / len(trainer_weights) if trainer_weights else 1.0
+    return round(base * ratio, 2)

@@ -163,7 +163,8 @@ class Assistant:
 
     def _decide(self, claims_per_window: int = 1):
         """BTS at an idle window (None until the costs are known or when nothing is left to claim)."""
-        if not self.tracker.ready or self.board.num_claimed() >= self.board.n:
+        # Tail assist: the last fragment is left to the generators, which train a share of it.
+        if not self.tracker.ready or self.board.num_claimed() >= self.board.n - self.ctx.facts.tail_assist:
             return None
         costs = self.tracker.costs(chunks_per_fragment=self.intake.chunks_per_fragment(self.plan))
         # The tracker learns seconds per trained transition: this step's fragments train their own

@@ -75,4 +75,4 @@ def send(helper, dst: int, group) -> p2p.SendHandle:
 
 def receive(trainer, src: int, group) -> None:
     """The payload of the helper rank `src`, added into `trainer` (the first trainer)."""
-    add(trainer, *p2p.recv_payload(src, group, device=torch.device("cpu")))  # rank wait: the helper's training
+    add(trainer, *p2p.recv_payload(src, group, device=trainer.device))  # rank wait: the helper's training

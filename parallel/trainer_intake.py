@@ -247,6 +247,7 @@ class _Intake:
         self.num_trainers = len(trainer_ranks)
         self.inbox: dict = {}
         self.speeds: tuple[float, ...] | None = None  # TSP: the trainers' relative speeds (None: equal shares)
+        self.helper_weight: float | None = None  # tail assist: the helper's, in their unit (None: their mean)
 
     def group_to(self, dst: int):
         """The communicator training data to trainer rank `dst` travels on, from any sender."""
@@ -395,10 +396,18 @@ class TransitionIntake(_Intake):
         """The step's packing: a pure function of (seed, step, config), computed alike by the
         generator that routes a fragment and by every trainer that receives a share of it."""
         return _packing(tuple(f.sample_ids for f in plan.fragments), plan.step, self.spec, self.micro_batch,
-                        self.num_trainers, self.speeds, self.helped(plan))
+                        self.num_trainers, self.speeds, self.helped(plan), self.helper_weight)
 
     def key_of(self, item: TransitionBatch):
         return ("tsp", item.fragment)
+
+    def fragment_transitions(self, plan: StepPlan, fragment: int) -> int:
+        """The transitions the trainers train of a fragment this step (tail assist: without the
+        helper's share of the last)."""
+        total = super().fragment_transitions(plan, fragment)
+        if fragment != self.helped(plan):
+            return total
+        return total - self.packing(plan).num_transitions()[-1]
 
     def batches(self, plan: StepPlan, chunks: list[TrainChunk]) -> list[tuple[int, TransitionBatch]]:
         """A scored fragment's chunks -> (trainer index, its TransitionBatch) for every trainer
@@ -467,11 +476,12 @@ class TransitionIntake(_Intake):
 
 
 @functools.lru_cache(maxsize=8)
-def _packing(fragment_ids, step, spec: TrainingSpec, micro_batch, num_trainers, speeds=None, helped=None):
+def _packing(fragment_ids, step, spec: TrainingSpec, micro_batch, num_trainers, speeds=None, helped=None,
+             helper_weight=None):
     timesteps = {i: spec.timesteps(step, i) for ids in fragment_ids for i in ids}
     parts = {i: spec.part_of(step, i) for ids in fragment_ids for i in ids}
     return tsp.pack_step(fragment_ids, timesteps, micro_batch=micro_batch, num_trainers=num_trainers, parts=parts,
-                         weights=speeds, helped=helped)
+                         weights=speeds, helped=helped, helper_weight=helper_weight)
 
 
 def _span(tracer, name: str, category: str, step: int, fragment: int):

@@ -23,7 +23,7 @@ The packing of one fragment with T transitions, M trainers and micro-batch size 
     ranks, whose forwards are collectives, in step;
   - with tail assist (`helped`, docs/DESIGN.md 5.9) one fragment, the step's last, is shared by
     M + 1: share M goes to the rank that generated the fragment, which trains it beside the
-    trainers (its weight in a split by speed: the trainers' mean).
+    trainers (its weight in a split by speed: `helper_weight`, by default the trainers' mean).
 
 Which trainer trains a transition never changes what it contributes: the trainers' gradients are
 summed, so every packing trains the same weights to float32 reassociation.
@@ -102,14 +102,15 @@ def _split_weighted(n: int, weights: Sequence[float], first_larger: int = 0) -> 
 
 def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_trainers: int,
          parts: Mapping[int, int] | None = None, weights: Sequence[float] | None = None,
-         helped: int | None = None) -> Packing:
+         helped: int | None = None, helper_weight: float | None = None) -> Packing:
     """Pack each fragment's transitions (in the given order) into micro-batches of at most
     `micro_batch` transitions, balanced over `num_trainers` trainers (see the module docstring).
     `parts`: sample id -> the step's optimizer update that trains it (rl.updates; None: one
     update): a micro-batch never mixes updates, each update's transitions of a fragment are packed
     as the module docstring packs a fragment's, update after update. `weights`: the trainers'
     relative speeds (None or all equal: even shares). `helped`: the fragment whose transitions a
-    helper (trainer index `num_trainers`) shares too (None: none)."""
+    helper (trainer index `num_trainers`) shares too (None: none), `helper_weight` its speed in the
+    unit of `weights` (None: the trainers' mean)."""
     if micro_batch < 1:
         raise ValueError(f"--train-micro-batch must be >= 1, got {micro_batch}")
     if num_trainers < 1:
@@ -130,8 +131,9 @@ def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_tra
     for f, part, transitions in units:
         total = len(transitions)
         if f == helped:  # one more share, the helper's last: the trainers' rotation goes on unchanged
-            shares = _split(total, num_trainers + 1) if weights is None else \
-                _split_weighted(total, [*weights, sum(weights) / num_trainers])
+            own = list(weights or [1.0] * num_trainers)
+            own.append(helper_weight if helper_weight is not None else sum(own) / num_trainers)
+            shares = _split(total, num_trainers + 1) if len(set(own)) == 1 else _split_weighted(total, own)
         else:
             shares = _split(total, num_trainers, first_larger=rotate) if weights is None else \
                 _split_weighted(total, weights, first_larger=rotate)
@@ -153,10 +155,13 @@ def pack(fragments: Sequence[Sequence[Transition]], *, micro_batch: int, num_tra
 
 def pack_step(fragment_sample_ids: Sequence[Sequence[int]], timesteps: Mapping[int, Sequence[int]], *,
               micro_batch: int, num_trainers: int, parts: Mapping[int, int] | None = None,
-              weights: Sequence[float] | None = None, helped: int | None = None) -> Packing:
+              weights: Sequence[float] | None = None, helped: int | None = None,
+              helper_weight: float | None = None) -> Packing:
     """The packing of a step: `fragment_sample_ids[f]` are fragment f's samples, `timesteps[i]`
     sample i's trained timesteps (Flow-GRPO in order, a DanceGRPO subset, a window), `parts[i]`
     the optimizer update that trains sample i (None: one update), `weights` the trainers'
-    relative speeds (None: equal), `helped` the fragment a helper shares too (None: none)."""
+    relative speeds (None: equal), `helped` the fragment a helper shares too (None: none) at
+    `helper_weight` (None: the trainers' mean)."""
     return pack([fragment_transitions(ids, timesteps) for ids in fragment_sample_ids],
-                micro_batch=micro_batch, num_trainers=num_trainers, parts=parts, weights=weights, helped=helped)
+                micro_batch=micro_batch, num_trainers=num_trainers, parts=parts, weights=weights, helped=helped,
+                helper_weight=helper_weight)

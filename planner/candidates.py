@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from parallel.event_engine import Costs
 from parallel.schedule import fragments_in_flight, makespan_slots
-from parallel.stepplan import plan_step, trainer_speeds
+from parallel.stepplan import helper_weight, plan_step, trainer_speeds
 from planner.simulator import simulate_run
 
 SPEED_SPREAD = 1.1
@@ -48,6 +48,8 @@ class Placement:
     tcss: bool = False
     fragment_split: str = "auto"
     """auto (the runtime's: speed when disaggregated, even when colocated), or speed"""
+    tail_assist: bool = False
+    """the generator of the step's last fragment trains a share of it (--tail-assist)"""
 
     @property
     def stale(self) -> bool:
@@ -62,6 +64,7 @@ class Placement:
                    "--gap-stages", str(self.gap_stages), "--train-sharding", self.sharding]
             out += ["--tag"] if self.tag else []
             out += ["--tcss"] if self.tcss else []
+            out += ["--tail-assist"] if self.tail_assist else []
         return out + (["--fragment-split", self.fragment_split] if self.fragment_split != "auto" else [])
 
     def label(self) -> str:
@@ -74,6 +77,7 @@ class Placement:
         parts += [f"{self.gap_stages} GAP stages"] if self.gap_stages > 1 else []
         parts += ["TAG"] if self.tag else []
         parts += ["TCSS"] if self.tcss else []
+        parts += ["tail assist"] if self.tail_assist else []
         return ", ".join(parts)
 
     def to_dict(self) -> dict:
@@ -148,9 +152,11 @@ class Prediction:
 
 # ----- the candidates -----------------------------------------------------------------------------
 def candidates(world_size: int, machine: Machine | None = None, *, allow_stale: bool = False,
-               blocks: int = 1) -> list[Placement]:
+               blocks: int = 1, tail_assist: bool = False) -> list[Placement]:
     """Every placement of `world_size` ranks: colocated (replicated, FSDP2; by speed when the
-    measured ranks differ), then every disaggregated split."""
+    measured ranks differ), then every disaggregated split; with `tail_assist` (the run's config
+    allows it: config.validate.tail_assist_refusal) on-policy splits of whole replicas and
+    replicated trainers also with tail assist."""
     out = [Placement("colocated")]
     if world_size > 1:
         out.append(Placement("colocated", sharding="fsdp"))
@@ -164,6 +170,9 @@ def candidates(world_size: int, machine: Machine | None = None, *, allow_stale: 
                 for tag in (False, True):
                     for tcss in (False, True) if allow_stale else (False,):
                         out.append(Placement("disagg", generators, trainers, s, sharding, tag, tcss))
+                        if tail_assist and s == 1 and sharding == "replicate" and not tcss:
+                            out.append(Placement("disagg", generators, trainers, s, sharding, tag, tcss,
+                                                 tail_assist=True))
     return out
 
 
@@ -216,6 +225,15 @@ def _train_s(w: Workload, m: Machine, samples: int, trainer_ranks: list[int], fs
     if fsdp:
         share += math.ceil(transitions / t / w.train_micro_batch) * 3 * _gathers_s(w, m, t)
     return share
+
+
+def _trainers_part(m: Machine, trainer_ranks: list[int], generator_ranks: list[int]) -> float:
+    """Tail assist: the trainers' part of the last fragment's transitions, as the runtime packs it
+    (parallel/tsp.py `pack`: the trainers' weights `trainer_speeds`, the helper's `helper_weight`)."""
+    weights = trainer_speeds({r: m.row_s[r] for r in trainer_ranks}) or (1.0,) * len(trainer_ranks)
+    helper = helper_weight([m.chunk_s[r] for r in generator_ranks], [m.chunk_s[r] for r in trainer_ranks], weights)
+    helper = sum(weights) / len(weights) if helper is None else helper
+    return sum(weights) / (sum(weights) + helper)
 
 
 def predict(p: Placement, w: Workload, m: Machine) -> Prediction:
@@ -273,12 +291,17 @@ def _disagg(p: Placement, w: Workload, m: Machine) -> Prediction:
     if fsdp:  # a trainer group generates together, gathering the weights at every forward
         trainer_gen += chunks[0] * w.sample_steps * _gathers_s(w, m, t)
     transfer = samples[0] * w.sample_bytes / m.link_bytes_s + m.latency_s
+    train_scale = [x / samples[0] for x in samples]
+    update_s = 0.0 if fsdp else _allreduce_s(w.grad_bytes, m, t)
+    if p.tail_assist:  # the last fragment shared with its generator; its gradient sent to the first trainer
+        train_scale[-1] *= _trainers_part(m, trainer_ranks, list(range(g)))
+        update_s += w.grad_bytes / m.link_bytes_s + m.latency_s
     costs = Costs([_replica_s(p, w, m, ranks, chunks[0]) for ranks in replicas], trainer_gen,
                   _train_s(w, m, samples[0], trainer_ranks, fsdp, by_speed=True), transfer_s=transfer,
-                  update_s=0.0 if fsdp else _allreduce_s(w.grad_bytes, m, t),
+                  update_s=update_s,
                   publish_s=g * (w.version_bytes / m.link_bytes_s + m.latency_s),  # one generator rank at a time
                   chunks_per_fragment=None if w.tsp else chunks[0],
-                  gen_scale=[c / chunks[0] for c in chunks], train_scale=[x / samples[0] for x in samples],
+                  gen_scale=[c / chunks[0] for c in chunks], train_scale=train_scale,
                   transfer_scale=[x / samples[0] for x in samples])
     mode = "tcss" if p.tcss else "tag" if p.tag else "gap" if len(plan.fragments) > len(replicas) else "disagg"
     owners = None if p.tag else [f.replica for f in plan.fragments]

@@ -96,6 +96,8 @@ class RunShape:
     lossy_codec: bool = False
     tcss: bool = False
     """TCSS: a generator receives the next version into an idle copy while it samples with the live one"""
+    tail_assist: bool = False
+    """tail assist: a generator trains its share of the last fragment (float32, replicated)"""
     trainers_sample: bool = True
     """trainers sample (evaluation, TAG): they hold the text encoders and the VAE"""
     encodes: bool = True
@@ -231,7 +233,12 @@ def generator_phases(s: RunShape, capacity: float, *, stages: int = 1, stage: in
     fragment.add("denoising" if denoise >= decode else "VAE decode", max(denoise, decode), "activations")
     install = base("publication").add("install", 4 * bucket_bytes(s), "activations")  # checksums' int64 words
     probe = base("start-up probe").add("probe forward", a.generate * _row_bytes(s, s.gen_micro), "activations")
-    return {"load": base("load"), "fragment": fragment, "publication": install, "start-up probe": probe}
+    out = {"load": base("load"), "fragment": fragment, "publication": install, "start-up probe": probe}
+    if s.tail_assist:  # its share of the last fragment: a trainer's gradient and a micro-batch's working set
+        assist = out["tail assist"] = base("tail assist").add("gradients", 4 * (s.lora or s.dit), "gradients")
+        working = a.train if s.checkpointing else a.train_full
+        assist.add("activations", working * _row_bytes(s, s.train_micro * s.branches), "activations")
+    return out
 
 
 def trainer_phases(s: RunShape, capacity: float, *, shard: int, evaluates: bool = True,

@@ -34,10 +34,10 @@ import torch.distributed as dist
 from checkpointing import checkpoint
 from checkpointing import folder
 from config.schema import RunConfig
-from config.validate import RunFacts, probe_config, with_placement
+from config.validate import RunFacts, probe_config, tail_assist_refusal, with_placement
 from models import autocast, resolve_dtype
 from parallel import store_keys as keys
-from parallel.topology import ProcessGroups
+from parallel.topology import ProcessGroups, Topology
 from parallel.trainer_intake import TrainingSpec
 from planner import candidates as planner
 from runtime import budget, guard, probe
@@ -86,7 +86,7 @@ def placed(cfg: RunConfig, p: planner.Placement) -> RunConfig:
     out = dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology))
     t = out.topology
     t.mode, t.generators, t.trainers, t.scorers, t.gap_stages = p.mode, p.generators, p.trainers, 0, p.gap_stages
-    t.tag, t.tcss = p.tag, p.tcss
+    t.tag, t.tcss, t.tail_assist = p.tag, p.tcss, p.tail_assist
     if p.mode == "colocated":
         t.colocated_sharding = p.sharding
     else:
@@ -243,8 +243,10 @@ def start(cfg: RunConfig, facts: RunFacts, rank: int) -> AutoPlacement:
         machine, workload, ctx = measure(cfg, facts, rank)
     out = [None]
     if rank == 0:
+        split = placed(cfg, planner.Placement("disagg", 1, world - 1)) if world > 1 else None
+        assist = split is not None and tail_assist_refusal(split, Topology.build(world, "disagg", 1, world - 1)) is None
         options = planner.candidates(world, machine, allow_stale=allow_stale,
-                                     blocks=workload.blocks if workload else 1)
+                                     blocks=workload.blocks if workload else 1, tail_assist=assist)
         verdicts = [(p, refusal(cfg, facts, ctx.adapter, p) if ctx is not None else None) for p in options]
         fits, refused = [p for p, why in verdicts if why is None], [why for _, why in verdicts if why]
         preds = planner.rank(fits, workload, machine) if machine else [planner.Prediction(fits[0], None)]

@@ -103,7 +103,7 @@ def run_shape(cfg: RunConfig, facts: RunFacts, adapter) -> model.RunShape:
         reward_bytes=4 if rl.reward_dtype == "float32" else compute, checkpointing=o.grad_checkpointing,
         reference=algorithm.loss(rl).needs_reference, ema=o.ema_decay > 0,
         state_copies=algorithm.cost(steps, rl.timestep_fraction).state_copies,
-        lossy_codec=compress.lossy(cfg.topology.publish_compression), tcss=facts.tcss,
+        lossy_codec=compress.lossy(cfg.topology.publish_compression), tcss=facts.tcss, tail_assist=facts.tail_assist,
         trainers_sample=cfg.output.eval_every > 0 or facts.tag, encodes=not cfg.model.prompt_embeds)
 
 

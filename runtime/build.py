@@ -25,7 +25,7 @@ from parallel import commhooks, compress, publish
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
 from parallel.scoring import LocalScorer, RemoteScorer, scorer_step
-from parallel.stepplan import replica_speeds, trainer_speeds
+from parallel.stepplan import helper_weight, replica_speeds, trainer_speeds
 from parallel.store import StepStore
 from parallel.tag import Assistant, FragmentBoard, GroupAssistant
 from parallel.topology import ProcessGroups, Topology
@@ -282,6 +282,10 @@ def build(cfg: RunConfig, facts: RunFacts, rank: int, previous: Rank | None = No
                             [topo.replica_ranks(r) for r in range(topo.num_replicas)])
     if facts.tsp and facts.speed_split and facts.train_sharding != "fsdp":  # every rank packs alike
         ctx.intake.speeds = trainer_speeds({t: speeds[t]["train_s"] for t in topo.trainer_ranks})
+        if facts.tail_assist:
+            ctx.intake.helper_weight = helper_weight([speeds[g]["generate_s"] for g in topo.generator_ranks],
+                                                     [speeds[t]["generate_s"] for t in topo.trainer_ranks],
+                                                     ctx.intake.speeds)
     publish_names = {g: _stage_names(ctx.adapter, all_names, layouts.get(g)) for g in topo.generator_ranks}
     r = Rank(ctx, store, groups, run_guard, log, begin.step, shares, shapes, publish_names, trainer=trainer,
              saved=begin.step, run=run, speeds=speeds)

@@ -1,12 +1,14 @@
 """Tail assist (docs/DESIGN.md 5.9), the pure parts: the packing of the helped fragment, the
 placements that refuse it, and the helper's gradient added into the first trainer's. The runs
 (placement invariance, the recorded communication) are in tests/test_tail_assist_runs.py."""
+import dataclasses
+
 import pytest
 import torch
 
 from config.cli import parse_config
 from config.validate import tail_assist_refusal, validate
-from parallel import p2p, tail_assist, tsp
+from parallel import p2p, stepplan, tail_assist, tsp
 from parallel.topology import Topology
 
 
@@ -37,6 +39,18 @@ def test_the_helped_fragment_is_shared_by_one_more_and_the_others_are_unchanged(
     assert helped.trainers_of(3)[-1] == num_trainers
     with pytest.raises(ValueError, match="helped fragment 4"):
         tsp.pack(fragments, micro_batch=4, num_trainers=1, helped=4)
+
+
+def test_the_helpers_weight_follows_the_generators_probed_speed():
+    fragments = _fragments([6])  # 12 transitions
+    # a generator 2x slower than the trainer: a third of the share a trainer takes as much
+    assert stepplan.helper_weight([2.0], [1.0], None) == 0.5
+    half = tsp.pack(fragments, micro_batch=16, num_trainers=1, helped=0, helper_weight=0.5)
+    assert half.num_transitions() == [8, 4]
+    # within 15% of the trainers: their mean weight (even shares without weights)
+    assert stepplan.helper_weight([1.1], [1.0], (1.0, 0.5)) is None
+    assert stepplan.helper_weight([1.0], [1.0, 2.0], (1.0, 0.5)) == pytest.approx(round(0.75 * (1 / 0.75), 2))
+    assert tsp.pack(fragments, micro_batch=16, num_trainers=1, helped=0).num_transitions() == [6, 6]
 
 
 def _cfg(*argv):
@@ -109,3 +123,39 @@ def test_the_helpers_gradient_and_sums_join_the_first_trainers():
         tail_assist.add(_Side(trainer.params, ["other"]), tensors, meta)
     with pytest.raises(p2p.ProtocolError, match="step 3's gradient in step 4"):
         tail_assist.add(_Side(trainer.params, names, step=4), tensors, meta)
+
+
+def test_the_planner_offers_tail_assist_where_the_config_allows_and_predicts_a_shorter_tail():
+    from planner.candidates import Machine, Placement, Workload, candidates, predict
+    plain = candidates(2)
+    assert not any(p.tail_assist for p in plain)
+    offered = [p for p in candidates(3, blocks=4, allow_stale=True, tail_assist=True) if p.tail_assist]
+    # whole replicas, replicated trainers, on-policy: TAG on and off for 1 + 2 and 2 + 1
+    assert [p.label() for p in offered] == ["1 generator + 2 trainers, tail assist",
+                                           "1 generator + 2 trainers, TAG, tail assist",
+                                           "2 generators + 1 trainer, tail assist",
+                                           "2 generators + 1 trainer, TAG, tail assist"]
+    assert offered[0].flags()[-1] == "--tail-assist"
+    wl = Workload(prompts_per_step=4, group_size=4, micro_batch=4, num_prompts=64, seed=0, fragment_groups=1,
+                  sample_steps=8, trained_per_sample=8, sample_bytes=1e4, version_bytes=1e5, grad_bytes=4e5,
+                  weight_bytes=7e6, tsp=True, train_micro_batch=16, blocks=4, units=8)
+    machine = Machine([0.1, 0.1], [0.004, 0.004], link_bytes_s=1e9, latency_s=1e-4)
+    split = predict(Placement("disagg", 1, 1, tag=True), wl, machine).step_s
+    assisted = predict(Placement("disagg", 1, 1, tag=True, tail_assist=True), wl, machine).step_s
+    # the last fragment (4 samples x 8 transitions x 4 ms = 0.128 s) trains in half, the gradient's
+    # 4e5 bytes cross the link: 0.064 - 0.0005 s shorter
+    assert split - assisted == pytest.approx(0.064 - 4e5 / 1e9 - 1e-4, abs=0.01), (split, assisted)
+
+
+def test_the_memory_model_counts_the_generators_share_of_training():
+    from planner import memory
+    shape = memory.RunShape(family="flux", dit=1e9, text=1e8, vae=1e7, rewards=0, hidden=3072, blocks=8,
+                            largest_unit=1e8, largest_tensor=1e7, tokens=1024, latent=4096, pixels=512 * 512, steps=8,
+                            branches=1, gen_micro=4, train_micro=16, fragment=4, lora=1e7, compute_bytes=4)
+    plain = memory.generator_phases(shape, float("inf"))
+    assert "tail assist" not in plain
+    assisted = memory.generator_phases(dataclasses.replace(shape, tail_assist=True), float("inf"))
+    phase = assisted["tail assist"]
+    assert phase.items["gradients"] == 4e7  # the adapters' float32 gradient
+    assert phase.items["activations"] == memory.ACTIVATIONS[("flux", 4)].train * 16 * 1024 * 3072
+    assert phase.items["DiT weights"] == plain["fragment"].items["DiT weights"]  # beside what a generator holds
