@@ -159,3 +159,38 @@ def test_the_memory_model_counts_the_generators_share_of_training():
     assert phase.items["gradients"] == 4e7  # the adapters' float32 gradient
     assert phase.items["activations"] == memory.ACTIVATIONS[("flux", 4)].train * 16 * 1024 * 3072
     assert phase.items["DiT weights"] == plain["fragment"].items["DiT weights"]  # beside what a generator holds
+
+
+class _Recorder:
+    def __init__(self):
+        self.trained = []
+
+    def train(self, item):
+        self.trained.append(item)
+
+
+@pytest.mark.parametrize("owner,me,received,by_trainer", [
+    (0, 1, True, 0.0),   # a generator generated the last fragment: the first trainer adds what it trained
+    (0, 2, False, 0.0),  # the second trainer does not wait for it
+    (2, 1, False, 1.0),  # the second trainer generated it (TAG): it trains the share, nothing is sent
+    (1, 1, False, 1.0),  # the first trainer generated it
+])
+def test_the_share_joins_the_update_where_the_fragment_was_generated(monkeypatch, owner, me, received, by_trainer):
+    from types import SimpleNamespace
+    import contextlib
+    from runtime import steps
+    packing = tsp.pack(_fragments([2, 2]), micro_batch=4, num_trainers=2, helped=1)
+    topo = Topology.build(3, "disagg", 1, 2)
+    intake = SimpleNamespace(helped=lambda plan: 1, packing=lambda plan: packing, group_to=lambda dst: f"data.to{dst}")
+    ctx = SimpleNamespace(intake=intake, topo=topo, rank=me, tracer=SimpleNamespace(span=lambda *a, **k:
+                                                                                    contextlib.nullcontext()))
+    share = object()
+    board = SimpleNamespace(wait_owner=lambda f: {"rank": owner})
+    assistant = SimpleNamespace(board=board, helper_share=share if owner == me else None)
+    got = []
+    monkeypatch.setattr(tail_assist, "receive", lambda trainer, src, group: got.append((src, group)))
+    trainer = _Recorder()
+    stats = steps._join_tail(ctx, trainer, SimpleNamespace(step=0), assistant)
+    assert trainer.trained == ([share] if owner == me else []) and assistant.helper_share is None
+    assert got == ([(0, "data.to1")] if received else [])
+    assert stats == {"train/assist_transitions": 1.0, "train/assist_by_trainer": by_trainer}

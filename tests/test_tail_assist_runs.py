@@ -52,9 +52,11 @@ def test_the_generator_trains_a_share_of_the_last_fragment_and_the_weights_are_c
     assert _assist_spans(run, 0) == [(s, 3) for s in range(3)]  # the generator trained the last fragment's share
 
 
-def test_a_trainer_that_generated_the_last_fragment_trains_the_share_itself(tmp_path, colocated):
-    """TAG with a slowed generator: idle trainers claim fragments, the last one among them in some
-    steps; whoever generated it trains the helper's share, and the weights stay the colocated ones."""
+def test_with_tag_the_generator_keeps_the_last_fragment_and_the_weights_are_colocated(tmp_path, colocated):
+    """TAG with a slowed generator: idle trainers claim fragments, but not the last, which the
+    generator generates and shares; every step's share is trained once and the weights stay the
+    colocated ones (a trainer that wins the last fragment in a race trains the share itself:
+    tests/test_tail_assist.py)."""
     run = tmp_path / "tag"
     torchrun(3, [*ARGS, "--generators", "1", "--trainers", "2", "--fragment-split", "even", "--tag",
                  "--debug-slow-rank", "0:5", "--tail-assist", "--trace", "--output-dir", str(run)], env=traced(run))
@@ -63,9 +65,7 @@ def test_a_trainer_that_generated_the_last_fragment_trains_the_share_itself(tmp_
     rows = _rows(run)
     for r, c in zip(rows, _rows(colocated)):
         assert r["train/num_transitions"] == c["train/num_transitions"] == 16
-    by_trainer = [int(r["train/assist_by_trainer"]) for r in rows]
-    spans = {rank: _assist_spans(run, rank) for rank in range(3)}
-    # each step's share was trained exactly once, by the generator or by the trainer that generated it
-    assert sorted(x for s in spans.values() for x in s) == [(s, 3) for s in range(3)]
-    assert [s for s, _ in spans[0]] == [s for s, b in enumerate(by_trainer) if not b]
-    assert 1 in by_trainer, by_trainer  # the slowed generator leaves the last fragment to a trainer
+    assert sum(r["tag/fragments"] for r in rows) > 0  # the trainers did generate
+    assert [r["train/assist_by_trainer"] for r in rows] == [0, 0, 0]
+    assert _assist_spans(run, 0) == [(s, 3) for s in range(3)]
+    assert _assist_spans(run, 1) == _assist_spans(run, 2) == []
