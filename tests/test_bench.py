@@ -68,10 +68,11 @@ def test_a_scenario_reports_measured_and_predicted_ratios(tmp_path):
                    "--", "--reward", "jpeg_compressibility"], timeout=800)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert [r["mode"] for r in rows] == ["colocated-replicate", "gap+tag", "gap+tag+tcss", "auto", "auto+stale"]
+    assert [r["mode"] for r in rows] == ["colocated-replicate", "gap+tag", "gap+tag+assist", "gap+tag+tcss", "auto",
+                                         "auto+stale"]
     by_mode = {r["mode"]: r for r in rows}
-    for name, allowed in (("auto", ("colocated-replicate", "gap+tag")),
-                          ("auto+stale", ("colocated-replicate", "gap+tag", "gap+tag+tcss"))):
+    for name, allowed in (("auto", ("colocated-replicate", "gap+tag", "gap+tag+assist")),
+                          ("auto+stale", ("colocated-replicate", "gap+tag", "gap+tag+assist", "gap+tag+tcss"))):
         best = max(allowed, key=lambda m: by_mode[m]["samples_per_s"])
         r = by_mode[name]
         assert r["best_fixed"] == best and r["vs_best_fixed"] == pytest.approx(
