@@ -13,11 +13,10 @@ from parallel.topology import Topology
 
 
 def _fragments(sizes, num_steps=2):
-    out, start = [], 0
-    for n in sizes:
-        out.append([(i, t) for i in range(start, start + n) for t in range(num_steps)])
-        start += n
-    return out
+    """Fragments of consecutive samples, each trained at `num_steps` timesteps."""
+    bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    return [tsp.fragment_transitions(range(a, b), {i: range(num_steps) for i in range(a, b)})
+            for a, b in zip(bounds, bounds[1:])]
 
 
 @pytest.mark.parametrize("num_trainers,weights", [(1, None), (2, None), (3, None), (2, [1.0, 3.0])])
