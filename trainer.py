@@ -71,7 +71,7 @@ class Trainer:
         if not self.lora:
             model.requires_grad_(True)
         self.names = trainable_names(model)
-        if any(p.dtype != torch.float32 for p in self.trained_params()):
+        if not helper and any(p.dtype != torch.float32 for p in self.trained_params()):  # a helper's: the model's
             raise RuntimeError("trained weights must be float32 (models.model_dtypes(master=True), models.lora)")
         # Every forward computes in the compute dtype: the generators hold the weights in it, and
         # inputs are cast to it alike everywhere (DiTAdapter.compute_dtype).
@@ -87,7 +87,7 @@ class Trainer:
         # this rank alone, so that every forward computes with exactly the weights generators hold.
         mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
         engine = group if sharding == "fsdp" else (own_group if mixed is not None else None)
-        if sharding != "fsdp" and mixed is not None and engine is None and dist.is_initialized():
+        if sharding != "fsdp" and mixed is not None and engine is None and dist.is_initialized() and not helper:
             raise RuntimeError(f"a replicated trainer computing in {mixed} needs a group of its own, created by every "
                              f"rank: ProcessGroups.create(..., own=True)")
         if engine is not None:

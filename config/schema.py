@@ -224,7 +224,7 @@ class TopologyConfig:
     tcss: bool = _f(False, "TCSS: generators may start step k+1 with version k (staleness at most 1)")
     tail_assist: bool = _f(False, "tail assist: the rank that generates a step's last fragment trains a share of it "
                                   "too, with the step's weights, and its gradient joins the trainers' update "
-                                  "(on-policy disaggregated runs with --tsp and replicated float32 trainers)")
+                                  "(on-policy disaggregated runs with --tsp and replicated trainers)")
     fragment_split: str = _f("auto", "how fragments are shared among generator replicas: even, speed (in proportion to "
                                      "each replica's speed, measured at start-up; with --tsp replicated trainers' "
                                      "shares of transitions follow their speeds too), or auto (speed when "

@@ -6,13 +6,11 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from checkpointing import folder
 from checkpointing.digests import folder_digest
 from config import preflight
 from config.schema import NOT_CARRIED, RunConfig, eval_scorers
-from models import adapter_class, model_names, resolve_device, resolve_dtype
+from models import adapter_class, model_names
 from parallel import compress
 from parallel.stepplan import ShapeTable, StepPlan, plan_step
 from parallel.topology import Topology
@@ -189,7 +187,6 @@ def tail_assist_refusal(cfg: RunConfig, topo: Topology) -> str | None:
     weights of the step, whole, and the loss needs nothing else a trainer keeps."""
     t, rl = cfg.topology, cfg.rl
     algorithm = algorithms.algorithm(rl.algorithm)
-    compute = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
     reasons = [
         (topo.mode != "disagg", f"needs --mode disagg (got {topo.mode}): colocated ranks all train already"),
         (not t.tsp, "needs --tsp: the share it trains is packed transitions"),
@@ -197,8 +194,6 @@ def tail_assist_refusal(cfg: RunConfig, topo: Topology) -> str | None:
         (topo.gap_stages > 1, f"needs whole generator replicas (got --gap-stages {topo.gap_stages}): a stage holds "
                               f"only its blocks"),
         (t.tcss, "is on-policy: with --tcss a generator may hold the version before the trainers'"),
-        (compute != torch.float32, f"needs float32 compute (got {compute}): generators hold the weights in the "
-                                   f"compute dtype, the trainers' gradients are float32"),
         (compress.lossy(t.publish_compression), f"needs exact publication (got --publish-compression "
                                                 f"{t.publish_compression})"),
         (rl.updates_per_rollout > 1, f"needs one update per step (got --updates-per-rollout "

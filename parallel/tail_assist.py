@@ -21,18 +21,38 @@ import torch
 from torch import Tensor
 
 from parallel import p2p
+from parallel.fsdp import local_part
 
 
 def _digest(names: list[str]) -> str:
     return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
 
 
+def float32_gradients(helper) -> None:
+    """A helper whose trained weights are in a half-precision compute dtype, as a generator holds
+    them, accumulates each backward's gradient in float32, as a mixed-precision trainer does (FSDP2
+    over its own rank: the gradient of the weights cast to the compute dtype, reduced in float32 and
+    accumulated into float32 gradients): into `helper.float_grads`, which `payload` sends."""
+    helper.float_grads = [None] * len(helper.params)
+
+    def hook(i: int):
+        def accumulate(p: Tensor) -> None:
+            g = p.grad.float()
+            helper.float_grads[i] = g if helper.float_grads[i] is None else helper.float_grads[i].add_(g)
+            p.grad = None
+        return accumulate
+
+    for i, p in enumerate(helper.params):
+        p.register_post_accumulate_grad_hook(hook(i))
+
+
 def payload(helper) -> tuple[dict[str, Tensor], dict]:
     """What `helper` trained since its last update, as a payload for the first trainer: its gradient
     sum (float32, its trained weights flattened in order; none trained: zeros), its loss statistic
     sums and counts. The helper's gradients and sums are cleared."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in helper.params]
-    tensors = {"grads": torch.cat([g.detach().reshape(-1) for g in grads]).float(),
+    held = getattr(helper, "float_grads", None) or [p.grad for p in helper.params]
+    grads = [g if g is not None else torch.zeros_like(p, dtype=torch.float32) for g, p in zip(held, helper.params)]
+    tensors = {"grads": torch.cat([g.detach().float().reshape(-1) for g in grads]),
                "sums": helper.loss_sums.detach().clone(),
                "nonfinite": helper.nonfinite_advantages.reshape(1).clone()}
     meta = {"names": _digest(helper.names), "numel": int(tensors["grads"].numel()),
@@ -40,6 +60,8 @@ def payload(helper) -> tuple[dict[str, Tensor], dict]:
             "step": helper.current_step}
     for p in helper.params:
         p.grad = None
+    if getattr(helper, "float_grads", None) is not None:
+        helper.float_grads = [None] * len(helper.params)
     helper.reset_stats()
     return tensors, meta
 
@@ -55,12 +77,12 @@ def add(trainer, tensors: dict[str, Tensor], meta: dict) -> None:
     flat, offset = tensors["grads"].to(trainer.device), 0
     with torch.no_grad():
         for p in trainer.params:
-            g = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
             if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.add_(g)
+                p.grad = torch.zeros_like(p)
+            # whole on a replicated trainer (in a half-precision dtype an FSDP2 DTensor over its own rank)
+            held = local_part(p.grad)[0]
+            held.add_(flat[offset:offset + p.numel()].view_as(held))
+            offset += p.numel()
     trainer.loss_sums += tensors["sums"].to(trainer.device)
     trainer.nonfinite_advantages += tensors["nonfinite"][0].to(trainer.device)
     trainer.num_transitions += meta["num_transitions"]

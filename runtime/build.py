@@ -21,7 +21,7 @@ from checkpointing import resume
 from config.schema import RunConfig
 from config.validate import RunFacts
 from models import autocast, resolve_device, resolve_dtype
-from parallel import commhooks, compress, publish
+from parallel import commhooks, compress, publish, tail_assist
 from parallel.gap import PipelinedReplica, StageLayout, measure_block_costs, plan_stages, release_other_blocks
 from parallel.gap import stage_param_names
 from parallel.scoring import LocalScorer, RemoteScorer, scorer_step
@@ -356,6 +356,8 @@ def _build_generator(r: Rank, layouts: dict, version: int) -> None:
         r.replica = PipelinedReplica(r.generator, layout, links)
     if facts.tail_assist:  # trains a share of the fragments it ends a step with, with this rank's model
         r.helper = Trainer(ctx.cfg, ctx.adapter, ctx.sampling, slowdown=ctx.slowdown, device=ctx.device, helper=True)
+        if r.helper.compute_dtype != torch.float32:  # its weights are the compute dtype's, its gradient float32
+            tail_assist.float32_gradients(r.helper)
     if facts.disagg:
         receiver = publish.WeightReceiver(_params(ctx.adapter, r.publish_names[rank]))
         r.versions = VersionSync(receiver, r.store, topo.trainer_ranks[0], version, 1 if facts.tcss else 0,

@@ -64,7 +64,6 @@ def _cfg(*argv):
     (["--train-sharding", "fsdp"], (), "--train-sharding fsdp"),
     ([], ("disagg", 2, 1, 0, 2), "--gap-stages 2"),
     (["--tcss"], (), "is on-policy"),
-    (["--dtype", "bfloat16"], (), "needs float32 compute (got torch.bfloat16)"),
     (["--publish-compression", "bf16"], (), "--publish-compression bf16"),
     (["--updates-per-rollout", "2"], (), "--updates-per-rollout 2"),
     (["--std-mode", "global"], (), "the global std"),
@@ -193,3 +192,24 @@ def test_the_share_joins_the_update_where_the_fragment_was_generated(monkeypatch
     assert trainer.trained == ([share] if owner == me else []) and assistant.helper_share is None
     assert got == ([(0, "data.to1")] if received else [])
     assert stats == {"train/assist_transitions": 1.0, "train/assist_by_trainer": by_trainer}
+
+
+def test_a_half_precision_helper_accumulates_its_gradient_in_float32():
+    """A generator holds bf16 weights: each backward's bf16 gradient is added into a float32 sum (as a
+    mixed-precision trainer's FSDP2 reduces and accumulates it), not summed in bf16."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 4).to(torch.bfloat16).requires_grad_(True)
+    helper = _Side([w], ["w"])
+    tail_assist.float32_gradients(helper)
+    xs = [torch.randn(3, 8).to(torch.bfloat16) for _ in range(3)]
+    for x in xs:
+        (x @ w).float().pow(2).sum().backward()
+        assert w.grad is None  # moved into the float32 sum
+    ref = torch.zeros(8, 4)
+    for x in xs:
+        v = w.detach().clone().requires_grad_(True)
+        (x @ v).float().pow(2).sum().backward()
+        ref += v.grad.float()  # each bf16 gradient, summed in float32
+    assert helper.float_grads[0].dtype == torch.float32 and torch.equal(helper.float_grads[0], ref)
+    tensors, _ = tail_assist.payload(helper)
+    assert torch.equal(tensors["grads"], ref.reshape(-1)) and helper.float_grads == [None]

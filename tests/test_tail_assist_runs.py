@@ -69,3 +69,25 @@ def test_with_tag_the_generator_keeps_the_last_fragment_and_the_weights_are_colo
     assert [r["train/assist_by_trainer"] for r in rows] == [0, 0, 0]
     assert _assist_spans(run, 0) == [(s, 3) for s in range(3)]
     assert _assist_spans(run, 1) == _assist_spans(run, 2) == []
+
+
+def test_in_bf16_the_generator_trains_its_share_and_the_step_counts_it(tmp_path):
+    """--dtype bfloat16: the generator trains its share with the bf16 weights it holds, its gradient
+    summed in float32 (tests/test_tail_assist.py), added into a trainer whose gradients are FSDP2
+    DTensors over its own rank. The weights are not compared: in bf16 on this CPU the same split
+    with forwards of 2 or of 4 transitions, or split and colocated, already end 100% apart on some
+    LoRA B tensor after 3 steps (AdamW on gradients that are bf16 rounding), so the run checks what
+    is exact: the transitions counted, the first step's data and its loss."""
+    rows = {}
+    for name, extra in (("split", []), ("assisted", ["--tail-assist"])):
+        out = tmp_path / name
+        torchrun(2, [*ARGS, "--generators", "1", "--trainers", "1", "--dtype", "bfloat16", *extra,
+                     "--output-dir", str(out)], env=traced(out))
+        rows[name] = _rows(out)
+        assert [r.get("train/assist_transitions", 0) for r in rows[name]] == [2 if extra else 0] * 3
+    assert_nccl_ok(tmp_path / "assisted", ["data.to", "publish"])
+    for a, b in zip(rows["split"], rows["assisted"]):
+        assert a["train/num_transitions"] == b["train/num_transitions"] == 16
+    first, assisted = rows["split"][0], rows["assisted"][0]
+    assert assisted["reward/mean"] == first["reward/mean"]  # the same version generated the same data
+    assert assisted["train/loss"] == pytest.approx(first["train/loss"], rel=1e-2, abs=1e-4)
