@@ -91,7 +91,7 @@ def make_context(cfg: RunConfig, facts: RunFacts, rank: int, groups: ProcessGrou
     if not topo.is_trainer(rank):  # generators (and scorers) hold frozen weights in the compute dtype, no gradient
         trained = set(trainable_names(adapter.transformer)) if facts.tail_assist and topo.is_generator(rank) else set()
         adapter.transformer.requires_grad_(False).to(compute)
-        for n, p in adapter.transformer.named_parameters():  # tail assist: a generator trains a share (float32)
+        for n, p in adapter.transformer.named_parameters():  # tail assist: a generator trains a share
             p.requires_grad_(n in trained)
     sampling = run_sampling(cfg, adapter)
     adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)  # a bad size fails alike everywhere
