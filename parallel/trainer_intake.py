@@ -418,12 +418,14 @@ class TransitionIntake(_Intake):
     def route(self, plan: StepPlan, chunks: list[TrainChunk]) -> list[tuple[int, dict[str, Tensor], dict]]:
         """Every trainer that trains part of the fragment gets exactly its transitions (the tail
         assist's share stays with the rank that generated it: `helper_share`)."""
-        return [(self.trainer_ranks[r], *b.to_payload()) for r, b in self.batches(plan, chunks)
-                if r < self.num_trainers]
+        return self.route_keeping(plan, chunks)[0]
 
-    def helper_share(self, plan: StepPlan, chunks: list[TrainChunk]) -> TransitionBatch | None:
-        """The share of a scored fragment that the rank which generated it trains (tail assist), or None."""
-        return next((b for r, b in self.batches(plan, chunks) if r == self.num_trainers), None)
+    def route_keeping(self, plan: StepPlan, chunks: list[TrainChunk]):
+        """`route`'s payloads, and the share that the rank which generated the fragment keeps and
+        trains (tail assist; None for any other fragment), from one packing of the fragment."""
+        batches = self.batches(plan, chunks)
+        payloads = [(self.trainer_ranks[r], *b.to_payload()) for r, b in batches if r < self.num_trainers]
+        return payloads, next((b for r, b in batches if r == self.num_trainers), None)
 
     def needs_of(self, plan: StepPlan, trainer: int) -> list[Need]:
         """Trainer `trainer`'s share of every fragment it has a share of, in plan order: per update,

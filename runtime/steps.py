@@ -41,10 +41,12 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
 
     def emit(result: FragmentResult) -> None:
         nonlocal cost, last_emit, helped
-        if helper is not None and result.fragment == ctx.intake.helped(plan):  # a share of it is trained here
-            helped = [ctx.intake.helper_share(plan, result.chunks)]
         if facts.disagg:
-            for dst, tensors, meta in ctx.intake.route(plan, result.chunks):
+            payloads, share = ctx.intake.route_keeping(plan, result.chunks) if helper is not None else \
+                (ctx.intake.route(plan, result.chunks), None)
+            if helper is not None and result.fragment == ctx.intake.helped(plan):  # a share of it is trained here
+                helped = [share]
+            for dst, tensors, meta in payloads:
                 handles.append(p2p.isend_payload(tensors, meta, dst=dst, group=ctx.intake.group_to(dst)))
             result = dataclasses.replace(result, chunks=[])  # the trajectories leave the device with their sends
         else:
