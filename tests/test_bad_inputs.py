@@ -223,7 +223,34 @@ def _cases(tmp_path):
     ]
     if not torch.cuda.is_available():
         cases.append(("cuda on a CPU build", [*tiny, "--device", "cuda"], {}, "--device cuda, but this torch"))
-    return cases + issue39 + _issue_41_cases(tmp_path, tiny)
+    return cases + issue39 + _issue_41_cases(tmp_path, tiny) + _topology_and_shape_cases(tmp_path, tiny)
+
+
+def _topology_and_shape_cases(tmp_path, tiny):
+    """Roles that do not add up to the world, a mode or reward that does not exist, a prompt shape or
+    a size the model cannot take, a user's reward that returns the wrong number of scores."""
+    bad_shape = tmp_path / "bad_shape.jsonl"
+    bad_shape.write_text('{"prompt": "a red circle"}\n{"prompt": "two blue squares", "width": 30}\n')
+    at = tiny.index("--reward")
+    no_reward = tiny[:at] + tiny[at + 2:]
+    user = os.path.join("tests", "fixtures", "user_rewards.py")
+    return [
+        ("roles above the world", [*tiny, "--generators", "2", "--trainers", "2"], {},
+         "--generators 2 + --trainers 2 + --scorers 0 = 4, but the world size is 3"),
+        ("colocated with generators", [*tiny, "--mode", "colocated", "--generators", "1"], {},
+         "--mode colocated gives every rank both roles"),
+        ("mode sideways", [*tiny, "--mode", "sideways"], {}, "unknown mode 'sideways'"),
+        ("reward nonexistent", [*tiny, "--reward", "nonexistent"], {}, "nonexistent"),
+        ("eval samples 0", [*tiny, "--eval-every", "1", "--eval-samples-per-prompt", "0"], {},
+         "--eval-samples-per-prompt must be >= 1, got 0"),
+        ("jsonl width 30", [*tiny, "--prompts", str(bad_shape)], {},
+         f"{bad_shape}:2: prompt shape 16x30: width 30 must be a positive multiple of 4"),
+        ("wan height 480", ["--model", "wan", "--preset", "tiny", "--height", "480", "--steps", "1", "--eval-every",
+                            "0", "--output-dir", str(tmp_path / "out")], {},
+         "--height/--width/--num-frames: height 480 gives 60 patches, above the rotary table's 32 for 'wan'"),
+        ("user reward's score count", [*no_reward, "--reward", f"{user}:wrong_count"], {},
+         f"--reward {user}:wrong_count: returned (3,) scores for 2 images"),
+    ]
 
 
 def _issue_41_cases(tmp_path, tiny):
@@ -304,6 +331,7 @@ def _issue_39_cases(tmp_path, lora4, out, tiny):
 
 
 WORLDS = {"gap stages above blocks": 6,  # 5 generators as one 5-stage replica: more stages than 4 blocks
+          "roles above the world": 3,
           "scorer's reward model incomplete": 3}  # only the scorer loads it: the others learn of it
 
 

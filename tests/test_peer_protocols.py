@@ -246,14 +246,3 @@ def test_a_run_scored_by_a_flow_grpo_server_trains_the_weights_of_the_local_user
     assert rows and all(r["reward/std"] > 0 for r in rows), rows
     assert [r["reward/mean"] for r in rows] == [json.loads(line)["reward/mean"] for line in open(served / "metrics.jsonl")
                                                 if '"reward/std"' in line]
-
-
-def test_a_run_with_a_bad_user_reward_stops_before_any_rank_waits(tmp_path):
-    args = [a for a in TINY]
-    at = args.index("--reward")
-    del args[at:at + 2]
-    run = torchrun(2, [*args, "--reward", f"{USER}:wrong_count", "--output-dir", str(tmp_path / "r")], check=False,
-                   timeout=240)
-    said = f"error: --reward {USER}:wrong_count: returned (3,) scores for 2 images"
-    assert run.returncode != 0 and said in run.stderr, run.stderr[-3000:]
-    assert re.search(r"exitcode\s*:\s*2", run.stderr), run.stderr[-3000:]
