@@ -98,6 +98,12 @@ class Machine:
     """bytes per second between two ranks"""
     latency_s: float = 0.0
     """seconds of a small message between two ranks"""
+    gather_s: float | None = None
+    """measured: seconds FSDP2 sharding over every rank adds to one denoising forward (its
+    all-gathers, their copies and hooks, the ranks' lockstep); None: priced from the link (bytes
+    and a latency per unit)"""
+    train_gather_s: float | None = None
+    """measured: the same for one training forward and backward (None: three forwards' gathers)"""
 
     @property
     def world_size(self) -> int:
@@ -189,11 +195,23 @@ def rank(placements: list[Placement], workload: Workload, machine: Machine) -> l
 
 # ----- one placement's step -------------------------------------------------------------------------
 def _gathers_s(workload: Workload, machine: Machine, group: int) -> float:
-    """Seconds of one forward's FSDP2 all-gathers of every weight over `group` ranks, one per unit
-    (a backward gathers again and reduce-scatters: 3 of them per training forward)."""
+    """Seconds FSDP2 over `group` ranks adds to one forward: as the probe measured it over every
+    rank (taken for any group), else its all-gathers of every weight, one per unit, over the link."""
     if group <= 1:
         return 0.0
+    if machine.gather_s is not None:
+        return machine.gather_s
     return workload.weight_bytes * (group - 1) / group / machine.link_bytes_s + workload.units * machine.latency_s
+
+
+def _train_gathers_s(workload: Workload, machine: Machine, group: int) -> float:
+    """The same for one training forward and backward (the backward gathers again and
+    reduce-scatters: three forwards' gathers where the probe did not measure it)."""
+    if group <= 1:
+        return 0.0
+    if machine.train_gather_s is not None:
+        return machine.train_gather_s
+    return 3 * _gathers_s(workload, machine, group)
 
 
 def _allreduce_s(nbytes: float, machine: Machine, group: int) -> float:
@@ -223,7 +241,7 @@ def _train_s(w: Workload, m: Machine, samples: int, trainer_ranks: list[int], fs
     else:
         share = max(transitions * v / sum(speeds) * m.row_s[r] for v, r in zip(speeds, sorted(trainer_ranks)))
     if fsdp:
-        share += math.ceil(transitions / t / w.train_micro_batch) * 3 * _gathers_s(w, m, t)
+        share += math.ceil(transitions / t / w.train_micro_batch) * _train_gathers_s(w, m, t)
     return share
 
 

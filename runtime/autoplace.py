@@ -46,22 +46,32 @@ from runtime.context import make_context
 
 
 def measure(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[planner.Machine, planner.Workload, object]:
-    """The start-up probe on every rank (sync points: the conditioning, the link, the gather):
-    (the machine, the run's workload, this rank's probe context, whose model the planner's memory
-    check reads)."""
+    """The start-up probe on every rank (sync points: the conditioning, the link, the sharded
+    forwards, the gather): (the machine, the run's workload, this rank's probe context, whose
+    model, sharded by then, the planner's memory check reads)."""
     pcfg = probe_config(cfg)
     ctx, _ = make_context(pcfg, facts, rank, ProcessGroups(trainers=dist.group.WORLD))
     s, a = ctx.sampling, ctx.adapter
     rows = facts.train_micro_batch if facts.tsp else cfg.rl.micro_batch
     chunk_s, sample_bytes = probe.probe_generation(ctx)
     amp = lambda: autocast(ctx.device, cfg.model.dtype)  # noqa: E731
-    train_s = probe.probe_speed(a, s, rows, ctx.slowdown, amp, cond=a.encode_prompts([""] * rows))["train_s"]
-    row_s = train_s * (2 if s.cfg_scale != 1.0 else 1) / rows  # with CFG a transition trains both branches
+    cond = a.encode_prompts([""] * rows)
+    whole = probe.probe_speed(a, s, rows, ctx.slowdown, amp, cond=cond)
+    row_s = whole["train_s"] * (2 if s.cfg_scale != 1.0 else 1) / rows  # with CFG a transition trains both branches
     link, latency = probe.probe_link(rank, facts.topology.world_size, ctx.device)  # sync point
+    workload = _workload(cfg, facts, ctx, sample_bytes)  # the model's sizes, read before it is sharded
+    compute, weights = resolve_dtype(cfg.model.dtype, ctx.device), next(a.transformer.parameters()).dtype
+    sharded = probe.probe_sharding(a, s, rows, ctx.slowdown, amp, cond,  # sync points: every forward gathers
+                                   compute if compute != weights else None)
     everyone = [None] * facts.topology.world_size
-    dist.all_gather_object(everyone, (chunk_s, row_s, sample_bytes))  # sync point
-    machine = planner.Machine([e[0] for e in everyone], [e[1] for e in everyone], link, latency)
-    return machine, _workload(cfg, facts, ctx, max(e[2] for e in everyone)), ctx
+    dist.all_gather_object(everyone, (chunk_s, row_s, sample_bytes, whole, sharded))  # sync point
+    # In lockstep every sharded forward takes the slowest rank's time: what sharding adds is the
+    # slowest sharded forward over the slowest whole one (docs/placement.md, the probe).
+    added = {k: max(0.0, max(e[4][k] for e in everyone) - max(e[3][k] for e in everyone))
+             for k in ("generate_s", "train_s")}
+    machine = planner.Machine([e[0] for e in everyone], [e[1] for e in everyone], link, latency,
+                              gather_s=added["generate_s"], train_gather_s=added["train_s"])
+    return machine, dataclasses.replace(workload, sample_bytes=max(e[2] for e in everyone)), ctx
 
 
 def _workload(cfg: RunConfig, facts: RunFacts, ctx, sample_bytes: float) -> planner.Workload:
@@ -113,24 +123,25 @@ def trial_order(ranked: list[dict], max_trials: int, margin: float, families: bo
     runner-ups first, the predicted best (0) last (the last tried is kept without a switch back
     when it measures fastest); [] for no trials. Those predicted within `margin` of the best,
     `max_trials` in all (the best included). `families`: the prediction cannot rank a colocated
-    placement against a disaggregated one on this machine (`unmodeled`), so the best of the other
-    family is tried too, whatever its prediction, before any other runner-up; and a disaggregated
-    one is tried last, since there a split runs faster than predicted (the cores of its idle ranks
-    go to the busy ones)."""
+    placement against a disaggregated one on this machine (`unmodeled`): there a split runs faster
+    than predicted (the cores of its idle ranks go to the busy ones), while a colocated placement
+    keeps every rank busy, as the probe did, and runs as predicted or slower. So against a
+    colocated best the best split is tried too, whatever its prediction, before any other
+    runner-up, and last (the last tried is kept without a switch back); against a split predicted
+    best a colocated placement can only lose, and is tried only within the margin."""
     best = ranked[0]["predicted_step_s"]
     if best is None or max_trials < 2:
         return []
     near = [i for i in range(1, len(ranked)) if ranked[i]["predicted_step_s"] <= best * (1 + margin)]
-    other = None
-    if families:
-        colocated = [x["placement"]["mode"] == "colocated" for x in ranked]
-        other = next((i for i in range(1, len(ranked)) if colocated[i] != colocated[0]), None)
-        if other is not None:
-            near = [other, *[i for i in near if i != other]]
+    split = None
+    if families and ranked[0]["placement"]["mode"] == "colocated":
+        split = next((i for i in range(1, len(ranked)) if ranked[i]["placement"]["mode"] != "colocated"), None)
+        if split is not None:
+            near = [split, *[i for i in near if i != split]]
     near = sorted(near[:max_trials - 1])
     order = [*reversed(near), 0] if near else []
-    if other is not None and not colocated[other]:
-        order = [i for i in order if i != other] + [other]
+    if split is not None:
+        order = [i for i in order if i != split] + [split]
     return order
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rl import algorithms, sampler
 from models import autocast
 from parallel import commhooks
+from parallel.fsdp import shard_modules
 from prompts import resolutions as prompt_shapes
 from telemetry.tracing import Slowdown
 
@@ -78,6 +79,18 @@ def probe_speed(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocas
         if training:
             out["train_s"] = _timed(train, slowdown, device)
         return out
+
+
+def probe_sharding(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocast, cond,
+                   param_dtype: torch.dtype | None) -> dict[str, float]:
+    """probe_speed's two forwards with the transformer sharded by FSDP2 over every rank, as colocated
+    FSDP2 ranks and FSDP2 trainers shard it (`shard_modules`, with the trainers' mixed precision
+    `param_dtype`): against probe_speed's, what FSDP2 adds to a forward (its all-gathers, their
+    copies and hooks, the ranks' lockstep) and to a training forward and backward (gathered twice,
+    reduce-scattered once). Shards `adapter`'s transformer in place: the caller's probe model is not
+    run replicated again. A collective of every rank (each forward gathers)."""
+    adapter.enclosing = shard_modules(adapter.transformer, dist.group.WORLD, param_dtype)
+    return probe_speed(adapter, sampling, micro_batch, slowdown, autocast, cond=cond)
 
 
 def probe_shapes(adapter, sampling, micro_batch: int, shapes, slowdown: Slowdown, autocast, cond) -> dict:
