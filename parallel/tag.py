@@ -205,9 +205,9 @@ class Assistant:
     def _deliver(self, f: int, result) -> None:
         """Routed as a generator routes a fragment: this trainer's share into its own intake, the
         others' sent; then the fragment is marked landed."""
-        payloads, share = self.intake.route_keeping(self.plan, result.chunks) if self.ctx.facts.tail_assist else \
-            (self.intake.route(self.plan, result.chunks), None)
-        self.helper_share = share  # tail assist: the last fragment's helper share, trained here too (else None)
+        payloads, share = self.intake.route_keeping(self.plan, result.chunks)
+        if share is not None:  # tail assist: the last fragment's helper share, trained here too
+            self.helper_share = share
         for dst, tensors, meta in payloads:
             if dst == self.ctx.rank:
                 self.intake.accept(tensors, meta)

@@ -253,6 +253,11 @@ class _Intake:
         """The communicator training data to trainer rank `dst` travels on, from any sender."""
         return self.comms.data.get(dst) if self.comms is not None else None
 
+    def route_keeping(self, plan: StepPlan, chunks: list[TrainChunk]):
+        """(`route`'s payloads, the share of the fragment the rank that generated it keeps and
+        trains): only TSP's tail assist keeps one (TransitionIntake); else None."""
+        return self.route(plan, chunks), None
+
     def static_source(self, plan: StepPlan, fragment: int) -> int:
         """Without TAG a fragment comes from the last stage of the replica the plan assigns."""
         return self.replica_last_rank(plan.fragments[fragment].replica)
@@ -417,7 +422,7 @@ class TransitionIntake(_Intake):
 
     def route(self, plan: StepPlan, chunks: list[TrainChunk]) -> list[tuple[int, dict[str, Tensor], dict]]:
         """Every trainer that trains part of the fragment gets exactly its transitions (the tail
-        assist's share stays with the rank that generated it: `helper_share`)."""
+        assist's share stays with the rank that generated it: `route_keeping`)."""
         return self.route_keeping(plan, chunks)[0]
 
     def route_keeping(self, plan: StepPlan, chunks: list[TrainChunk]):

@@ -42,10 +42,9 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
     def emit(result: FragmentResult) -> None:
         nonlocal cost, last_emit, helped
         if facts.disagg:
-            payloads, share = ctx.intake.route_keeping(plan, result.chunks) if helper is not None else \
-                (ctx.intake.route(plan, result.chunks), None)
+            payloads, share = ctx.intake.route_keeping(plan, result.chunks)
             if helper is not None and result.fragment == ctx.intake.helped(plan):  # a share of it is trained here
-                helped = [share]
+                helped = [share]  # [None]: too small to share; the first trainer still waits for the send
             for dst, tensors, meta in payloads:
                 handles.append(p2p.isend_payload(tensors, meta, dst=dst, group=ctx.intake.group_to(dst)))
             result = dataclasses.replace(result, chunks=[])  # the trajectories leave the device with their sends
