@@ -254,8 +254,7 @@ class _Intake:
         return self.comms.data.get(dst) if self.comms is not None else None
 
     def route_keeping(self, plan: StepPlan, chunks: list[TrainChunk]):
-        """(`route`'s payloads, the share of the fragment the rank that generated it keeps and
-        trains): only TSP's tail assist keeps one (TransitionIntake); else None."""
+        """(`route`'s payloads, the share its generating rank keeps: only TransitionIntake's tail assist)."""
         return self.route(plan, chunks), None
 
     def static_source(self, plan: StepPlan, fragment: int) -> int:
@@ -393,8 +392,7 @@ class TransitionIntake(_Intake):
         self.micro_batch, self.tail_assist = micro_batch, tail_assist
 
     def helped(self, plan: StepPlan) -> int | None:
-        """The fragment whose generating rank trains a share of it (tail assist: the last in plan
-        order, the last the trainers train), or None."""
+        """The fragment whose generating rank trains a share of it (tail assist: the last), or None."""
         return len(plan.fragments) - 1 if self.tail_assist else None
 
     def packing(self, plan: StepPlan) -> tsp.Packing:
@@ -421,16 +419,14 @@ class TransitionIntake(_Intake):
         return [(r, TransitionBatch.gather(chunks, packing.of(fragment, r))) for r in packing.trainers_of(fragment)]
 
     def route(self, plan: StepPlan, chunks: list[TrainChunk]) -> list[tuple[int, dict[str, Tensor], dict]]:
-        """Every trainer that trains part of the fragment gets exactly its transitions (the tail
-        assist's share stays with the rank that generated it: `route_keeping`)."""
+        """Every trainer that trains part of the fragment gets exactly its transitions."""
         return self.route_keeping(plan, chunks)[0]
 
     def route_keeping(self, plan: StepPlan, chunks: list[TrainChunk]):
-        """`route`'s payloads, and the share that the rank which generated the fragment keeps and
-        trains (tail assist; None for any other fragment), from one packing of the fragment."""
+        """`route`'s payloads and the share the fragment's generating rank trains (tail assist), one packing."""
         batches = self.batches(plan, chunks)
-        payloads = [(self.trainer_ranks[r], *b.to_payload()) for r, b in batches if r < self.num_trainers]
-        return payloads, next((b for r, b in batches if r == self.num_trainers), None)
+        return ([(self.trainer_ranks[r], *b.to_payload()) for r, b in batches if r < self.num_trainers],
+                next((b for r, b in batches if r == self.num_trainers), None))
 
     def needs_of(self, plan: StepPlan, trainer: int) -> list[Need]:
         """Trainer `trainer`'s share of every fragment it has a share of, in plan order: per update,
