@@ -10,11 +10,13 @@ the device's memory), and the run builds the fastest.
 
 Every placement trains the same weights, so the choice can be checked by running: the placements
 predicted within --placement-margin of the best (up to --placement-trials of them) each run
---placement-trial-steps steps, the runner-ups first and the predicted best last, and the run keeps
-the one whose last trial step was fastest (a step's period; a placement's first step, from its own
-start, so that the switch before it does not count). Where the ranks time-share a CPU's cores, which
-the prediction does not model, the best placement of the other family (colocated against
-disaggregated) is tried too, whatever its prediction, and a disaggregated one last. A switch
+--placement-trial-steps steps, the runner-ups first and the predicted best last. A trial's steps
+after its first are measured (a step's period; in trials of one step, that step from its own start,
+so that the switch before it does not count), and the run keeps the placement of the fastest median
+unless what it saves over the steps left is less than a switch costs (`decide`). Where the ranks
+time-share a CPU's cores, which the prediction does not model, the best placement of the other
+family (colocated against disaggregated) is tried too, whatever its prediction, and a
+disaggregated one last. A switch
 between two steps saves the run state, tears the roles down and builds the next placement from that
 checkpoint, in this process: the state an exact resume restores, so the weights after N steps are a
 fixed placement's; a placement built again (the switch back to the fastest) keeps the speeds its
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import statistics
 import time
 
 import torch
@@ -170,7 +173,8 @@ class AutoPlacement:
                                   t.placement_margin, unmodeled is not None)
         self.tried = list(self.trials)  # the trials planned (self.trials empties once decided)
         self.current = self.trials[0] if self.trials else 0
-        self.steps_in, self.measured, self.switches = 0, {}, []
+        self.steps_in, self.measured, self.switches = 0, {}, []  # measured: each trial's steps (seconds)
+        self.decision: dict | None = None  # after the trials: the fastest, what it would save, a switch's cost
         self.speeds: dict[int, list] = {}  # each placement's speed probes, once built (a switch back reuses them)
 
     def placement(self, i: int | None = None) -> planner.Placement:
@@ -188,25 +192,36 @@ class AutoPlacement:
                 "running": show(self.current), "ranked": [show(i) for i in range(len(self.ranked))],
                 "refused": self.refused, "probe": self.machine, "unmodeled": self.unmodeled,
                 "trials": [show(i) for i in self.tried],
-                "measured_step_s": self._measured_by_label(), "switches": self.switches}
+                "measured_step_s": self._measured_by_label(),
+                "trial_steps_s": {self.ranked[i]["label"]: s for i, s in self.measured.items()},
+                "decision": self.decision, "switches": self.switches}
 
     def after_step(self, r: Rank, step: int) -> Rank:
-        """At the end of a trial: the next trial's placement, or after the last the fastest measured
+        """At the end of a trial: the next trial's placement, or after the last the one `decide` keeps
         (rank waits: every rank reads the logging rank's decision). Returns the rank to go on with."""
         if not self.trials:
             return r
         self.steps_in += 1
-        if self.steps_in < self.cfg.topology.placement_trial_steps:
+        steps = self.cfg.topology.placement_trial_steps
+        if r.log.logging and (self.steps_in > 1 or steps == 1):
+            # The loop's period; a placement's first step (measured only in trials of one step)
+            # counts from its own start, not the switch before it.
+            first = self.steps_in == 1
+            self.measured.setdefault(self.current, []).append(
+                r.log.last_span_s if first else r.log.last_scalars["perf/step_s"])
+        if self.steps_in < steps:
             return r
         key = keys.placement_decision(step)
-        if r.log.logging:  # the loop's period; a placement's first step counts from its own start (not the switch)
-            first = self.steps_in == 1
-            self.measured[self.current] = r.log.last_span_s if first else r.log.last_scalars["perf/step_s"]
+        if r.log.logging:
             k = self.trials.index(self.current)
-            nxt = self.trials[k + 1] if k + 1 < len(self.trials) else min(self.measured, key=self.measured.get)
+            if k + 1 < len(self.trials):
+                nxt, why = self.trials[k + 1], None
+            else:
+                nxt, why = decide(self.measured, self.current, self.cfg.rl.steps - step - 1,
+                                  [s["switch_s"] for s in self.switches])
             if r.guard.stopping:  # a signal: the run stops before the next step, in this placement
                 nxt = self.current
-            r.store.put(key, {"next": nxt, "measured": self.measured})  # every rank follows this one decision
+            r.store.put(key, {"next": nxt, "measured": self.measured, "why": why})  # every rank follows this one
         if r.versions is not None:
             # A generator first takes this step's publication: the trainers (the logging rank among
             # them) finish their step only once it is received (a send completes at its receive).
@@ -214,16 +229,27 @@ class AutoPlacement:
         decision = r.store.get(key)  # rank wait: the logging rank measured the trial's last step
         self.measured = {int(i): s for i, s in decision["measured"].items()}
         nxt, last = decision["next"], self.trials.index(self.current) == len(self.trials) - 1
+        if decision["why"] is not None:
+            self.decision = {**decision["why"], "kept": self.ranked[nxt]["label"],
+                             "fastest": self.ranked[decision["why"]["fastest"]]["label"]}
         if last or nxt == self.current:
             self.trials = []  # decided (or stopping): no more trials
         if nxt == self.current:
-            _say(r, f"placement: keeping {self.ranked[nxt]['label']} ({self._times()})")
+            _say(r, f"placement: keeping {self.ranked[nxt]['label']} ({self._times()}{self._why()})")
             _write_record(r, self.record())
             return r
         return self._switch(r, nxt, step + 1)
 
     def _times(self) -> str:
-        return "; ".join(f"{self.ranked[i]['label']} measured {s:.3g} s/step" for i, s in self.measured.items())
+        return "; ".join(f"{self.ranked[i]['label']} measured {_estimate(s):.3g} s/step"
+                         f"{f' (median of {len(s)})' if len(s) > 1 else ''}" for i, s in self.measured.items())
+
+    def _why(self) -> str:
+        d = self.decision
+        if d is None or d["fastest"] == d["kept"]:
+            return ""
+        return (f"; {d['fastest']} would save {d['gain_s']:.3g} s over the {d['remaining_steps']} steps left, "
+                f"less than a switch, {d['switch_s']:.3g} s")
 
     def _switch(self, r: Rank, nxt: int, done: int) -> Rank:
         self.speeds[self.current] = r.speeds
@@ -241,7 +267,25 @@ class AutoPlacement:
         return new
 
     def _measured_by_label(self) -> dict:
-        return {self.ranked[i]["label"]: s for i, s in self.measured.items()}
+        return {self.ranked[i]["label"]: _estimate(s) for i, s in self.measured.items()}
+
+
+def _estimate(steps: list[float]) -> float:
+    """A trial's step time: the median of its measured steps."""
+    return statistics.median(steps)
+
+
+def decide(measured: dict[int, list[float]], current: int, remaining: int, switches_s: list[float]) -> tuple[int, dict]:
+    """After the last trial: the placement to run the `remaining` steps in (an index of `measured`,
+    each placement's measured trial steps) and why. The fastest measured (median step), unless it
+    is not `current` and what it saves over the remaining steps is less than a switch costs (the
+    mean of the run's switches so far, `switches_s`, each a checkpoint, a teardown and a build):
+    then the run stays where it is."""
+    fastest = min(measured, key=lambda i: _estimate(measured[i]))
+    gain = (_estimate(measured[current]) - _estimate(measured[fastest])) * remaining
+    switch = statistics.fmean(switches_s) if switches_s else 0.0
+    keep = fastest if fastest == current or gain > switch else current
+    return keep, {"fastest": fastest, "gain_s": gain, "switch_s": switch, "remaining_steps": remaining}
 
 
 def start(cfg: RunConfig, facts: RunFacts, rank: int) -> AutoPlacement:
@@ -336,4 +380,4 @@ def _write_record(r: Rank, record: dict) -> None:
         r.cfg.save(os.path.join(r.cfg.output.output_dir, "config.json"), r.run)
 
 
-__all__ = ["AutoPlacement", "measure", "placed", "refusal", "start", "switch"]
+__all__ = ["AutoPlacement", "decide", "measure", "placed", "refusal", "start", "switch"]

@@ -180,6 +180,20 @@ def test_ranks_sharing_cores_try_the_best_of_the_other_family():
     assert trial_order(_ranked(("colocated", 1.0), ("colocated", 2.0)), 2, 0.1, families=True) == []
 
 
+def test_the_run_keeps_the_fastest_trial_unless_a_switch_costs_more_than_it_saves():
+    """After the trials: the placement of the fastest median step, where its gain over the steps
+    left pays for a switch (the mean of the run's switches); otherwise the one running (tried last)."""
+    from runtime.autoplace import decide
+    measured = {1: [0.9, 3.0, 0.95], 0: [1.1, 1.0]}  # one disturbed step does not move a median
+    keep, why = decide(measured, 0, 10, [0.4, 0.6])
+    assert keep == 1 and why["fastest"] == 1 and why["remaining_steps"] == 10
+    assert why["gain_s"] == pytest.approx((1.05 - 0.95) * 10) and why["switch_s"] == pytest.approx(0.5)
+    keep, why = decide(measured, 0, 4, [0.4, 0.6])  # saves 0.4 s, a switch costs 0.5 s
+    assert keep == 0 and why["fastest"] == 1 and why["gain_s"] == pytest.approx(0.4)
+    assert decide(measured, 1, 1, [5.0])[0] == 1  # the fastest is already running
+    assert decide({0: [1.2], 1: [1.0]}, 0, 1, [])[0] == 1  # no switch measured yet: nothing to pay
+
+
 def test_shared_cores_are_found_on_a_cpu_only(monkeypatch):
     import torch
     from runtime import autoplace
