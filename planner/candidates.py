@@ -19,7 +19,7 @@ Pure: plain numbers in, seconds out; no torch models, no ranks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parallel.event_engine import Costs
 from parallel.schedule import fragments_in_flight, makespan_slots
@@ -92,8 +92,8 @@ class Machine:
     """per rank: seconds to generate one chunk of the run's micro-batch (encode its prompts, K
     denoising steps, decode, score)"""
     row_s: list[float]
-    """per rank: seconds of one trained transition (a training forward and backward at the run's
-    transitions per forward, divided by them)"""
+    """per rank: seconds each trained transition adds to a training forward and backward (with
+    `forward_s` empty: a forward at the run's transitions per forward, divided by them)"""
     link_bytes_s: float
     """bytes per second between two ranks"""
     latency_s: float = 0.0
@@ -104,6 +104,9 @@ class Machine:
     and a latency per unit)"""
     train_gather_s: float | None = None
     """measured: the same for one training forward and backward (None: three forwards' gathers)"""
+    forward_s: list[float] = field(default_factory=list)
+    """per rank: seconds a training forward and backward costs whatever its transitions (the probe
+    times two sizes: a forward of n transitions takes forward_s + n row_s); empty: none"""
 
     @property
     def world_size(self) -> int:
@@ -235,14 +238,17 @@ def _train_s(w: Workload, m: Machine, samples: int, trainer_ranks: list[int], fs
     (`trainer_speeds`); FSDP2 trainers gather the weights three times per forward."""
     transitions = samples * w.trained_per_sample
     t = len(trainer_ranks)
+    # every trainer runs the forwards of the largest share (parallel/tsp.py pack), each at a fixed cost
+    forwards = math.ceil(math.ceil(transitions / t - 1e-9) / w.train_micro_batch)
+    fixed = forwards * max(m.forward_s[r] for r in trainer_ranks) if m.forward_s else 0.0
     speeds = trainer_speeds({r: m.row_s[r] for r in trainer_ranks}) if by_speed and w.tsp and not fsdp else None
     if speeds is None:
         share = transitions / t * max(m.row_s[r] for r in trainer_ranks)
     else:
         share = max(transitions * v / sum(speeds) * m.row_s[r] for v, r in zip(speeds, sorted(trainer_ranks)))
     if fsdp:
-        share += math.ceil(transitions / t / w.train_micro_batch) * _train_gathers_s(w, m, t)
-    return share
+        share += forwards * _train_gathers_s(w, m, t)
+    return share + fixed
 
 
 def _trainers_part(m: Machine, trainer_ranks: list[int], generator_ranks: list[int]) -> float:

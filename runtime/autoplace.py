@@ -2,8 +2,8 @@
 checks the choice against measured steps.
 
 At start-up every rank loads the whole model (as a colocated rank holds it) and measures one chunk's
-generation (encoding, K denoising steps, decoding, scoring) and one training forward and backward at
-the run's shapes; rank 0 measures the link to every other rank (runtime/probe.py). The planner
+generation (encoding, K denoising steps, decoding, scoring) and a training forward and backward at
+the run's shapes and at a quarter of its transitions (a forward's fixed cost apart from theirs); rank 0 measures the link to every other rank (runtime/probe.py). The planner
 (planner/candidates.py) ranks every placement this world size allows from those numbers, the run's
 memory budget refusing what does not fit (runtime/budget.py; on a GPU without --memory-budget-gb,
 the device's memory), and the run builds the fastest.
@@ -60,20 +60,24 @@ def measure(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[planner.Machine
     amp = lambda: autocast(ctx.device, cfg.model.dtype)  # noqa: E731
     cond = a.encode_prompts([""] * rows)
     whole = probe.probe_speed(a, s, rows, ctx.slowdown, amp, cond=cond)
-    row_s = whole["train_s"] * (2 if s.cfg_scale != 1.0 else 1) / rows  # with CFG a transition trains both branches
+    few = max(1, rows // 4)  # a second size: a forward's fixed cost apart from its transitions'
+    fewer = probe.probe_speed(a, s, few, ctx.slowdown, amp, generation=False)["train_s"] if few < rows else None
+    forward_s, row_s = probe.forward_and_row_s(rows, whole["train_s"], few, fewer)
+    row_s *= 2 if s.cfg_scale != 1.0 else 1  # with CFG a transition trains both branches
     link, latency = probe.probe_link(rank, facts.topology.world_size, ctx.device)  # sync point
     workload = _workload(cfg, facts, ctx, sample_bytes)  # the model's sizes, read before it is sharded
     compute, weights = resolve_dtype(cfg.model.dtype, ctx.device), next(a.transformer.parameters()).dtype
     sharded = probe.probe_sharding(a, s, rows, ctx.slowdown, amp, cond,  # sync points: every forward gathers
                                    compute if compute != weights else None)
     everyone = [None] * facts.topology.world_size
-    dist.all_gather_object(everyone, (chunk_s, row_s, sample_bytes, whole, sharded))  # sync point
+    dist.all_gather_object(everyone, (chunk_s, row_s, sample_bytes, whole, sharded, forward_s))  # sync point
     # In lockstep every sharded forward takes the slowest rank's time: what sharding adds is the
     # slowest sharded forward over the slowest whole one (docs/placement.md, the probe).
     added = {k: max(0.0, max(e[4][k] for e in everyone) - max(e[3][k] for e in everyone))
              for k in ("generate_s", "train_s")}
     machine = planner.Machine([e[0] for e in everyone], [e[1] for e in everyone], link, latency,
-                              gather_s=added["generate_s"], train_gather_s=added["train_s"])
+                              gather_s=added["generate_s"], train_gather_s=added["train_s"],
+                              forward_s=[e[5] for e in everyone])
     return machine, dataclasses.replace(workload, sample_bytes=max(e[2] for e in everyone)), ctx
 
 

@@ -48,9 +48,10 @@ def probe_conditioning(ctx):
 
 
 def probe_speed(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocast,
-                training: bool = True, cond=None) -> dict[str, float]:
-    """{"generate_s"[, "train_s"]}: one denoising forward (no grad) and, with `training`, one
-    training forward + backward of the run's transformer at the run's micro-batch and resolution.
+                training: bool = True, cond=None, generation: bool = True) -> dict[str, float]:
+    """{["generate_s"][, "train_s"]}: with `generation` one denoising forward (no grad) and, with
+    `training`, one training forward + backward of the run's transformer at the run's micro-batch
+    and resolution.
     Trainers probe training as they train: after FSDP2 shards the model (a collective over the
     trainers, which all probe), with the run's activation checkpointing and under the trainer's
     autocast; generators, whose weights are frozen, never run a backward. Draws its inputs from a
@@ -75,10 +76,21 @@ def probe_speed(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocas
 
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):  # whatever the model draws (dropout) leaves the run's RNG as it was
-        out = {"generate_s": _timed(generate, slowdown, device)}
+        out = {"generate_s": _timed(generate, slowdown, device)} if generation else {}
         if training:
             out["train_s"] = _timed(train, slowdown, device)
         return out
+
+
+def forward_and_row_s(rows: int, rows_s: float, few: int, few_s: float | None) -> tuple[float, float]:
+    """(seconds a training forward costs whatever its rows, seconds per row) from a forward of
+    `rows` rows taking `rows_s` and one of `few` rows taking `few_s` (None: not measured; then all
+    of it per row). Timings that fit no positive line (noise) count per row alone."""
+    if few_s is None or few >= rows or few_s >= rows_s:
+        return 0.0, rows_s / rows
+    per_row = (rows_s - few_s) / (rows - few)
+    fixed = rows_s - per_row * rows
+    return (fixed, per_row) if fixed > 0 else (0.0, rows_s / rows)
 
 
 def probe_sharding(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocast, cond,

@@ -63,6 +63,7 @@ def test_the_log_and_config_json_say_what_auto_chose_and_why(switching):
     assert [x["predicted_step_s"] for x in ranked] == sorted(x["predicted_step_s"] for x in ranked)
     assert len(record["probe"]["chunk_s"]) == 2 and record["probe"]["link_bytes_s"] > 0
     assert record["probe"]["gather_s"] >= 0 and record["probe"]["train_gather_s"] >= 0  # FSDP2's, measured
+    assert len(record["probe"]["forward_s"]) == 2 and all(a >= 0 for a in record["probe"]["forward_s"])
     # Four placements of 2 ranks, and a fifth (colocated split by speed) where the probe measured the
     # ranks apart: the four predicted best are tried, the best last (the steps leave room for four).
     assert len(ranked) in (4, 5) and any("TAG" in x["label"] for x in ranked)

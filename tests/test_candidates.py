@@ -1,6 +1,8 @@
 """--placement auto's planner (planner/candidates.py): the placements a world size allows, and the
 ranking of the probe's costs, against hand computations and the regimes the bench measures.
 Pure: no process, no model."""
+import dataclasses
+
 import pytest
 
 from config.cli import parse_config
@@ -142,6 +144,30 @@ def test_a_placement_flag_at_its_default_still_names_a_placement():
     cfg = parse_config(["--mode", "disagg"])
     cfg.resolve_defaults()
     assert cfg.topology.placement == "fixed"
+
+
+def test_a_forwards_fixed_cost_weighs_on_colocated_training_in_smaller_forwards():
+    """A training forward of n transitions costs forward_s + n row_s. A 2-timestep window trains 8
+    transitions per fragment: colocated, every rank trains its half of each of the 4 fragments in a
+    forward of its own (4 fixed costs on the step's path, after generation); a 1 + 1 split trains
+    each fragment in one forward as it lands, and only the last one's is on the path."""
+    window = dataclasses.replace(WL, trained_per_sample=2)
+    plain = Machine([0.25, 0.25], [0.011, 0.011], **FAST_LINK)
+    fixed = dataclasses.replace(plain, forward_s=[0.02, 0.02])
+    step = lambda p, m: predict(p, window, m).step_s  # noqa: E731
+    assert step(Placement("colocated"), fixed) - step(Placement("colocated"), plain) == pytest.approx(4 * 0.02)
+    split = Placement("disagg", 1, 1)
+    assert step(split, fixed) - step(split, plain) == pytest.approx(0.02)
+
+
+def test_a_forwards_fixed_cost_is_fitted_from_two_sizes():
+    """Two probe forwards (16 and 4 transitions) fit a line; timings that fit no positive line
+    (noise, or one size alone) count per transition alone."""
+    from runtime.probe import forward_and_row_s
+    assert forward_and_row_s(16, 0.02 + 16 * 0.011, 4, 0.02 + 4 * 0.011) == pytest.approx((0.02, 0.011))
+    assert forward_and_row_s(16, 0.2, 4, 0.21) == pytest.approx((0.0, 0.2 / 16))  # the smaller slower
+    assert forward_and_row_s(16, 0.2, 4, 0.04) == pytest.approx((0.0, 0.2 / 16))  # a negative fixed cost
+    assert forward_and_row_s(1, 0.2, 1, None) == pytest.approx((0.0, 0.2))
 
 
 def _ranked(*modes_and_steps):
