@@ -3,8 +3,9 @@ checks the choice against measured steps.
 
 At start-up every rank loads the whole model (as a colocated rank holds it) and measures one chunk's
 generation (encoding, K denoising steps, decoding, scoring) and a training forward and backward at
-the run's shapes and at a quarter of its transitions (a forward's fixed cost apart from theirs); rank 0 measures the link to every other rank (runtime/probe.py). The planner
-(planner/candidates.py) ranks every placement this world size allows from those numbers, the run's
+the run's shapes and at a quarter of its transitions (a forward's fixed cost apart from theirs);
+rank 0 measures the link to every other rank (runtime/probe.py). The planner (planner/candidates.py)
+ranks every placement this world size allows from those numbers, the run's
 memory budget refusing what does not fit (runtime/budget.py; on a GPU without --memory-budget-gb,
 the device's memory), and the run builds the fastest.
 
