@@ -129,6 +129,11 @@ def _transitions(run, rank: int, step: int) -> int:
 
 
 SHARDED_STEPS = 4  # --placement auto: three trials of a step each, then the one kept
+# A reward continuous in the pixels: FSDP2 over 2 trainers and over 3 ranks sum the gradients in
+# other orders, and the images of the next version differ in their last bits. JPEG compressibility
+# counts bytes, so such a difference can move a reward by a whole byte, and a group of 2 samples
+# turns it into another advantage (seen: 2% of the weights apart after 4 steps).
+SMOOTH = [a if a != "jpeg_compressibility" else "rule_aesthetic" for a in ARGS]
 
 
 def test_sharded_modes_train_the_colocated_data(tmp_path):
@@ -143,7 +148,7 @@ def test_sharded_modes_train_the_colocated_data(tmp_path):
             "gap-fsdp": ["--generators", "1", "--trainers", "2", "--train-sharding", "fsdp"]}
 
     def peaks(placement: list[str], nproc: int) -> list[float]:  # the memory model's, per role
-        cfg = parse_config([*ARGS, *full, *placement])
+        cfg = parse_config([*SMOOTH, *full, *placement])
         cfg.resolve_defaults()
         return [peak(p).total for p in predict(cfg, validate(cfg, nproc), load_model(cfg.model.model, seed=0)).values()]
 
@@ -155,19 +160,19 @@ def test_sharded_modes_train_the_colocated_data(tmp_path):
     weights = {}
     for name, placement in runs.items():
         out = tmp_path / name
-        torchrun(3, [*ARGS, *budget, *placement, "--output-dir", str(out)], env=traced(out))
+        torchrun(3, [*SMOOTH, *budget, *placement, "--output-dir", str(out)], env=traced(out))
         assert_nccl_ok(out, collectives=[f"world:{REDUCE_SCATTER}" if "colocated" in name
                                          else f"trainers:{REDUCE_SCATTER}"])
         weights[name] = trained_weights(str(out), SHARDED_STEPS)
         assert read_metrics(str(out / "metrics.jsonl"))[-1]["train/num_allgathers"] > 0
     assert_same_weights(weights["colocated-fsdp3"], weights["gap-fsdp"], "gap-fsdp")
     auto = tmp_path / "auto"
-    torchrun(3, [*ARGS, *budget, "--placement", "auto", "--placement-trials", "3", "--placement-trial-steps", "1",
+    torchrun(3, [*SMOOTH, *budget, "--placement", "auto", "--placement-trials", "3", "--placement-trial-steps", "1",
                  "--placement-margin", "1e9", "--output-dir", str(auto)])
     record = json.loads((auto / "config.json").read_text())["run"]["placement"]
     tried = [x["label"] for x in record["trials"]]
     assert len(tried) == 3 and all("FSDP2" in t for t in tried), tried
     assert [s["after_step"] for s in record["switches"]][:2] == [0, 1], record["switches"]
     assert_same_weights(weights["colocated-fsdp3"], trained_weights(str(auto), SHARDED_STEPS), "auto")
-    refused = torchrun(2, [*ARGS, *budget, "--mode", "colocated", "--output-dir", str(tmp_path / "r")], check=False)
+    refused = torchrun(2, [*SMOOTH, *budget, "--mode", "colocated", "--output-dir", str(tmp_path / "r")], check=False)
     assert refused.returncode != 0 and f"--memory-budget-gb {limit}: a colocated needs" in refused.stderr
