@@ -3,7 +3,7 @@ it too, so that the trainers' part of the on-policy tail (the last fragment's tr
 generation overlaps) is shared with a rank that would otherwise wait for the next version.
 
 TSP packs the last fragment over the M trainers and one helper (`tsp.pack(helped=...)`); the rank
-that generated the fragment keeps the helper's share (`TransitionIntake.helper_share`) and trains it
+that generated the fragment keeps the helper's share (`TransitionIntake.route_keeping`) and trains it
 with a trainer of its own over its own model, which holds exactly the step's weights (on-policy,
 exact publication, float32). What it trained, the gradient's sum and the loss's statistic sums, goes
 to the first trainer (`send`), which adds it before the update's all-reduce (`add`): the update sums
