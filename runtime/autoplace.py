@@ -226,13 +226,16 @@ class AutoPlacement:
                                   [s["switch_s"] for s in self.switches])
             if r.guard.stopping:  # a signal: the run stops before the next step, in this placement
                 nxt = self.current
-            r.store.put(key, {"next": nxt, "measured": self.measured, "why": why})  # every rank follows this one
+            r.store.put(key, {"next": nxt, "measured": self.measured, "why": why,  # every rank follows this one
+                              "switches_s": [s["switch_s"] for s in self.switches]})
         if r.versions is not None:
             # A generator first takes this step's publication: the trainers (the logging rank among
             # them) finish their step only once it is received (a send completes at its receive).
             r.versions.take_publication(step + 1, step + 1)
         decision = r.store.get(key)  # rank wait: the logging rank measured the trial's last step
         self.measured = {int(i): s for i, s in decision["measured"].items()}
+        for s, seconds in zip(self.switches, decision["switches_s"]):  # the record holds what decided
+            s["switch_s"] = seconds
         nxt, last = decision["next"], self.trials.index(self.current) == len(self.trials) - 1
         if decision["why"] is not None:
             self.decision = {**decision["why"], "kept": self.ranked[nxt]["label"],
