@@ -214,28 +214,33 @@ class AutoPlacement:
             first = self.steps_in == 1
             self.measured.setdefault(self.current, []).append(
                 r.log.last_span_s if first else r.log.last_scalars["perf/step_s"])
+        if r.log.logging and self.steps_in == 1 and self.switches and self.switches[-1]["after_step"] == step - 1:
+            # the period of the step after a switch: the switch, then the step (its warm-up included)
+            self.switches[-1]["first_step_s"] = r.log.last_scalars["perf/step_s"]
         if self.steps_in < steps:
             return r
         key = keys.placement_decision(step)
         if r.log.logging:
+            into = self.switches[-1] if self.switches and self.switches[-1]["after_step"] == step - steps else None
+            if into is not None and "first_step_s" in into:  # what the switch into this trial cost
+                into["cost_s"] = max(0.0, into["first_step_s"] - _estimate(self.measured[self.current]))
             k = self.trials.index(self.current)
             if k + 1 < len(self.trials):
                 nxt, why = self.trials[k + 1], None
             else:
                 nxt, why = decide(self.measured, self.current, self.cfg.rl.steps - step - 1,
-                                  [s["switch_s"] for s in self.switches])
+                                  [s.get("cost_s", s["switch_s"]) for s in self.switches])
             if r.guard.stopping:  # a signal: the run stops before the next step, in this placement
                 nxt = self.current
             r.store.put(key, {"next": nxt, "measured": self.measured, "why": why,  # every rank follows this one
-                              "switches_s": [s["switch_s"] for s in self.switches]})
+                              "switches": self.switches})
         if r.versions is not None:
             # A generator first takes this step's publication: the trainers (the logging rank among
             # them) finish their step only once it is received (a send completes at its receive).
             r.versions.take_publication(step + 1, step + 1)
         decision = r.store.get(key)  # rank wait: the logging rank measured the trial's last step
         self.measured = {int(i): s for i, s in decision["measured"].items()}
-        for s, seconds in zip(self.switches, decision["switches_s"]):  # the record holds what decided
-            s["switch_s"] = seconds
+        self.switches = decision["switches"]  # the record holds what decided: the logging rank's times
         nxt, last = decision["next"], self.trials.index(self.current) == len(self.trials) - 1
         if decision["why"] is not None:
             self.decision = {**decision["why"], "kept": self.ranked[nxt]["label"],
@@ -287,8 +292,9 @@ def decide(measured: dict[int, list[float]], current: int, remaining: int, switc
     """After the last trial: the placement to run the `remaining` steps in (an index of `measured`,
     each placement's measured trial steps) and why. The fastest measured (median step), unless it
     is not `current` and what it saves over the remaining steps is less than a switch costs (the
-    mean of the run's switches so far, `switches_s`, each a checkpoint, a teardown and a build):
-    then the run stays where it is."""
+    mean of the run's switches so far, `switches_s`: each the period of the step after the switch
+    over its placement's median step, so a checkpoint, a teardown, a build and the first step's
+    warm-up, whether the build's speed probe took it or the step): then the run stays where it is."""
     fastest = min(measured, key=lambda i: _estimate(measured[i]))
     gain = (_estimate(measured[current]) - _estimate(measured[fastest])) * remaining
     switch = statistics.fmean(switches_s) if switches_s else 0.0

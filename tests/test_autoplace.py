@@ -81,7 +81,13 @@ def test_the_log_and_config_json_say_what_auto_chose_and_why(switching):
     assert decision["fastest"] == fastest and decision["remaining_steps"] == STEPS - len(order)
     measured = record["measured_step_s"]
     assert decision["gain_s"] == pytest.approx(measured[order[-1]] - measured[fastest])
-    assert decision["switch_s"] == pytest.approx(sum(s["switch_s"] for s in switches[:3]) / 3)
+    # A switch costs the period of the step after it (the switch included) over its placement's
+    # median step; the rule weighs their mean.
+    periods = {r["step"]: r["perf/step_s"] for r in _rows(run)}
+    for s in switches[:3]:
+        assert s["first_step_s"] == pytest.approx(periods[s["after_step"] + 1]) and s["first_step_s"] >= s["switch_s"]
+        assert s["cost_s"] == pytest.approx(max(0.0, s["first_step_s"] - measured[s["to"]]))
+    assert decision["switch_s"] == pytest.approx(sum(s["cost_s"] for s in switches[:3]) / 3)
     assert record["running"]["label"] == (fastest if decision["gain_s"] > decision["switch_s"] else order[-1])
     assert record["trial_steps_s"] == {k: [v] for k, v in record["measured_step_s"].items()}  # one step each
     config = json.loads((run / "config.json").read_text())

@@ -208,7 +208,8 @@ def test_ranks_sharing_cores_try_the_best_of_the_other_family():
 
 def test_the_run_keeps_the_fastest_trial_unless_a_switch_costs_more_than_it_saves():
     """After the trials: the placement of the fastest median step, where its gain over the steps
-    left pays for a switch (the mean of the run's switches); otherwise the one running (tried last)."""
+    left pays for a switch (the mean of the run's switches' measured costs); otherwise the one
+    running (tried last)."""
     from runtime.autoplace import decide
     measured = {1: [0.9, 3.0, 0.95], 0: [1.1, 1.0]}  # one disturbed step does not move a median
     keep, why = decide(measured, 0, 10, [0.4, 0.6])
