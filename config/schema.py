@@ -203,9 +203,9 @@ class TopologyConfig:
                                   "--placement-margin of the best) for --placement-trial-steps steps each, switching "
                                   "placement inside the run from its own checkpoint, and keep the fastest measured; "
                                   "1 runs the best prediction")
-    placement_trial_steps: int = _f(3, "--placement auto: steps each trial runs; those after its first are "
-                                       "measured (the first after a switch fills the pipeline again), their median "
-                                       "decides")
+    placement_trial_steps: int = _f(4, "--placement auto: steps each trial runs; those after its first are "
+                                       "measured (the first after a switch warms up again), their median decides "
+                                       "(of 3 or more, one disturbed step does not)")
     placement_margin: float = _f(0.1, "--placement auto: a placement predicted within this fraction of the best is "
                                       "tried (--placement-trials)")
     mode: str = _f("disagg", "disagg: generator and trainer ranks; colocated: every rank does both")
