@@ -294,7 +294,8 @@ def decide(measured: dict[int, list[float]], current: int, remaining: int, switc
     is not `current` and what it saves over the remaining steps is less than a switch costs (the
     mean of the run's switches so far, `switches_s`: each the period of the step after the switch
     over its placement's median step, so a checkpoint, a teardown, a build and the first step's
-    warm-up, whether the build's speed probe took it or the step): then the run stays where it is."""
+    excess over a steady one, its warm-up and under TCSS the overlap it refills): then the run
+    stays where it is."""
     fastest = min(measured, key=lambda i: _estimate(measured[i]))
     gain = (_estimate(measured[current]) - _estimate(measured[fastest])) * remaining
     switch = statistics.fmean(switches_s) if switches_s else 0.0
