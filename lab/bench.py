@@ -86,8 +86,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     r = p.add_argument_group("runs")
     r.add_argument("--timeout", type=float, default=600, help="seconds before a mode's run is killed")
     r.add_argument("--rounds", type=int, default=1,
-                   help="scenarios: run every mode this many times, the modes in turn in each round (a drift of "
-                        "the machine's speed then falls on every mode alike), and pool each mode's measured steps")
+                   help="scenarios: run every mode this many times, the modes in turn in each round, reversed in every "
+                        "second round (a drift of the machine's speed then falls on every mode alike), and pool each "
+                        "mode's measured steps")
     r.add_argument("--threads", type=int, default=None,
                    help="OMP_NUM_THREADS per rank (default: CPU cores // ranks, at least 1)")
     r.add_argument("--profile", default=None, help="scenarios: the lab/calibrate.py profile of the planner's "
@@ -167,7 +168,8 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
         if candidates:
             max(candidates, key=lambda row: row["ratio"])["best"] = True
         compare_auto(rows[-len(sc.modes):])
-    rounds = f", pooled over {args.rounds} rounds of the modes in turn" if args.rounds > 1 else ""
+    rounds = (f", pooled over {args.rounds} rounds of the modes in turn (reversed in every second)"
+              if args.rounds > 1 else "")
     notes_lines = [f"workload {shlex.join(workload)}; {os.cpu_count()} CPU cores; medians after {args.warmup} "
                    f"warm-up step(s){rounds}", BUBBLE_DEFINITION,
                    "every mode of a scenario trains the same transitions in the same packed forwards"
@@ -186,18 +188,29 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
 
 def measure_rounds(modes: tuple[str, ...], workload: list[str], sc_dir: str, args: argparse.Namespace) -> list[dict]:
     """Each of `modes` run `args.rounds` times, the modes in turn within a round (round k's runs in
-    SC_DIR/roundk when there are several), and each mode's rounds pooled (`pool_rounds`)."""
+    SC_DIR/roundk when there are several), and each mode's rounds pooled (`pool_rounds`). Every
+    second round runs the modes in reverse (`round_order`), so that a steady drift of the machine's
+    speed over the rounds falls on every mode alike."""
     rounds = []
     for k in range(args.rounds):
         out = sc_dir if args.rounds == 1 else os.path.join(sc_dir, f"round{k + 1}")
         if args.rounds > 1:
             print(f"  round {k + 1} of {args.rounds}", flush=True)
-        results = []
-        for name in modes:
+        results: list[dict] = [{}] * len(modes)
+        for i in round_order(len(modes), k):
+            name = modes[i]
             print(f"  {name}: {MODES[name].nproc} ranks, {shlex.join(MODES[name].flags)}", flush=True)
-            results.append(measure_mode(name, workload, out, args))
+            results[i] = measure_mode(name, workload, out, args)
         rounds.append(results)
     return [pool_rounds([results[i] for results in rounds], args.warmup) for i in range(len(modes))]
+
+
+def round_order(n: int, k: int) -> list[int]:
+    """The order round `k` (from 0) runs `n` modes in: as listed in even rounds, reversed in odd ones.
+    Over two rounds every mode's mean position is the same, so a drift of the machine's speed that is
+    linear in time adds the same to every mode's pooled steps."""
+    order = list(range(n))
+    return order[::-1] if k % 2 else order
 
 
 def calibrate(args: argparse.Namespace, bench_dir: str, rows: list[dict]) -> str:

@@ -102,8 +102,8 @@ SCENARIOS: dict[str, Scenario] = {
                         ("--lora-rank", "0", "--memory-budget-gb", "auto", "--prompts-per-step", "3"),
                         "full fine-tuning whose training state must be sharded (--memory-budget-gb): colocated FSDP2 "
                         "for both phases against plain inference weights on the generator and FSDP2 trainers"),
-    "hetero": Scenario(("colocated-replicate", "colocated-speed", "gap", "gap+tag", "gap+tcss", "gap+tag+tcss", "auto",
-                        "auto+stale"),
+    "hetero": Scenario(("colocated-replicate", "colocated-speed", "gap", "gap+tag", "gap+tag+assist", "gap+tcss",
+                        "gap+tag+tcss", "auto", "auto+stale"),
                        ("--debug-slow-rank", "0:2"),
                        "rank 0 is 2x slower (an older or inference-class GPU): colocated splits evenly (or by speed); "
                        "DigenRL puts generation on the slow rank"),

@@ -61,3 +61,27 @@ def test_auto_counts_the_switches_of_every_round(tmp_path):
     assert auto["auto_switches"] == 4 and auto["switch_s"] == pytest.approx(4.0)  # the switch before step 0 left out
     assert auto["vs_best_fixed_run"] == pytest.approx(4.0 / (6.0 + 4.0))
     assert auto["auto_placement"] == "colocated / 1 + 1" and auto["auto_chosen"] == "colocated"
+
+
+def test_every_second_round_runs_the_modes_in_reverse_and_each_mode_keeps_its_own_runs(monkeypatch, tmp_path):
+    """Rounds alternate the order (a, b, c, then c, b, a): a drift linear in time then adds the same to
+    every mode's pooled steps; each mode's pooled result is made of its own runs, whatever the order."""
+    import argparse
+
+    import lab.bench as bench
+
+    calls = []
+
+    def fake_measure(name, workload, out, args):
+        calls.append(name)
+        return {"mode": name, "round_dir": out, "at": len(calls)}
+
+    monkeypatch.setattr(bench, "measure_mode", fake_measure)
+    monkeypatch.setattr(bench, "pool_rounds", lambda runs, warmup: runs)
+    modes = ("colocated-replicate", "gap", "gap+tag")
+    args = argparse.Namespace(rounds=3, warmup=1)
+    pooled = bench.measure_rounds(modes, [], str(tmp_path), args)
+    assert calls == [*modes, *modes[::-1], *modes]
+    assert [[r["mode"] for r in runs] for runs in pooled] == [[m] * 3 for m in modes]
+    assert [[r["at"] for r in runs] for runs in pooled] == [[1, 6, 7], [2, 5, 8], [3, 4, 9]]
+    assert [r["round_dir"] for r in pooled[0]] == [str(tmp_path / f"round{k}") for k in (1, 2, 3)]
