@@ -85,3 +85,20 @@ def test_every_second_round_runs_the_modes_in_reverse_and_each_mode_keeps_its_ow
     assert [[r["mode"] for r in runs] for runs in pooled] == [[m] * 3 for m in modes]
     assert [[r["at"] for r in runs] for runs in pooled] == [[1, 6, 7], [2, 5, 8], [3, 4, 9]]
     assert [r["round_dir"] for r in pooled[0]] == [str(tmp_path / f"round{k}") for k in (1, 2, 3)]
+
+
+def test_a_bench_run_writes_its_checkpoint_after_the_last_step_only():
+    """The bench's shared flags turn the periodic checkpoint off (by default every steps/10: every
+    second step of a 20-step bench, each a measured step's extra cost); the run still saves at its
+    end."""
+    from config.cli import parse_config
+    from lab.bench import parse_args, workload_flags
+    from runtime.loop import _saves_or_evaluates
+
+    def saves(argv):
+        cfg = parse_config(argv)
+        cfg.resolve_defaults()
+        return [step for step in range(20) if _saves_or_evaluates(cfg, step)]
+
+    assert saves(workload_flags(parse_args(["--steps", "20"]))) == [19]
+    assert saves(["--steps", "20", "--eval-every", "0"]) == list(range(1, 20, 2))  # what the bench turns off
