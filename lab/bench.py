@@ -196,7 +196,7 @@ def measure_rounds(modes: tuple[str, ...], workload: list[str], sc_dir: str, arg
         out = sc_dir if args.rounds == 1 else os.path.join(sc_dir, f"round{k + 1}")
         if args.rounds > 1:
             print(f"  round {k + 1} of {args.rounds}", flush=True)
-        results: list[dict] = [{}] * len(modes)
+        results = {}
         for i in round_order(len(modes), k):
             name = modes[i]
             print(f"  {name}: {MODES[name].nproc} ranks, {shlex.join(MODES[name].flags)}", flush=True)
