@@ -44,7 +44,7 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
             train_stats, helped = r.train(plan, local)
             r.record(plan, started, gen_out + helped, train_stats)
             done = step + 1
-            if (cfg.output.save_every and done % cfg.output.save_every == 0) or done == cfg.rl.steps:
+            if saves_after(cfg, done):
                 r.save(done)
             if cfg.output.eval_every and (done % cfg.output.eval_every == 0 or done == cfg.rl.steps):
                 r.evaluate(done)
@@ -58,8 +58,12 @@ def run(cfg: RunConfig, facts: RunFacts, rank: int) -> int:
     return r.exit_code()
 
 
+def saves_after(cfg: RunConfig, done: int) -> bool:
+    """A checkpoint is written once `done` steps are done: every --save-every steps, and at the end."""
+    return done == cfg.rl.steps or bool(cfg.output.save_every and done % cfg.output.save_every == 0)
+
+
 def _saves_or_evaluates(cfg: RunConfig, step: int) -> bool:
     """Step `step` ends with a checkpoint or an evaluation (every rank knows the schedule)."""
     done, o = step + 1, cfg.output
-    return done == cfg.rl.steps or bool(o.save_every and done % o.save_every == 0) or \
-        bool(o.eval_every and done % o.eval_every == 0)
+    return saves_after(cfg, done) or bool(o.eval_every and done % o.eval_every == 0)

@@ -93,12 +93,12 @@ def test_a_bench_run_writes_its_checkpoint_after_the_last_step_only():
     end."""
     from config.cli import parse_config
     from lab.bench import parse_args, workload_flags
-    from runtime.loop import _saves_or_evaluates
+    from runtime.loop import saves_after
 
     def saves(argv):
         cfg = parse_config(argv)
         cfg.resolve_defaults()
-        return [step for step in range(20) if _saves_or_evaluates(cfg, step)]
+        return [step for step in range(20) if saves_after(cfg, step + 1)]
 
     assert saves(workload_flags(parse_args(["--steps", "20"]))) == [19]
     assert saves(["--steps", "20", "--eval-every", "0"]) == list(range(1, 20, 2))  # what the bench turns off
