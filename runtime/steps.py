@@ -51,12 +51,12 @@ def generator_step(ctx, generator: Generator, versions: VersionSync | None, plan
         else:
             local.update({chunk.chunk: chunk for chunk in result.chunks})
         results.append(result)
-        if board is not None:  # TAG: mark the fragment landed, share this replica's time per fragment
-            board.land(result.fragment)
+        if board is not None:  # TAG: share this replica's time per fragment, then mark the fragment landed
             now = time.time()
             cost = now - last_emit if cost is None else 0.7 * cost + 0.3 * (now - last_emit)
             last_emit = now
-            publish_replica_cost(store, me, cost)
+            publish_replica_cost(store, me, cost)  # first: a trainer that sees the step's last fragment
+            board.land(result.fragment)  # landed finds the replica's cost there when it begins the next step
 
     planned = [f for f in plan.fragments if f.replica == me]
     if replica is not None:  # a GAP replica of several stages; its last stage emits the fragments

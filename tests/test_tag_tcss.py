@@ -88,7 +88,8 @@ def _check_tag_run(run, reference, steps, generators, trainers):
         assert r["train/num_transitions"] == c["train/num_transitions"]  # nothing lost, nothing twice
         assert r["reward/mean"] == pytest.approx(c["reward/mean"], rel=1e-6)
     by_trainers = [x for spans in _spans(run, trainers, {"tag_generate"}).values() for x in spans]
-    assert len(by_trainers) == sum(r["tag/fragments"] for r in rows) > 0  # the trainers did generate
+    bts = [{k: v for k, v in r.items() if k.startswith(("bts/", "tag/"))} for r in rows]
+    assert len(by_trainers) == sum(r["tag/fragments"] for r in rows) > 0, bts  # the trainers did generate
     assert len(by_trainers) == len(set(by_trainers))  # none twice, by one trainer or by two
     # a replica's fragments: its "generate" spans, or with GAP stages the micro-batch actions "F"
     by_replicas = {x for spans in _spans(run, generators, {"generate", "F"}).values() for x in spans}
@@ -148,11 +149,14 @@ def test_tag_with_fsdp_trainers_trains_the_colocated_data(tmp_path, colocated):
 def test_tag_with_gap_stages_or_scorers_trains_the_colocated_data(tmp_path, colocated, placement, generators,
                                                                     trainers, scorers):
     """A 2-stage GAP replica claims its fragments a round at a time; with a scorer rank, the scorer
-    scores what replicas generate and the trainers score their own fragments."""
+    scores what replicas generate and the trainers score their own fragments. (No checkpoint before
+    the last step: a 2-stage replica claims a step's fragments in two rounds, and a trainer still
+    writing the step before's checkpoint when the second round is claimed has nothing left to take;
+    three steps give BTS two steps with its costs measured.)"""
     run = tmp_path / "tag"
-    torchrun(3, [*ARGS, "--steps", "2", *placement, "--tag", "--debug-slow-rank", "0:5", "--output-dir", str(run)],
-             env=traced(run))
-    _check_tag_run(run, colocated, 2, generators, trainers)
+    torchrun(3, [*ARGS, "--steps", "3", *placement, "--tag", "--debug-slow-rank", "0:5", "--save-every", "0",
+                 "--output-dir", str(run)], env=traced(run))
+    _check_tag_run(run, colocated, 3, generators, trainers)
     assert_nccl_ok(run, ["gap.r0.s0->s1", "gap.r0.s1->s0"] if not scorers else ["images.to", "scores.to"])
     if scorers:
         scored = {x for spans in _spans(run, scorers, {"score"}).values() for x in spans}
