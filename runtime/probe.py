@@ -48,7 +48,7 @@ def probe_conditioning(ctx):
 
 
 def probe_speed(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocast,
-                training: bool = True, cond=None, generation: bool = True) -> dict[str, float]:
+                training: bool = True, cond=None, generation: bool = True, repeats: int = 3) -> dict[str, float]:
     """{["generate_s"][, "train_s"]}: with `generation` one denoising forward (no grad) and, with
     `training`, one training forward + backward of the run's transformer at the run's micro-batch
     and resolution.
@@ -76,9 +76,9 @@ def probe_speed(adapter, sampling, micro_batch: int, slowdown: Slowdown, autocas
 
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):  # whatever the model draws (dropout) leaves the run's RNG as it was
-        out = {"generate_s": _timed(generate, slowdown, device)} if generation else {}
+        out = {"generate_s": _timed(generate, slowdown, device, repeats)} if generation else {}
         if training:
-            out["train_s"] = _timed(train, slowdown, device)
+            out["train_s"] = _timed(train, slowdown, device, repeats)
         return out
 
 
@@ -173,8 +173,9 @@ def probe_generation(ctx, repeats: int = 2) -> tuple[float, float]:
     """(seconds, bytes per sample): one chunk of the run's micro-batch as a generator makes it:
     its prompts (the run's first ones) encoded, K denoising steps with the run's sampler, decoded
     and scored; and the bytes of what each sample sends to its trainers (the trajectory the
-    algorithm carries and the conditioning). For --placement auto: every rank holds every component
-    (runtime/autoplace.py). Like probe_speed, it leaves the run's RNG as it was."""
+    algorithm carries and the conditioning): the fastest of `repeats` (the first pays one-off
+    costs). For --placement auto: every rank holds every component (runtime/autoplace.py). Like
+    probe_speed, it leaves the run's RNG as it was."""
     adapter, s, b = ctx.adapter, ctx.sampling, ctx.cfg.rl.micro_batch
     records = [ctx.records[i % len(ctx.records)] for i in range(b)]
     prompts = [r.prompt for r in records]

@@ -187,6 +187,17 @@ def test_the_trials_are_the_placements_predicted_near_the_best():
     assert trial_order(_ranked(("colocated", None)), 2, 0.1) == []
 
 
+def test_the_trials_take_the_other_familys_best_within_the_margin():
+    """Within the margin the best placement of the other family (colocated against disaggregated)
+    is tried ahead of a nearer runner-up of the best's own family; outside it, it is not."""
+    from runtime.autoplace import trial_order
+    ranked = _ranked(("disagg", 0.834), ("disagg", 0.876), ("colocated", 0.896), ("disagg", 0.9))
+    assert trial_order(ranked, 2, 0.1) == [2, 0]
+    assert trial_order(ranked, 3, 0.1) == [2, 1, 0]
+    assert trial_order(ranked, 2, 0.06) == [1, 0]  # colocated predicted 7.4% slower: outside the margin
+    assert trial_order(_ranked(("colocated", 1.0), ("colocated", 1.02), ("disagg", 1.05)), 2, 0.1) == [2, 0]
+
+
 def test_ranks_sharing_cores_try_the_best_of_the_other_family():
     """Where ranks time-share a CPU's cores (which the simulator does not model), the best
     disaggregated placement is tried against a colocated best however far its prediction, ahead of
