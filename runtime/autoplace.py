@@ -147,7 +147,7 @@ def trial_order(ranked: list[dict], max_trials: int, margin: float, families: bo
     runner-ups first, the predicted best (0) last (the last tried is kept without a switch back
     when it measures fastest); [] for no trials. Those predicted within `margin` of the best,
     `max_trials` in all (the best included), the best of the other family (colocated against
-    disaggregated) among them if it is within the margin. `families`: the prediction cannot rank a colocated
+    disaggregated) among them if it is within the margin, unless `families`. `families`: the prediction cannot rank a colocated
     placement against a disaggregated one on this machine (`unmodeled`): there a split runs faster
     than predicted (the cores of its idle ranks go to the busy ones), while a colocated placement
     keeps every rank busy, as the probe did, and runs as predicted or slower. So against a
@@ -160,10 +160,11 @@ def trial_order(ranked: list[dict], max_trials: int, margin: float, families: bo
     near = [i for i in range(1, len(ranked)) if ranked[i]["predicted_step_s"] <= best * (1 + margin)]
     # Within the margin the other family's best comes first: one family's placements share most of
     # their phases and their predictions err alike, more than a colocated and a split one do
-    # (docs/placement.md: trials), so one trial of each checks more than two of one family.
+    # (docs/placement.md: trials), so one trial of each checks more than two of one family. (Where
+    # ranks share cores, `families` below decides which family is worth a trial.)
     colocated = lambda i: ranked[i]["placement"]["mode"] == "colocated"  # noqa: E731
     other = next((i for i in near if colocated(i) != colocated(0)), None)
-    if other is not None:
+    if other is not None and not families:
         near = [other, *[i for i in near if i != other]]
     split = None
     if families and ranked[0]["placement"]["mode"] == "colocated":

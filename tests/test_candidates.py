@@ -196,6 +196,8 @@ def test_the_trials_take_the_other_familys_best_within_the_margin():
     assert trial_order(ranked, 3, 0.1) == [2, 1, 0]
     assert trial_order(ranked, 2, 0.06) == [1, 0]  # colocated predicted 7.4% slower: outside the margin
     assert trial_order(_ranked(("colocated", 1.0), ("colocated", 1.02), ("disagg", 1.05)), 2, 0.1) == [2, 0]
+    # where ranks share cores a colocated placement runs as predicted or slower: not promoted
+    assert trial_order(ranked, 2, 0.1, families=True) == [1, 0]
 
 
 def test_ranks_sharing_cores_try_the_best_of_the_other_family():
