@@ -147,8 +147,9 @@ def trial_order(ranked: list[dict], max_trials: int, margin: float, families: bo
     runner-ups first, the predicted best (0) last (the last tried is kept without a switch back
     when it measures fastest); [] for no trials. Those predicted within `margin` of the best,
     `max_trials` in all (the best included), the best of the other family (colocated against
-    disaggregated) among them if it is within the margin, unless `families`. `families`: the prediction cannot rank a colocated
-    placement against a disaggregated one on this machine (`unmodeled`): there a split runs faster
+    disaggregated) among them if it is within the margin, unless `families`. `families`: the
+    prediction cannot rank a colocated placement against a disaggregated one on this machine
+    (`unmodeled`): there a split runs faster
     than predicted (the cores of its idle ranks go to the busy ones), while a colocated placement
     keeps every rank busy, as the probe did, and runs as predicted or slower. So against a
     colocated best the best split is tried too, whatever its prediction, before any other
