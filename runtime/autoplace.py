@@ -77,8 +77,8 @@ def measure(cfg: RunConfig, facts: RunFacts, rank: int) -> tuple[planner.Machine
     first = speeds(2, 3)  # the first of each pays one-off costs
     link, latency = probe.probe_link(rank, facts.topology.world_size, ctx.device)  # sync point
     again = speeds(1, 1)
-    best = {k: min(first[k], again[k]) for k in first}
-    chunk_s, sample_bytes = best["chunk_s"], first["sample_bytes"]
+    best = {k: min(first[k], again[k]) for k in first}  # (the bytes are the same in both)
+    chunk_s, sample_bytes = best["chunk_s"], best["sample_bytes"]
     whole = {k: best[k] for k in ("generate_s", "train_s")}
     forward_s, row_s = probe.forward_and_row_s(rows, best["train_s"], few, best.get("few_s"))
     row_s *= 2 if s.cfg_scale != 1.0 else 1  # with CFG a transition trains both branches
@@ -164,12 +164,12 @@ def trial_order(ranked: list[dict], max_trials: int, margin: float, families: bo
     # (docs/placement.md: trials), so one trial of each checks more than two of one family. (Where
     # ranks share cores, `families` below decides which family is worth a trial.)
     colocated = lambda i: ranked[i]["placement"]["mode"] == "colocated"  # noqa: E731
-    other = next((i for i in near if colocated(i) != colocated(0)), None)
-    if other is not None and not families:
+    other = None if families else next((i for i in near if colocated(i) != colocated(0)), None)
+    if other is not None:
         near = [other, *[i for i in near if i != other]]
     split = None
-    if families and ranked[0]["placement"]["mode"] == "colocated":
-        split = next((i for i in range(1, len(ranked)) if ranked[i]["placement"]["mode"] != "colocated"), None)
+    if families and colocated(0):
+        split = next((i for i in range(1, len(ranked)) if not colocated(i)), None)
         if split is not None:
             near = [split, *[i for i in near if i != split]]
     near = sorted(near[:max_trials - 1])

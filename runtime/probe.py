@@ -169,7 +169,7 @@ def write_speeds(ctx, out_dir: str, speeds: list[dict | None]) -> None:
             json.dump([{"rank": r, "role": ctx.topo.role(r), **(s or {})} for r, s in enumerate(speeds)], f, indent=1)
 
 
-def probe_generation(ctx, repeats: int = 2) -> tuple[float, float]:
+def probe_generation(ctx, repeats: int) -> tuple[float, float]:
     """(seconds, bytes per sample): one chunk of the run's micro-batch as a generator makes it:
     its prompts (the run's first ones) encoded, K denoising steps with the run's sampler, decoded
     and scored; and the bytes of what each sample sends to its trainers (the trajectory the
