@@ -9,6 +9,7 @@ written as JSON (--json) and as a markdown table (--markdown).
     python -m lab.bench                                    # the default modes and workload
     python -m lab.bench --list                             # known modes and scenarios
     python -m lab.bench --scenarios fits,sharded,hetero,window --json OUT
+    python -m lab.bench --scenarios fits,window --modes gap+tag+assist,auto --rounds 4   # baselines + these
     python -m lab.bench --modes disagg,gap --preset mid --steps 6
     python -m lab.bench --modes disagg -- --lora-rank 0    # flags after -- go to every run
     python -m lab.bench --workload "--reward jpeg_compressibility --sample-steps 10"
@@ -58,10 +59,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 epilog="Flags after `--` are passed to every train_disagg.py run.")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated mode names (see --list)")
+    p.add_argument("--modes", default=None, help="comma-separated mode names (see --list; default: "
+                   f"{','.join(DEFAULT_MODES)}); with --scenarios, only these of each scenario's modes run (its "
+                   "baseline always does)")
     p.add_argument("--scenarios", default=None,
                    help=f"comma-separated scenarios ({', '.join(SCENARIOS)}): each runs its modes against its "
-                        f"colocated baseline; replaces --modes")
+                        f"colocated baseline")
     p.add_argument("--list", action="store_true", help="list the known modes and exit")
     p.add_argument("--out", default=None, help="bench folder (default: runs/bench-<date>-<time>)")
     p.add_argument("--json", default=None, help="JSON table path (default: <out>/bench.json)")
@@ -135,12 +138,17 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
     if unknown or not names:
         print(f"error: unknown or no scenario(s) {unknown or names}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
         return 2
+    try:
+        chosen = scenario_modes(names, args.modes)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     bench_dir = os.path.abspath(args.out or os.path.join(ROOT, "runs", time.strftime("scenarios-%Y%m%d-%H%M%S")))
     os.makedirs(bench_dir, exist_ok=True)
     budget = None
     rows = []
     for sc_name in names:
-        sc = SCENARIOS[sc_name]
+        sc = SCENARIOS[sc_name]._replace(modes=chosen[sc_name])
         flags = list(sc.flags)
         if "auto" in flags:
             budget = budget or memory_budget_gb(args, workload)
@@ -179,6 +187,10 @@ def run_scenarios(args: argparse.Namespace, workload: list[str]) -> int:
     if budget is not None:
         notes_lines.append(f"sharded: --memory-budget-gb {budget:.6g} (the memory model's peaks: between the sharded "
                            f"plans' and a replicated trainer's) forbids replicated full fine-tuning")
+    for sc_name in names:
+        left_out = [m for m in SCENARIOS[sc_name].modes if m not in chosen[sc_name]]
+        if left_out:
+            notes_lines.append(f"{sc_name}: --modes left out {', '.join(left_out)}")
     notes_lines += auto_notes(rows) + round_notes(rows)
     if args.profile != "none":
         notes_lines.append(add_predictions(rows, args.profile or calibrate(args, bench_dir, rows)))
@@ -239,6 +251,19 @@ def select_modes(spec: str) -> list[str]:
     if len(set(names)) != len(names):
         raise ValueError(f"--modes names a mode twice: {names}")
     return names
+
+
+def scenario_modes(names: list[str], spec: str | None) -> dict[str, tuple[str, ...]]:
+    """Each named scenario's modes to run: all of them, or with --modes (`spec`) its baseline and
+    those of its modes `spec` names, in the scenario's order. A named mode in none of the scenarios
+    is a ValueError."""
+    if spec is None:
+        return {n: SCENARIOS[n].modes for n in names}
+    only = select_modes(spec)
+    unused = [m for m in only if not any(m in SCENARIOS[n].modes for n in names)]
+    if unused:
+        raise ValueError(f"--modes names {', '.join(unused)}, in none of the scenarios {', '.join(names)}")
+    return {n: tuple(m for i, m in enumerate(SCENARIOS[n].modes) if i == 0 or m in only) for n in names}
 
 
 def workload_flags(args: argparse.Namespace) -> list[str]:
@@ -390,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenarios is not None:
         return run_scenarios(args, workload_flags(args))
     try:
-        names = select_modes(args.modes)
+        names = select_modes(args.modes or ",".join(DEFAULT_MODES))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

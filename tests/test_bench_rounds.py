@@ -102,3 +102,21 @@ def test_a_bench_run_writes_its_checkpoint_after_the_last_step_only():
 
     assert saves(workload_flags(parse_args(["--steps", "20"]))) == [19]
     assert saves(["--steps", "20", "--eval-every", "0"]) == list(range(1, 20, 2))  # what the bench turns off
+
+
+def test_modes_narrow_each_scenario_to_its_baseline_and_the_named_modes():
+    """--modes with --scenarios: each scenario runs its baseline and those of its modes the list
+    names, in the scenario's order; a named mode in none of the scenarios is an error naming it."""
+    from lab.bench import scenario_modes
+    from lab.bench_modes import SCENARIOS
+
+    names = ["fits", "sharded", "window"]
+    assert scenario_modes(names, None) == {n: SCENARIOS[n].modes for n in names}
+    chosen = scenario_modes(names, "auto,gap+tag+assist,auto3,gap-fsdp")
+    assert chosen == {"fits": ("colocated-replicate", "gap+tag+assist", "auto"),
+                      "sharded": ("colocated-fsdp3", "gap-fsdp", "auto3"),
+                      "window": ("colocated-replicate", "gap+tag+assist", "auto")}
+    with pytest.raises(ValueError, match="colocated-speed, in none of the scenarios fits, sharded, window"):
+        scenario_modes(names, "auto,colocated-speed")
+    with pytest.raises(ValueError, match="unknown mode"):
+        scenario_modes(names, "auto,no-such-mode")
