@@ -149,33 +149,29 @@ def trial_order(ranked: list[dict], max_trials: int, margin: float, families: bo
     `max_trials` in all (the best included), the best of the other family (colocated against
     disaggregated) among them if it is within the margin, unless `families`. `families`: the
     prediction cannot rank a colocated placement against a disaggregated one on this machine
-    (`unmodeled`): there a split runs faster
-    than predicted (the cores of its idle ranks go to the busy ones), while a colocated placement
-    keeps every rank busy, as the probe did, and runs as predicted or slower. So against a
-    colocated best the best split is tried too, whatever its prediction, before any other
-    runner-up, and last (the last tried is kept without a switch back); against a split predicted
-    best a colocated placement can only lose, and is tried only within the margin."""
+    (`unmodeled`): there a split runs faster than predicted (the cores of its idle ranks go to the
+    busy ones), while a colocated placement keeps every rank busy, as the probe did, and runs as
+    predicted or slower. So against a colocated best the best split is tried too, whatever its
+    prediction, before any other runner-up, and last (the last tried is kept without a switch
+    back); against a split predicted best a colocated placement can only lose, and is tried only
+    within the margin."""
     best = ranked[0]["predicted_step_s"]
     if best is None or max_trials < 2:
         return []
     near = [i for i in range(1, len(ranked)) if ranked[i]["predicted_step_s"] <= best * (1 + margin)]
-    # Within the margin the other family's best comes first: one family's placements share most of
-    # their phases and their predictions err alike, more than a colocated and a split one do
-    # (docs/placement.md: trials), so one trial of each checks more than two of one family. (Where
-    # ranks share cores, `families` below decides which family is worth a trial.)
+    # The other family's best comes first: within the margin, because one family's placements share
+    # most of their phases and their predictions err alike, more than a colocated and a split one
+    # do (docs/placement.md: trials), so one trial of each checks more than two of one family; where
+    # ranks share cores (`families`), the best split against a colocated best, whatever its prediction.
     colocated = lambda i: ranked[i]["placement"]["mode"] == "colocated"  # noqa: E731
-    other = None if families else next((i for i in near if colocated(i) != colocated(0)), None)
+    pool = (range(1, len(ranked)) if colocated(0) else ()) if families else near
+    other = next((i for i in pool if colocated(i) != colocated(0)), None)
     if other is not None:
         near = [other, *[i for i in near if i != other]]
-    split = None
-    if families and colocated(0):
-        split = next((i for i in range(1, len(ranked)) if not colocated(i)), None)
-        if split is not None:
-            near = [split, *[i for i in near if i != split]]
     near = sorted(near[:max_trials - 1])
     order = [*reversed(near), 0] if near else []
-    if split is not None:
-        order = [i for i in order if i != split] + [split]
+    if families and other is not None:
+        order = [i for i in order if i != other] + [other]
     return order
 
 
